@@ -1,0 +1,314 @@
+"""The static check: which call sites may run on the deferred schedule.
+
+The user's program is traced twice with every `ExpensiveFn` call replaced by a stand-in:
+
+1. *Discovery* (`jax.eval_shape`): records each call site, its input and output structures,
+   and whether it was called directly in the differentiated function or inside a nested
+   transformation (`vmap`, `scan`, `cond`, `jit`, `checkpoint`, ...).
+2. *Analysis* (`jax.make_jaxpr`): the output of a direct site `k` becomes an input `ys[k]`;
+   a nested site's output becomes `t_k * (1 + sum(x))`, with a scalar input `t_k`, so that
+   anything depending on it, or differentiating through it, depends on `t_k`. The traced
+   function returns, for every direct site, its input, the arrays its implementations carry,
+   and the cotangent of the loss with respect to its output (for a seed cotangent given as
+   an input too).
+
+A direct site `k` is deferred only if all of these hold:
+
+- it has a `fused` implementation;
+- its input (and its implementations' arrays) depend on no stand-in: they can be computed
+  before any expensive call runs;
+- its output feeds the input of no other site, so its cotangent arrives only through the
+  cheap program and not through another site's derivative;
+- its cotangent depends on no stand-in: the program's backward pass can compute it without
+  any expensive output.
+
+Under these conditions, evaluating the analysis program with zeros in place of every
+stand-in gives the exact inputs and cotangents of the deferred sites. The dependency
+analysis is syntactic (`_jaxpr.dependencies`), so it can only over-approximate: a site may
+stay standard when it could have been deferred, never the reverse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from . import _errors, _jaxpr, _sites
+from ._expensive import ExpensiveFn
+from ._plan import Plan, Site
+
+# Part of every jit cache key: each recording pass sets a fresh value, so a `jax.jit` (or
+# `eqx.filter_jit`) inside the user's program is re-traced for each pass and never replays a
+# jaxpr that was recorded with another pass's stand-ins.
+_PASS = jax.make_user_context(default_value=None)
+_pass_counter = iter(range(1, 2**62))
+
+
+def fresh_pass():
+    """A context in which nested jits are traced afresh."""
+    return _PASS(next(_pass_counter))
+
+
+def _describe(tree: Any) -> str:
+    leaves = jtu.tree_leaves(tree)
+    parts = [f"{jnp.dtype(s.dtype).name}{list(s.shape)}" for s in leaves]
+    text = ", ".join(parts)
+    return text if len(leaves) == 1 else f"({text})"
+
+
+def _zeros(struct: Any) -> Any:
+    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), struct)
+
+
+@dataclasses.dataclass
+class SiteRecord:
+    """What discovery learnt about one call site."""
+
+    index: int
+    static: Any  # the non-array part of the ExpensiveFn (its callables and configuration)
+    name: str
+    has_fused: bool
+    x_struct: Any
+    y_struct: Any
+    nested: str | None  # the kind of nested transformation, or None for a direct call
+
+
+class _Discover:
+    def __init__(self):
+        self.top: object | None = None
+        self.records: list[SiteRecord] = []
+
+    def call(self, fn: ExpensiveFn, x: Any) -> Any:
+        trace = _jaxpr.current_trace()
+        nested = None if trace is self.top else _jaxpr.trace_kind(trace)
+        y_struct = fn.out_struct(x)
+        _, static = eqx.partition(fn, eqx.is_array)
+        self.records.append(
+            SiteRecord(
+                index=len(self.records),
+                static=static,
+                name=fn.name,
+                has_fused=fn.fused is not None,
+                x_struct=jax.eval_shape(lambda v: v, x),
+                y_struct=y_struct,
+                nested=nested,
+            )
+        )
+        return _zeros(y_struct)
+
+
+class _Analyse:
+    """Direct sites read their output from `ys`; nested sites return a stand-in made of `ts`."""
+
+    def __init__(self, records: list[SiteRecord], ys: list, ts: list):
+        self.records = records
+        self.ys = ys
+        self.ts = ts
+        self.top: object | None = None
+        self.count = 0
+        self.xs: list = []
+        self.impls: list = []
+
+    def call(self, fn: ExpensiveFn, x: Any) -> Any:
+        record = next_record(self.records, self.count, fn, x)
+        self.count += 1
+        if record.nested is None:
+            self.xs.append(x)
+            self.impls.append(eqx.filter(fn, eqx.is_array))
+            return self.ys[record.index]
+        t = self.ts[record.index]
+        total = sum((jnp.sum(jnp.real(leaf)) for leaf in jtu.tree_leaves(x)), start=jnp.zeros((), t.dtype))
+        scale = t * (1 + total)
+        return jtu.tree_map(lambda s: jnp.broadcast_to(scale, s.shape).astype(s.dtype), record.y_struct)
+
+
+def next_record(records: list[SiteRecord], count: int, fn: ExpensiveFn, x: Any) -> SiteRecord:
+    """The record for the `count`-th call, checking that the program calls the same sites."""
+    if count >= len(records):
+        raise RuntimeError(_errors.SITES_CHANGED.format(found=f"more than {len(records)} calls", name=fn.name))
+    record = records[count]
+    if record.name != fn.name or jax.eval_shape(lambda v: v, x) != record.x_struct:
+        raise RuntimeError(
+            _errors.SITES_CHANGED.format(found=f"call {count} is `{fn.name}` on {_describe(x)}", name=record.name)
+        )
+    return record
+
+
+@dataclasses.dataclass
+class Analysis:
+    """The outcome of the static check, with what the deferred execution needs."""
+
+    plan: Plan
+    records: list[SiteRecord]
+    deferred: tuple[int, ...]
+    jaxpr: Any  # ClosedJaxpr of (dyn leaves, ys, ts, seed) -> (xs, impls, cts) for direct sites
+    direct: tuple[int, ...]  # indices of the direct sites, in the order of the jaxpr's outputs
+    out_tree: Any  # treedef of (xs, impls, cts)
+
+
+def _value_of(out: Any, has_aux: bool, where: str) -> Any:
+    value = out[0] if has_aux else out
+    if jnp.shape(value) != () or not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+        raise TypeError(_errors.NOT_SCALAR.format(where=where, found=_describe(jax.eval_shape(lambda v: v, value))))
+    return value
+
+
+def analyse(
+    call: Callable[[list], Any],
+    dyn_structs: list,
+    *,
+    has_aux: bool,
+    schedule: str,
+    where: str,
+) -> Analysis:
+    """Run the static check on `call(dyn_leaves)`, the user's program on its array leaves."""
+    discover = _Discover()
+
+    def discovery(leaves):
+        discover.top = _jaxpr.current_trace()
+        with _sites.recording(discover):
+            return call(leaves)
+
+    with fresh_pass():
+        out_struct = jax.eval_shape(discovery, dyn_structs)
+    _value_of(out_struct, has_aux, where)
+    records = discover.records
+    direct = tuple(r.index for r in records if r.nested is None)
+
+    jaxpr = None
+    out_tree = None
+    dependence: dict = {r.index: {} for r in records}
+    if direct and schedule != "standard":
+        ys_structs = [r.y_struct for r in records]
+        ts_structs = [jax.ShapeDtypeStruct((), jnp.result_type(float)) for _ in records]
+
+        def analysis(leaves, ys, ts, seed):
+            rec = _Analyse(records, ys, ts)
+
+            def program(ys_):
+                rec.ys = ys_
+                rec.top = _jaxpr.current_trace()
+                with _sites.recording(rec):
+                    out = call(leaves)
+                return _value_of(out, has_aux, where), (rec.xs, rec.impls)
+
+            rec.ys = ys
+            _, vjp, (xs, impls) = jax.vjp(program, ys, has_aux=True)
+            (cts,) = vjp(seed)
+            return xs, impls, [cts[i] for i in direct]
+
+        seed_struct = jax.ShapeDtypeStruct((), out_struct[0].dtype if has_aux else out_struct.dtype)
+        with fresh_pass():
+            jaxpr, shapes = jax.make_jaxpr(analysis, return_shape=True)(dyn_structs, ys_structs, ts_structs, seed_struct)
+        out_tree = jtu.tree_structure(shapes)
+        dependence = _dependence(jaxpr, records, direct, dyn_structs, ys_structs, ts_structs, shapes)
+
+    sites, deferred = _decide(records, direct, dependence, jaxpr, schedule, where)
+    plan = Plan(sites=tuple(sites), stages=_stages(records, deferred), requested=schedule)
+    return Analysis(plan=plan, records=records, deferred=deferred, jaxpr=jaxpr, direct=direct, out_tree=out_tree)
+
+
+def _labels(dyn_structs, ys_structs, ts_structs):
+    labels: list[object] = [None] * len(jtu.tree_leaves(dyn_structs))
+    for i, y in enumerate(ys_structs):
+        labels += [("y", i)] * len(jtu.tree_leaves(y))
+    labels += [("t", i) for i in range(len(ts_structs))]
+    labels.append("seed")
+    return labels
+
+
+def _dependence(jaxpr, records, direct, dyn_structs, ys_structs, ts_structs, shapes):
+    """For each direct site: which stand-ins its input, its implementations' arrays and its
+    cotangent depend on, and where its cotangent sits among the jaxpr's outputs."""
+    labels = _labels(dyn_structs, ys_structs, ts_structs)
+    deps = _jaxpr.dependencies(jaxpr, labels)
+    result: dict[int, dict[str, Any]] = {r.index: {} for r in records}
+    offset = 0
+    for key, group in zip(("x", "impl", "ct"), shapes, strict=True):
+        for site, value in zip(direct, group, strict=True):
+            n = len(jtu.tree_leaves(value))
+            result[site][key] = frozenset().union(*deps[offset : offset + n]) - {"seed"}
+            if key == "ct":
+                result[site]["ct_outputs"] = range(offset, offset + n)
+            offset += n
+    result["labels"] = labels
+    return result
+
+
+def _site_name(records, label) -> str:
+    kind, i = label
+    return f"#{i} `{records[i].name}`"
+
+
+def _decide(records, direct, dependence, jaxpr, schedule, where):
+    sites: list[Site] = []
+    deferred: list[int] = []
+    feeds: dict[int, list[int]] = {}
+    for site in direct:
+        for label in dependence[site].get("x", frozenset()) | dependence[site].get("impl", frozenset()):
+            feeds.setdefault(label[1], []).append(site)
+    for r in records:
+        reason = location = None
+        if schedule == "standard":
+            reason = "schedule='standard' was requested"
+        elif r.nested is not None:
+            reason = f"called inside {r.nested}; only sites called directly in the differentiated function are deferred"
+        elif not r.has_fused:
+            reason = "no `fused` implementation"
+        else:
+            dep = dependence[r.index]
+            upstream = sorted(dep["x"] | dep["impl"])
+            if upstream:
+                reason = "its input depends on the output of site " + ", ".join(_site_name(records, lab) for lab in upstream)
+            elif r.index in feeds:
+                reason = "its output feeds the input of site " + ", ".join(f"#{j} `{records[j].name}`" for j in feeds[r.index])
+            elif dep["ct"]:
+                sources = dep["ct"]
+                loc = None
+                for k in dep["ct_outputs"]:
+                    loc = _jaxpr.first_culprit(jaxpr, dependence["labels"], k, frozenset(sources), "seed")
+                    if loc is not None:
+                        break
+                others = sorted(lab for lab in sources if lab != ("y", r.index))
+                if ("y", r.index) in sources:
+                    reason = "its cotangent depends on its own output"
+                else:
+                    reason = "its cotangent depends on the output of site " + ", ".join(_site_name(records, lab) for lab in others)
+                if loc is not None:
+                    location = str(loc)
+                    reason += f", through {location}"
+        if reason is None:
+            deferred.append(r.index)
+        sites.append(
+            Site(
+                index=r.index,
+                name=r.name,
+                in_shapes=_describe(r.x_struct),
+                out_shapes=_describe(r.y_struct),
+                schedule="standard" if reason is not None else "deferred",
+                reason=reason,
+                location=location,
+            )
+        )
+    if schedule == "deferred":
+        refused = [s for s in sites if s.schedule == "standard"]
+        if refused:
+            lines = "\n".join(f"  site #{s.index} `{s.name}`: {s.reason}" for s in refused)
+            raise ValueError(_errors.CANNOT_DEFER.format(where=where, lines=lines))
+    return sites, tuple(deferred)
+
+
+def _stages(records: list[SiteRecord], deferred: tuple[int, ...]) -> tuple[tuple[str, ...], ...]:
+    stages: list[tuple[str, ...]] = []
+    if deferred:
+        stages.append(tuple(f"{records[i].name}: fused" for i in deferred))
+    standard = [r for r in records if r.index not in deferred]
+    stages.extend((f"{r.name}: fwd",) for r in standard)
+    stages.extend((f"{r.name}: bwd",) for r in reversed(standard))
+    return tuple(stages)

@@ -1,0 +1,51 @@
+"""User-facing messages. Each one names the call, what was expected, what was found, and
+the fix; each has a test that matches its text."""
+
+NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, or `fused(x, ct_y) -> (y, ct_x)`:
+
+    dx.ExpensiveFn(fwd=simulate, bwd=adjoint)   # or
+    dx.ExpensiveFn(fused=simulate_and_adjoint, out=jax.ShapeDtypeStruct((n,), jnp.float64))"""
+
+NO_OUT = """{call}: the output shape is unknown. With no `fwd` to trace ({why}), declare it with `out=`, a pytree of
+`jax.ShapeDtypeStruct` (or a function from the input's structure to one):
+
+    dx.ExpensiveFn(fused=..., out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))"""
+
+NOT_CALLABLE = "{call}: `{impl}` must be a callable or None, but got {found!r}."
+
+BAD_OUT = "{call}: `out` must be a pytree of `jax.ShapeDtypeStruct` or a callable returning one, but got {found!r}."
+
+MISMATCH = """{call}: `{impl}` returned {what} that does not match {against}.
+{detail}
+{rule}"""
+
+RULES = {
+    "fwd": "`fwd(x)` must return a pytree shaped like the declared (or inferred) output `y`.",
+    "bwd": "`bwd(x, y, ct_y)` must return a cotangent with the structure, shapes and dtypes of `x`.",
+    "fused": "`fused(x, ct_y)` must return a pair `(y, ct_x)`: `y` shaped like the output, `ct_x` shaped like `x`.",
+}
+
+FUSED_NOT_PAIR = """{call}: `fused` returned {found}, not a pair. `fused(x, ct_y)` must return `(y, ct_x)`:
+
+    def fused(x, ct_y):
+        return simulate(x), adjoint(x, ct_y)"""
+
+FORWARD_MODE = """{call}: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`, `jax.linearize` under `jax.jvp`) was asked of a
+function whose derivative is {how}. Such a derivative is reverse-mode only (JAX has no way to give one function
+both a custom JVP and a custom VJP). Use reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`), or construct the
+`ExpensiveFn` with a JAX-traceable `fwd` only (no `bwd`, no `fused`) so that JAX differentiates `fwd` in both modes."""
+
+NOT_SCALAR = """{where}: the differentiated function must return a real scalar{aux}, but it returned {found}.""".replace("{aux}", "")
+
+CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sites cannot be deferred:
+{lines}
+Use schedule='auto' to defer what can be and keep the rest standard, or restructure the loss so that the
+cotangent reaching each expensive output does not depend on an expensive output (see "How the deferred VJP works")."""
+
+SITES_CHANGED = """deferax: the program called its `ExpensiveFn` sites differently between two traces of the same inputs:
+expected the sites recorded at analysis, found {found} (expected `{name}`). The differentiated function must call
+the same expensive functions in the same order each time it is traced (no randomness or global state in Python)."""
+
+BAD_SCHEDULE = "{where}: `schedule` must be one of 'auto', 'standard' or 'deferred', but got {found!r}."
+
+NO_ARGS = "{where}: the function must be called with at least one positional argument, passed by position (the argument that is differentiated)."

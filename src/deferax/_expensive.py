@@ -1,0 +1,244 @@
+"""`ExpensiveFn`: an expensive function with hand-written derivatives, as an Equinox module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from . import _errors, _jaxpr, _sites
+
+
+def _struct(tree: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
+    return jtu.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
+
+
+def _describe(struct: jax.ShapeDtypeStruct) -> str:
+    return f"{jnp.dtype(struct.dtype).name}{list(struct.shape)}"
+
+
+def _zero_cotangent(a: Any) -> Any:
+    if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+        return jnp.zeros(jnp.shape(a), jnp.result_type(a))
+    return np.zeros(jnp.shape(a), jax.dtypes.float0)
+
+
+def _differentiable(a: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+
+
+class ExpensiveFn(eqx.Module):
+    """An expensive function with hand-written derivatives that behaves as a JAX function.
+
+    Give any of three implementations; each is a callable (a function, or an `eqx.Module`
+    whose array fields carry non-differentiable configuration such as a source or a grid):
+
+    - `fwd(x) -> y`: the primal computation (a simulation, a solve, a remote job);
+    - `bwd(x, y, ct_y) -> ct_x`: the reverse-mode derivative (typically an adjoint solve),
+      given the input, the output and the cotangent of the output;
+    - `fused(x, ct_y) -> (y, ct_x)`: both at once. The deferred schedule of
+      [`deferax.filter_value_and_grad`][] calls it instead of `fwd` then `bwd`, so that the
+      forward and adjoint solves can run together.
+
+    `x` and `y` are pytrees of arrays, real or complex.
+
+    Calling `f(x)` gives an ordinary differentiable JAX function on the *standard*
+    schedule: the forward pass runs `fwd`; the backward pass runs `bwd` with `x` and `y`
+    kept as residuals, so `bwd` never causes the primal to be recomputed. Missing
+    implementations are derived:
+
+    | given | primal | reverse mode |
+    | --- | --- | --- |
+    | `fwd` only | `fwd` | JAX autodiff of `fwd` (forward mode works too) |
+    | `fwd`, `bwd` | `fwd` | `bwd` |
+    | `fused` only | `fused(x, 0)[0]`: runs a wasted adjoint with a zero cotangent | `fused(x, ct)[1]`: recomputes the primal |
+    | `fwd`, `fused` | `fwd` | `fused(x, ct)[1]`: recomputes the primal |
+    | `fused`, `bwd` | `fused(x, 0)[0]` | `bwd` |
+
+    **Arguments:**
+
+    - `fwd`, `bwd`, `fused`: the implementations, each optional; `fwd` or `fused` is required.
+    - `name`: shown in every error and in [`deferax.explain`][]; defaults to the
+      implementation's `__name__`.
+    - `out`: the output's structure, a pytree of `jax.ShapeDtypeStruct`, or a function from
+      the input's structure (a pytree of `jax.ShapeDtypeStruct`) to it. Optional when `fwd`
+      is JAX-traceable: it is then inferred with `jax.eval_shape`.
+
+    Arrays held by the implementations (fields of an `eqx.Module` implementation) are
+    constants to the derivative: their cotangent is zero.
+
+    !!! Example
+
+        ```python
+        import deferax as dx
+        import jax, jax.numpy as jnp
+
+        f = dx.ExpensiveFn(
+            fwd=jnp.sin,
+            bwd=lambda x, y, ct: ct * jnp.cos(x),
+            name="sin",
+        )
+        jax.value_and_grad(lambda x: f(x).sum())(jnp.arange(3.0))
+        ```
+    """
+
+    fwd: Callable[..., Any] | None = None
+    bwd: Callable[..., Any] | None = None
+    fused: Callable[..., Any] | None = None
+    name: str = eqx.field(default=None, static=True)  # pyright: ignore[reportAssignmentType]
+    out: Any = None
+
+    def __post_init__(self):
+        if self.name is None:
+            impl = self.fwd if self.fwd is not None else self.fused
+            object.__setattr__(self, "name", getattr(impl, "__name__", None) or type(impl).__name__)
+
+    def __check_init__(self):
+        for impl in ("fwd", "bwd", "fused"):
+            value = getattr(self, impl)
+            if value is not None and not callable(value):
+                raise TypeError(_errors.NOT_CALLABLE.format(call=self._call, impl=impl, found=value))
+        if self.fwd is None and self.fused is None:
+            raise TypeError(_errors.NO_PRIMAL.format(call=self._call))
+        if self.out is not None and not callable(self.out):
+            leaves = jtu.tree_leaves(self.out)
+            if not leaves or not all(isinstance(s, jax.ShapeDtypeStruct) for s in leaves):
+                raise TypeError(_errors.BAD_OUT.format(call=self._call, found=self.out))
+
+    @property
+    def _call(self) -> str:
+        return f"`ExpensiveFn(name={self.name!r})`"
+
+    @property
+    def has_custom_vjp(self) -> bool:
+        """Whether reverse mode uses hand-written code (`bwd` or `fused`) rather than JAX autodiff."""
+        return self.bwd is not None or self.fused is not None
+
+    # ------------------------------------------------------------------ shapes and checks
+
+    def out_struct(self, x: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
+        """The structure of `self(x)`: declared by `out`, or inferred from `fwd`."""
+        if self.out is not None:
+            if callable(self.out):
+                out = self.out(_struct(x))
+                if not all(isinstance(s, jax.ShapeDtypeStruct) for s in jtu.tree_leaves(out)):
+                    raise TypeError(_errors.BAD_OUT.format(call=self._call, found=out))
+                return out
+            return self.out
+        if self.fwd is None:
+            raise TypeError(_errors.NO_OUT.format(call=self._call, why="only `fused` was given"))
+        try:
+            return jax.eval_shape(self.fwd, x)
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError) as e:
+            raise TypeError(
+                _errors.NO_OUT.format(call=self._call, why=f"`fwd` is not JAX-traceable: {type(e).__name__}")
+            ) from e
+
+    def _check(self, impl: str, what: str, found: PyTree, expected: PyTree, against: str) -> None:
+        found_def = jtu.tree_structure(found)
+        expected_def = jtu.tree_structure(expected)
+        if found_def != expected_def:
+            detail = f"Expected structure {expected_def}, found {found_def}."
+        else:
+            lines = []
+            paths = jtu.tree_flatten_with_path(expected)[0]
+            for (path, e), f in zip(paths, jtu.tree_leaves(found), strict=True):
+                fs = jax.ShapeDtypeStruct(jnp.shape(f), jnp.result_type(f))
+                if fs.shape != e.shape or fs.dtype != e.dtype:
+                    where = f" at {jtu.keystr(path)}" if path else ""
+                    lines.append(f"Expected {_describe(e)}{where}, found {_describe(fs)}.")
+            if not lines:
+                return
+            detail = "\n".join(lines)
+        raise ValueError(
+            _errors.MISMATCH.format(
+                call=self._call, impl=impl, what=what, against=against, detail=detail, rule=_errors.RULES[impl]
+            )
+        )
+
+    def _check_ct_x(self, impl: str, ct_x: PyTree, x: PyTree) -> PyTree:
+        """Check a returned input cotangent and fill in float0 zeros for integer inputs."""
+        expected = _struct(x)
+        if jtu.tree_structure(ct_x) == jtu.tree_structure(x):
+            ct_x = jtu.tree_map(lambda c, a: c if _differentiable(a) else jnp.zeros(jnp.shape(a)), ct_x, x)
+            expected = jtu.tree_map(
+                lambda s: s if jnp.issubdtype(s.dtype, jnp.inexact) else jax.ShapeDtypeStruct(s.shape, jnp.result_type(float)),
+                expected,
+            )
+        self._check(impl, "a cotangent", ct_x, expected, "the input `x`")
+        return jtu.tree_map(lambda c, a: c if _differentiable(a) else _zero_cotangent(a), ct_x, x)
+
+    # ------------------------------------------------------------------ implementations, derived where needed
+
+    def primal(self, x: PyTree) -> PyTree:
+        """Compute `y = f(x)` with `fwd`, or with `fused` and a zero cotangent."""
+        expected = self.out_struct(x)
+        if self.fwd is not None:
+            y = self.fwd(x)
+            self._check("fwd", "an output", y, expected, "the output structure")
+            return y
+        ct0 = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), expected)
+        return self.run_fused(x, ct0)[0]
+
+    def cotangent(self, x: PyTree, y: PyTree, ct_y: PyTree) -> PyTree:
+        """Compute `ct_x` with `bwd`, or with `fused` (which recomputes the primal)."""
+        if self.bwd is not None:
+            return self._check_ct_x("bwd", self.bwd(x, y, ct_y), x)
+        return self.run_fused(x, ct_y)[1]
+
+    def run_fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
+        """Compute `(y, ct_x)` with `fused`, or with `fwd` then `bwd` when there is none."""
+        if self.fused is None:
+            y = self.primal(x)
+            return y, self.cotangent(x, y, ct_y)
+        result = self.fused(x, ct_y)
+        if not (isinstance(result, tuple | list) and len(result) == 2):
+            found = f"a {type(result).__name__}" + (f" of length {len(result)}" if isinstance(result, tuple | list) else "")
+            raise ValueError(_errors.FUSED_NOT_PAIR.format(call=self._call, found=found))
+        y, ct_x = result
+        self._check("fused", "an output `y`", y, self.out_struct(x), "the output structure")
+        return y, self._check_ct_x("fused", ct_x, x)
+
+    # ------------------------------------------------------------------ calling
+
+    def __call__(self, x: PyTree) -> PyTree:
+        x = jtu.tree_map(jnp.asarray, x)
+        recorder = _sites.active()
+        if recorder is not None:
+            return recorder.call(self, x)
+        return self.standard(x)
+
+    def standard(self, x: PyTree) -> PyTree:
+        """`self(x)` on the standard schedule, whatever transform is recording call sites."""
+        if not self.has_custom_vjp:
+            return self.primal(x)
+        if _jaxpr.in_forward_mode():
+            how = "given by `bwd`" if self.bwd is not None else "derived from `fused`"
+            raise TypeError(_errors.FORWARD_MODE.format(call=self._call, how=how))
+        dynamic, static = eqx.partition(self, eqx.is_array)
+        return _standard_vjp(dynamic, static, x)
+
+
+def _standard_primal(dynamic, static, x):
+    return eqx.combine(dynamic, static).primal(x)
+
+
+def _standard_fwd(dynamic, static, x):
+    y = eqx.combine(dynamic, static).primal(x)
+    return y, (dynamic, x, y)
+
+
+def _standard_bwd(static, residuals, ct_y):
+    dynamic, x, y = residuals
+    ct_x = eqx.combine(dynamic, static).cotangent(x, y, ct_y)
+    return jtu.tree_map(_zero_cotangent, dynamic), ct_x
+
+
+_standard_vjp = jax.custom_vjp(_standard_primal, nondiff_argnums=(1,))
+_standard_vjp.defvjp(_standard_fwd, _standard_bwd)

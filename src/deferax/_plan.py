@@ -1,0 +1,79 @@
+"""What `deferax.explain` returns: the schedule chosen for each call site, and why."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import equinox as eqx
+
+Schedule = Literal["standard", "deferred"]
+
+
+class Site(eqx.Module):
+    """One call of an `ExpensiveFn` in the differentiated program.
+
+    **Fields:**
+
+    - `index`: the position of the call in program order (0 for the first call).
+    - `name`: the `ExpensiveFn`'s name.
+    - `in_shapes`, `out_shapes`: the input and output structures, as text (`float64[64,64]`).
+    - `schedule`: `"deferred"` (one `fused(x, ct_y)` call, no `fwd` or `bwd`) or
+      `"standard"` (`fwd` on the forward pass, `bwd` on the backward pass).
+    - `reason`: for a standard site, why it could not be deferred; `None` for a deferred one.
+    - `location`: for a standard site whose cotangent depends on an output, the operation
+      and the user's `file:line` that make it so; otherwise `None`.
+    """
+
+    index: int
+    name: str
+    in_shapes: str
+    out_shapes: str
+    schedule: Schedule
+    reason: str | None = None
+    location: str | None = None
+
+
+class Plan(eqx.Module):
+    """The schedule of a `filter_value_and_grad` call, returned by [`deferax.explain`][].
+
+    `str(plan)` is a readable table. As data:
+
+    **Fields:**
+
+    - `sites`: a [`deferax.Site`][] per call site, in program order.
+    - `stages`: the expensive work in execution order; each stage is a tuple of
+      `"name: implementation"` strings whose members are independent and run concurrently
+      where the implementations allow it.
+    - `requested`: the `schedule` argument the plan was made for.
+    """
+
+    sites: tuple[Site, ...]
+    stages: tuple[tuple[str, ...], ...]
+    requested: str
+
+    @property
+    def deferred(self) -> tuple[Site, ...]:
+        """The sites on the deferred schedule."""
+        return tuple(s for s in self.sites if s.schedule == "deferred")
+
+    def __str__(self) -> str:
+        header = ("#", "site", "input", "output", "schedule", "reason")
+        rows = [
+            (str(s.index), s.name, s.in_shapes, s.out_shapes, s.schedule, s.reason or "")
+            for s in self.sites
+        ]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+        out = [f"deferax plan (schedule={self.requested!r}): {len(self.sites)} site(s), "
+               f"{len(self.deferred)} deferred"]
+        out.append(line(header))
+        out.append(line(tuple("-" * w for w in widths)))
+        out.extend(line(r) for r in rows)
+        if self.stages:
+            out.append("expensive stages, in order:")
+            for i, stage in enumerate(self.stages, 1):
+                together = " (concurrently)" if len(stage) > 1 else ""
+                out.append(f"  {i}. {', '.join(stage)}{together}")
+        else:
+            out.append("no expensive stages")
+        return "\n".join(out)
