@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -88,10 +87,12 @@ class ExpensiveFn(eqx.Module):
         ```
     """
 
-    fwd: Callable[..., Any] | None = None
-    bwd: Callable[..., Any] | None = None
-    fused: Callable[..., Any] | None = None
-    name: str = eqx.field(default=None, static=True)  # pyright: ignore[reportAssignmentType]
+    # Typed `Any` so that a wrong value reaches `__check_init__`, whose message names the
+    # function; each must be a callable or None.
+    fwd: Any = None
+    bwd: Any = None
+    fused: Any = None
+    name: str | None = eqx.field(default=None, static=True)
     out: Any = None
 
     def __post_init__(self):

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
+@runtime_checkable
 class Recorder(Protocol):
     def call(self, fn: Any, x: Any) -> Any: ...
 

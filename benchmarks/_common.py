@@ -1,0 +1,156 @@
+"""Shared pieces of the benchmarks: a 2D wave-equation time-stepper with a hand-written
+adjoint, and a small timing harness. Not part of the library."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# ---------------------------------------------------------------------------- the stepper
+#
+# Leapfrog for u_tt = c(r)^2 lap(u) + g(t) x(r) on an n x n grid, zero (Dirichlet) boundary,
+# u = 0 before the first step:
+#
+#     u[k+1] = 2 u[k] - u[k-1] + c2 * lap(u[k]) + g[k] * x,      k = 0 .. steps-1
+#
+# `c2 = (c dt / h)^2` is a fixed material field (a slow disc in a uniform medium); `x`, the
+# source's spatial pattern, is the input; the output is the final field u[steps].
+# The map x -> y is linear, so its adjoint does not need y: with the transposed step
+#
+#     a[k] = 2 a[k+1] - a[k+2] + lap(c2 * a[k+1]),   a[steps] = ct_y, a[steps+1] = 0
+#
+# (lap is symmetric), the input cotangent is ct_x = sum_k g[k] a[k+1]. One forward step and
+# one adjoint step cost the same: one 5-point Laplacian and a few element-wise operations.
+
+
+def laplacian(u):
+    p = jnp.pad(u, 1)
+    return p[:-2, 1:-1] + p[2:, 1:-1] + p[1:-1, :-2] + p[1:-1, 2:] - 4 * u
+
+
+def material(n: int, dtype=jnp.float32):
+    i = jnp.arange(n, dtype=dtype) / n - 0.5
+    r2 = i[:, None] ** 2 + i[None, :] ** 2
+    return jnp.where(r2 < 0.15**2, 0.12, 0.25).astype(dtype)  # c2 <= 0.5 keeps leapfrog stable
+
+
+def wavelet(steps: int, dtype=jnp.float32):
+    t = jnp.arange(steps, dtype=dtype)
+    t0, width = 30.0, 10.0
+    a = ((t - t0) / width) ** 2
+    return ((1 - 2 * a) * jnp.exp(-a)).astype(dtype)  # a Ricker pulse
+
+
+def make_wave(n: int, steps: int, dtype=jnp.float32):
+    """`(forward, adjoint)`: `forward(x) -> y`, `adjoint(x, ct_y) -> ct_x`, both plain JAX."""
+    c2 = material(n, dtype)
+    g = wavelet(steps, dtype)
+
+    def forward(x):
+        def step(carry, gk):
+            u, u_prev = carry
+            u_next = 2 * u - u_prev + c2 * laplacian(u) + gk * x
+            return (u_next, u), None
+
+        zero = jnp.zeros_like(x)
+        (u, _), _ = lax.scan(step, (zero, zero), g)
+        return u
+
+    def adjoint(x, ct_y):
+        del x  # linear in x: the adjoint needs neither x nor y
+
+        def step(carry, gk):
+            a, a_next, acc = carry  # a = a[k+1], a_next = a[k+2]
+            acc = acc + gk * a
+            a_prev = 2 * a - a_next + laplacian(c2 * a)
+            return (a_prev, a, acc), None
+
+        zero = jnp.zeros_like(ct_y)
+        (_, _, acc), _ = lax.scan(step, (ct_y, zero, zero), g[::-1])
+        return acc
+
+    forward.__name__ = "wave_forward"
+    adjoint.__name__ = "wave_adjoint"
+    return forward, adjoint
+
+
+def check_adjoint(forward, adjoint, x, ct) -> float:
+    """Max |adjoint - jax.vjp(forward)| relative to max |jax.vjp(forward)|."""
+    _, vjp = jax.vjp(forward, x)
+    (ref,) = vjp(ct)
+    mine = jax.jit(adjoint)(x, ct)
+    return float(jnp.max(jnp.abs(mine - ref)) / jnp.max(jnp.abs(ref)))
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def block(tree):
+    return jax.block_until_ready(tree)
+
+
+def time_once(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    block(fn())
+    return time.perf_counter() - t0
+
+
+def interleaved(sides: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Time each side `repeats` times, alternating sides (and their order) every round."""
+    names = list(sides)
+    for _ in range(warmup):
+        for name in names:
+            block(sides[name]())
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            times[name].append(time_once(sides[name]))
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def describe(times: list[float]) -> str:
+    return f"median {median(times):.4f} s (min {min(times):.4f}, max {max(times):.4f}, n={len(times)})"
+
+
+def result_line(bench: str, case: str, new: float, old: float, target: float, new_name="deferred", old_name="standard"):
+    ratio = new / old
+    status = "met" if ratio <= target else "MISSED"
+    return (
+        f"RESULT {bench} {case}: {new_name} {new:.4f} s, {old_name} {old:.4f} s, "
+        f"ratio {ratio:.2f} (target <= {target}, {status})"
+    )
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("--small", action="store_true", help="tiny sizes and 1-2 repeats: a smoke test")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per side")
+    return p
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs, jax {jax.__version__}, backend {jax.default_backend()}"
+
+

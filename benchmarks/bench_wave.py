@@ -1,0 +1,165 @@
+"""Deferred vs standard VJP for an expensive JAX-native function: a 2D wave-equation stepper.
+
+The forward (`lax.scan`, leapfrog) and its hand-written adjoint cost the same, and the
+loss is linear in the stepper's output, so `dx.filter_value_and_grad` defers the site: it
+computes the cotangent first and runs `fused(x, ct)` = forward and adjoint on two threads.
+The baseline is `eqx.filter_value_and_grad` of the same loss with a plain `jax.custom_vjp`
+(forward on the forward pass, adjoint on the backward pass).
+
+Case (a) `eager`: called as a user would, without an outer jit.
+Case (b) `jit`: both sides inside `eqx.filter_jit`.
+
+    python benchmarks/bench_wave.py            # full size: 256 x 256 grid, 400 steps
+    python benchmarks/bench_wave.py --small    # smoke test
+"""
+
+from __future__ import annotations
+
+import collections
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from _common import block, check_adjoint, describe, interleaved, machine, make_wave, median, parser, result_line
+
+import deferax as dx
+
+TARGETS = {"eager": 0.6, "jit": 0.8}
+
+
+def build(forward, adjoint):
+    """The two sides: (deferred loss, standard loss), same maths."""
+    wave = dx.ExpensiveFn(
+        fwd=forward,
+        bwd=lambda x, y, ct: adjoint(x, ct),
+        fused=dx.fuse(forward, adjoint),
+        name="wave",
+    )
+
+    fwd_jit, adj_jit = jax.jit(forward), jax.jit(adjoint)
+
+    @jax.custom_vjp
+    def wave_std(x):
+        return fwd_jit(x)
+
+    def wave_std_fwd(x):
+        return fwd_jit(x), x
+
+    def wave_std_bwd(x, ct):
+        return (adj_jit(x, ct),)
+
+    wave_std.defvjp(wave_std_fwd, wave_std_bwd)
+
+    def make_loss(sim):
+        def loss(params, w):
+            y = sim(params["source"])
+            return jnp.sum(w * y) + 1e-3 * jnp.sum(params["source"] ** 2)
+
+        return loss
+
+    return make_loss(wave), make_loss(wave_std)
+
+
+def counted(forward, adjoint, counts):
+    """`forward` and `adjoint` that count, on the host, how many times they really run."""
+
+    def bump(key):
+        def cb():
+            counts[key] += 1
+
+        return cb
+
+    def fwd_c(x):
+        jax.debug.callback(bump("forward"))
+        return forward(x)
+
+    def adj_c(x, ct):
+        jax.debug.callback(bump("adjoint"))
+        return adjoint(x, ct)
+
+    return fwd_c, adj_c
+
+
+def main():
+    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    n, steps = (32, 20) if args.small else (256, 400)
+    repeats = args.repeats or (2 if args.small else 15)
+    print(f"bench_wave: {n}x{n} grid, {steps} steps, float32; {machine()}")
+
+    forward, adjoint = make_wave(n, steps)
+    key_x, key_w = jax.random.split(jax.random.key(0))
+    rows = jnp.arange(n)[:, None]
+    source = jax.random.normal(key_x, (n, n)) * (rows < n // 8)  # a source band near one edge
+    w = jax.random.normal(key_w, (n, n)) * (rows > n - n // 8)  # a weighted sum near the other
+    params = {"source": source}
+
+    err = check_adjoint(forward, adjoint, source, w)
+    print(f"adjoint vs jax.vjp(forward): max relative error {err:.2e} (float32)")
+    assert err < 1e-4, err
+
+    loss_def, loss_std = build(forward, adjoint)
+    plan = dx.explain(loss_def, params, w)
+    print(plan)
+    assert plan.sites[0].schedule == "deferred", plan
+
+    # Check that the two sides agree before timing them.
+    (v1, g1) = dx.filter_value_and_grad(loss_def)(params, w)
+    (v2, g2) = eqx.filter_value_and_grad(loss_std)(params, w)
+    gerr = float(jnp.max(jnp.abs(g1["source"] - g2["source"])) / jnp.max(jnp.abs(g2["source"])))
+    print(f"deferred vs standard: value {float(v1):.6g} vs {float(v2):.6g}, gradient max relative difference {gerr:.1e}")
+    assert gerr < 1e-5 and abs(float(v1 - v2)) <= 1e-5 * abs(float(v2)), (v1, v2, gerr)
+
+    # How many times forward and adjoint really run per call (untimed, instrumented copies).
+    counts: collections.Counter = collections.Counter()
+    c_def, c_std = build(*counted(forward, adjoint, counts))
+    for case, wrap in (("eager", lambda f: f), ("jit", eqx.filter_jit)):
+        for side, vg, loss in (("deferred", dx.filter_value_and_grad, c_def), ("standard", eqx.filter_value_and_grad, c_std)):
+            fn = wrap(vg(loss))
+            block(fn(params, w))  # trace, compile
+            jax.effects_barrier()
+            counts.clear()
+            block(fn(params, w))
+            jax.effects_barrier()
+            print(f"runs per call, {case:5s} {side:8s}: forward {counts['forward']}, adjoint {counts['adjoint']}")
+
+    results = []
+
+    # (a) eager: no outer jit. The deferred side jits its cheap stages internally (cached);
+    # fused runs forward and adjoint on two threads.
+    vg_def = dx.filter_value_and_grad(loss_def)
+    vg_std = eqx.filter_value_and_grad(loss_std)
+    vg_lib_std = dx.filter_value_and_grad(loss_def, schedule="standard")
+    times = interleaved(
+        {
+            "deferred": lambda: vg_def(params, w),
+            "standard": lambda: vg_std(params, w),
+            "ExpensiveFn standard": lambda: vg_lib_std(params, w),
+        },
+        repeats,
+        warmup=2,
+    )
+    for side, ts in times.items():
+        print(f"eager {side:21s}: {describe(ts)}")
+    results.append(result_line("bench_wave", "eager", median(times["deferred"]), median(times["standard"]), TARGETS["eager"]))
+
+    # (b) both sides inside eqx.filter_jit.
+    step_def = eqx.filter_jit(dx.filter_value_and_grad(loss_def))
+    step_std = eqx.filter_jit(eqx.filter_value_and_grad(loss_std))
+    times = interleaved({"deferred": lambda: step_def(params, w), "standard": lambda: step_std(params, w)}, repeats, warmup=2)
+    for side, ts in times.items():
+        print(f"jit   {side:21s}: {describe(ts)}")
+    results.append(result_line("bench_wave", "jit", median(times["deferred"]), median(times["standard"]), TARGETS["jit"]))
+
+    # For reference: one forward alone, and forward + adjoint in one jitted program.
+    fwd_jit = jax.jit(forward)
+    both = jax.jit(lambda x, ct: (forward(x), adjoint(x, ct)))
+    times = interleaved({"forward": lambda: fwd_jit(source), "forward+adjoint": lambda: both(source, w)}, repeats)
+    for side, ts in times.items():
+        print(f"ref   {side:21s}: {describe(ts)}")
+
+    for line in results:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Shared test helpers: tolerant tree comparison, finite differences, execution counters."""
+
+import collections
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+import deferax as dx
+
+
+def tree_allclose(a, b, *, rtol=1e-10, atol=1e-10) -> bool:
+    return eqx.tree_equal(a, b, rtol=rtol, atol=atol) is True
+
+
+def assert_tree_allclose(a, b, *, rtol=1e-10, atol=1e-10):
+    assert jtu.tree_structure(a) == jtu.tree_structure(b), (jtu.tree_structure(a), jtu.tree_structure(b))
+    for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def finite_difference_grad(loss, x, eps=1e-6):
+    """Central differences of a real scalar `loss` with respect to every float leaf of `x`."""
+    leaves, treedef = jtu.tree_flatten(x)
+    grads = []
+    for i, leaf in enumerate(leaves):
+        leaf = np.asarray(leaf, dtype=np.float64)
+        g = np.zeros_like(leaf)
+        for idx in np.ndindex(leaf.shape):
+            plus, minus = leaf.copy(), leaf.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            lp = [*leaves[:i], jnp.asarray(plus), *leaves[i + 1 :]]
+            lm = [*leaves[:i], jnp.asarray(minus), *leaves[i + 1 :]]
+            g[idx] = (float(loss(jtu.tree_unflatten(treedef, lp))) - float(loss(jtu.tree_unflatten(treedef, lm)))) / (2 * eps)
+        grads.append(jnp.asarray(g))
+    return jtu.tree_unflatten(treedef, grads)
+
+
+class Counter:
+    """Counts how often implementations *execute*, through `jax.debug.callback`.
+
+    A callback inside a traced function fires each time the compiled program runs the
+    operation, not each time it is traced.
+    """
+
+    def __init__(self):
+        self.counts = collections.Counter()
+
+    def tick(self, key):
+        def bump():
+            self.counts[key] += 1
+
+        jax.debug.callback(bump, ordered=False)
+
+    def __getitem__(self, key):
+        return self.counts[key]
+
+    def reset(self):
+        self.counts.clear()
+
+    def as_dict(self):
+        return {k: self.counts[k] for k in ("fwd", "bwd", "fused")}
+
+
+def reference_impls(ref, counter=None):
+    """`fwd`, `bwd` and `fused` for a JAX-traceable reference function `ref`.
+
+    `bwd` and `fused` use `jax.vjp` of `ref`, so the tests check the machinery of
+    `ExpensiveFn` and the schedules against plain JAX autodiff of the same function.
+    """
+
+    def tick(key):
+        if counter is not None:
+            counter.tick(key)
+
+    def fwd(x):
+        tick("fwd")
+        return ref(x)
+
+    def bwd(x, y, ct):
+        tick("bwd")
+        return jax.vjp(ref, x)[1](ct)[0]
+
+    def fused(x, ct):
+        tick("fused")
+        y, vjp = jax.vjp(ref, x)
+        return y, vjp(ct)[0]
+
+    return fwd, bwd, fused
+
+
+def make(ref, given, counter=None, **kwargs):
+    """An `ExpensiveFn` for `ref` with only the implementations named in `given`."""
+    fwd, bwd, fused = reference_impls(ref, counter)
+    impls = {"fwd": fwd, "bwd": bwd, "fused": fused}
+    chosen = {k: (impls[k] if k in given else None) for k in impls}
+    if "fwd" not in given and "out" not in kwargs:
+        kwargs["out"] = lambda x: jax.eval_shape(ref, x)
+    return dx.ExpensiveFn(**chosen, **kwargs)
