@@ -75,7 +75,8 @@ def _split(fun, x, args, kwargs):
 
 def _cache_key(leaves, split_static, has_aux, schedule):
     structs = tuple((jnp.shape(a), jnp.result_type(a), getattr(a, "weak_type", False)) for a in leaves)
-    key = (split_static[0], split_static[1], structs, has_aux, schedule)
+    static_leaves, static_def = jtu.tree_flatten(split_static[1])
+    key = (split_static[0], static_def, tuple(static_leaves), structs, has_aux, schedule)
     hash(key)
     return key
 

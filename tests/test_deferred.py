@@ -1,0 +1,430 @@
+"""The deferred VJP: the static check, `explain`, and the deferred execution."""
+
+import inspect
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import deferax as dx
+import deferax._analysis
+
+from .helpers import assert_tree_allclose, make
+
+
+def ref(x):
+    """The expensive function's reference implementation: nonlinear, (4,) -> (4,)."""
+    return jnp.sin(x) * jnp.exp(0.3 * x)
+
+
+W = jnp.array([1.0, -2.0, 0.5, 3.0])
+P0 = jnp.array([0.3, -0.2, 0.8, 0.1])
+
+
+def line_of(marker: str) -> int:
+    """The line number of this file that carries `# <marker>`."""
+    lines = inspect.getsource(inspect.getmodule(line_of)).splitlines()
+    hits = [i + 1 for i, text in enumerate(lines) if text.rstrip().endswith(f"# {marker}")]
+    assert len(hits) == 1, marker
+    return hits[0]
+
+
+def check_against_equinox(loss, p, counter, *, deferred, has_aux=False, jit=False):
+    """Values and gradients equal Equinox's; count executions of each implementation."""
+    transform = dx.filter_value_and_grad(loss, has_aux=has_aux)
+    reference = eqx.filter_value_and_grad(loss, has_aux=has_aux, )
+    if jit:
+        transform, reference = eqx.filter_jit(transform), eqx.filter_jit(reference)
+        transform(p)  # compile, then count one steady-state call
+        jax.effects_barrier()
+    counter.reset()
+    got = transform(p)
+    jax.block_until_ready(got)
+    jax.effects_barrier()
+    counts = counter.as_dict()
+    expected = reference(p)
+    assert_tree_allclose(got, expected)
+    return counts
+
+
+# ----------------------------------------------------------------------------- linear downstream code is deferred
+
+LINEAR = {
+    "weighted_sum": lambda y, p: jnp.sum(W * y) + jnp.sum(p**2),
+    "dot_constant": lambda y, p: jnp.dot(W, y) * 2.0 + jnp.sin(p[0]),
+    "slicing": lambda y, p: jnp.sum(y[1:3]) - y[0] + jnp.sum(p),
+    "reshape_transpose": lambda y, p: jnp.sum(jnp.reshape(y, (2, 2)).T * jnp.array([[1.0, 2.0], [3.0, 4.0]])),
+    "real_imag": lambda y, p: jnp.sum(jnp.real(y.astype(jnp.complex128) * (1 + 2j))) + jnp.sum(jnp.imag(y.astype(jnp.complex128) * (0.5 + 1j))),
+    "fft": lambda y, p: jnp.sum(jnp.real(jnp.fft.fft(y)) * W) + jnp.sum(jnp.imag(jnp.fft.fft(y))),
+    "concatenate": lambda y, p: jnp.sum(jnp.concatenate([y, 2.0 * y, p]) * jnp.arange(12.0)),
+    "params_times_output": lambda y, p: jnp.sum(p * y) + jnp.sum(p**2),
+    "nonlinear_in_params_only": lambda y, p: jnp.sum(jnp.exp(p) * y) / jnp.sum(p**2 + 1),
+}
+
+
+@pytest.mark.parametrize("name", LINEAR)
+def test_linear_downstream_is_deferred(name, counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter, name="sim")
+    post = LINEAR[name]
+    loss = lambda p: post(f(p * 1.5), p)  # noqa: E731
+    plan = dx.explain(loss, P0)
+    assert [s.schedule for s in plan.sites] == ["deferred"]
+    assert plan.sites[0].reason is None and plan.sites[0].name == "sim"
+    counts = check_against_equinox(loss, P0, counter, deferred=True)
+    # Equinox's own run is standard: count the deferred run alone
+    assert counts == {"fwd": 0, "bwd": 0, "fused": 1}
+    counts = check_against_equinox(loss, P0, counter, deferred=True, jit=True)
+    assert counts == {"fwd": 0, "bwd": 0, "fused": 1}
+
+
+# ----------------------------------------------------------------------------- nonlinear code stays standard, with the line
+
+
+def loss_square(p, f):
+    y = f(p)
+    return jnp.sum(W * y**2)  # square
+
+
+def loss_abs(p, f):
+    y = f(p)
+    return jnp.sum(jnp.abs(y))  # abs
+
+
+def loss_exp(p, f):
+    y = f(p)
+    return jnp.sum(jnp.exp(y) * W)  # exp
+
+
+def loss_y_times_y(p, f):
+    y = f(p)
+    return jnp.sum(y * y)  # y*y
+
+
+def loss_divide(p, f):
+    y = f(p) + 3.0
+    return jnp.sum(W / y)  # divide
+
+
+@pytest.mark.parametrize(
+    "loss, marker",
+    [(loss_square, "square"), (loss_abs, "abs"), (loss_exp, "exp"), (loss_y_times_y, "y*y"), (loss_divide, "divide")],
+    ids=["square", "abs", "exp", "y*y", "divide"],
+)
+def test_nonlinear_downstream_is_standard_with_line(loss, marker, counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter, name="sim")
+    plan = dx.explain(lambda p: loss(p, f), P0)
+    (site,) = plan.sites
+    assert site.schedule == "standard"
+    assert site.reason.startswith("its cotangent depends on its own output")
+    assert f"{__file__}:{line_of(marker)}" in site.location
+    assert f"{__file__}:{line_of(marker)}" in str(plan)
+    counts = check_against_equinox(lambda p: loss(p, f), P0, counter, deferred=False)
+    assert counts == {"fwd": 1, "bwd": 1, "fused": 0}
+
+
+def test_schedule_deferred_raises_naming_site_and_line():
+    f = make(ref, ("fwd", "bwd", "fused"), name="fdtd")
+    with pytest.raises(ValueError) as info:
+        dx.filter_value_and_grad(lambda p: loss_square(p, f), schedule="deferred")(P0)
+    text = str(info.value)
+    assert text.startswith("`deferax.filter_value_and_grad`: schedule='deferred' was requested, but these call sites cannot be deferred:")
+    assert "site #0 `fdtd`: its cotangent depends on its own output, through" in text
+    assert f"{__file__}:{line_of('square')}" in text
+
+
+def test_schedule_deferred_runs_when_possible(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    loss = lambda p: jnp.sum(W * f(p))  # noqa: E731
+    counter.reset()
+    got = dx.filter_value_and_grad(loss, schedule="deferred")(P0)
+    jax.effects_barrier()
+    assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}
+    assert_tree_allclose(got, eqx.filter_value_and_grad(loss)(P0))
+
+
+def test_schedule_standard_is_equinox(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    loss = lambda p: jnp.sum(W * f(p))  # noqa: E731
+    counter.reset()
+    got = dx.filter_value_and_grad(loss, schedule="standard")(P0)
+    jax.effects_barrier()
+    assert counter.as_dict() == {"fwd": 1, "bwd": 1, "fused": 0}
+    assert_tree_allclose(got, eqx.filter_value_and_grad(loss)(P0))
+    plan = dx.explain(dx.filter_value_and_grad(loss, schedule="standard"), P0)
+    assert plan.sites[0].schedule == "standard" and "schedule='standard'" in plan.sites[0].reason
+
+
+def test_site_without_fused_stays_standard(counter):
+    f = make(ref, ("fwd", "bwd"), counter, name="nofused")
+    loss = lambda p: jnp.sum(W * f(p))  # noqa: E731
+    plan = dx.explain(loss, P0)
+    assert plan.sites[0].schedule == "standard" and plan.sites[0].reason == "no `fused` implementation"
+    assert check_against_equinox(loss, P0, counter, deferred=False) == {"fwd": 1, "bwd": 1, "fused": 0}
+
+
+# ----------------------------------------------------------------------------- several sites
+
+
+def test_independent_sites_and_same_function_twice(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter, name="f")
+
+    def loss(p):
+        return jnp.sum(W * f(p)) + jnp.dot(f(2.0 * p), W[::-1]) + jnp.sum(p**3)
+
+    plan = dx.explain(loss, P0)
+    assert [s.schedule for s in plan.sites] == ["deferred", "deferred"]
+    assert plan.stages == (("f: fused", "f: fused"),)
+    assert check_against_equinox(loss, P0, counter, deferred=True) == {"fwd": 0, "bwd": 0, "fused": 2}
+
+
+def test_chained_sites_stay_standard(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter, name="f")
+    loss = lambda p: jnp.sum(W * f(f(p)))  # noqa: E731
+    plan = dx.explain(loss, P0)
+    assert [s.schedule for s in plan.sites] == ["standard", "standard"]
+    assert plan.sites[0].reason == "its output feeds the input of site #1 `f`"
+    assert plan.sites[1].reason == "its input depends on the output of site #0 `f`"
+    assert check_against_equinox(loss, P0, counter, deferred=False) == {"fwd": 2, "bwd": 2, "fused": 0}
+
+
+def test_product_of_two_sites_stays_standard():
+    f = make(ref, ("fwd", "bwd", "fused"), name="a")
+    g = make(jnp.cos, ("fwd", "bwd", "fused"), name="b")
+    plan = dx.explain(lambda p: jnp.sum(f(p) * g(p)), P0)
+    assert plan.sites[0].reason.startswith("its cotangent depends on the output of site #1 `b`")
+    assert plan.sites[1].reason.startswith("its cotangent depends on the output of site #0 `a`")
+
+
+def test_mixed_standard_and_deferred(counter):
+    lin = make(ref, ("fwd", "bwd", "fused"), counter, name="lin")
+    sq_counter = type(counter)()
+    sq = make(jnp.cos, ("fwd", "bwd", "fused"), sq_counter, name="sq")
+
+    def loss(p):
+        return jnp.sum(W * lin(p)) + jnp.sum(sq(p) ** 2)
+
+    plan = dx.explain(loss, P0)
+    assert [s.schedule for s in plan.sites] == ["deferred", "standard"]
+    assert plan.stages == (("lin: fused",), ("sq: fwd",), ("sq: bwd",))
+    assert check_against_equinox(loss, P0, counter, deferred=True) == {"fwd": 0, "bwd": 0, "fused": 1}
+    sq_counter.reset()
+    dx.filter_value_and_grad(loss)(P0)
+    jax.effects_barrier()
+    assert sq_counter.as_dict() == {"fwd": 1, "bwd": 1, "fused": 0}
+
+
+def test_deferred_input_from_standard_site_is_not_deferred():
+    s = make(jnp.cos, ("fwd", "bwd", "fused"), name="upstream")
+    d = make(ref, ("fwd", "bwd", "fused"), name="downstream")
+    plan = dx.explain(lambda p: jnp.sum(W * d(s(p))), P0)
+    assert [x.schedule for x in plan.sites] == ["standard", "standard"]
+
+
+# ----------------------------------------------------------------------------- pytrees, complex, aux, methods
+
+
+def ref_tree(x):
+    return {"field": jnp.sin(x["a"]) * x["b"][0], "power": jnp.cos(x["a"]).astype(jnp.complex128) * (1 + 1j)}
+
+
+def test_pytree_inputs_and_outputs_and_complex(counter):
+    f = make(ref_tree, ("fwd", "bwd", "fused"), counter, name="tree")
+    mode = jnp.array([1 - 1j, 2j, 0.5, -1.0])
+
+    def loss(params):
+        y = f({"a": params["a"] * 2.0, "b": params["b"]})
+        return jnp.sum(W * y["field"]) + jnp.real(jnp.vdot(mode, y["power"])) + jnp.sum(params["b"] ** 2)
+
+    params = {"a": P0, "b": jnp.array([0.7, -0.4])}
+    assert dx.explain(loss, params).sites[0].schedule == "deferred"
+    assert check_against_equinox(loss, params, counter, deferred=True) == {"fwd": 0, "bwd": 0, "fused": 1}
+    assert check_against_equinox(loss, params, counter, deferred=True, jit=True) == {"fwd": 0, "bwd": 0, "fused": 1}
+
+
+def test_has_aux_sees_real_outputs(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+
+    def loss(p):
+        y = f(p)
+        return jnp.sum(W * y), {"y": y, "norm": jnp.sum(y**2)}
+
+    assert dx.explain(dx.filter_value_and_grad(loss, has_aux=True), P0).sites[0].schedule == "deferred"
+    assert check_against_equinox(loss, P0, counter, deferred=True, has_aux=True) == {"fwd": 0, "bwd": 0, "fused": 1}
+    grads, aux = dx.filter_grad(loss, has_aux=True)(P0)
+    assert_tree_allclose(aux["y"], ref(P0))
+    assert_tree_allclose(grads, eqx.filter_grad(loss, has_aux=True)(P0)[0])
+
+
+class Design(eqx.Module):
+    """A model with a differentiable design, a non-differentiable int and a sim inside."""
+
+    design: jax.Array
+    steps: int
+    sim: dx.ExpensiveFn
+    label: str = eqx.field(static=True)
+
+    def loss(self, w):
+        return jnp.sum(w * self.sim(self.design)) + self.steps * jnp.sum(self.design**2)
+
+    @dx.filter_value_and_grad
+    def value_and_grad_method(self, w):
+        return self.loss(w)
+
+
+def test_models_filtering_methods_and_decorators(counter):
+    model = Design(P0, 3, make(ref, ("fwd", "bwd", "fused"), counter), "m")
+
+    def loss(m, w):
+        return m.loss(w)
+
+    got = dx.filter_value_and_grad(loss)(model, W)
+    expected = eqx.filter_value_and_grad(loss)(model, W)
+    assert_tree_allclose(got, expected)
+    assert got[1].steps is None and got[1].label == "m"
+    assert dx.explain(loss, model, W).sites[0].schedule == "deferred"
+    # as a decorator on a method, and with arguments
+    assert_tree_allclose(model.value_and_grad_method(W), expected)
+    decorated = dx.filter_grad(schedule="auto")(loss)
+    assert_tree_allclose(decorated(model, W), eqx.filter_grad(loss)(model, W))
+    # keyword arguments after the first positional one
+    assert_tree_allclose(dx.filter_value_and_grad(loss)(model, w=W), expected)
+
+
+# ----------------------------------------------------------------------------- under transformations
+
+
+def test_inside_jit_and_vmap_per_example(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+
+    def loss(p, target):
+        return jnp.sum(target * f(p)) + jnp.sum(p**2)
+
+    batch_p = jnp.stack([P0, 2 * P0, -P0])
+    batch_t = jnp.stack([W, W[::-1], 2 * W])
+    got = jax.vmap(dx.filter_value_and_grad(loss))(batch_p, batch_t)
+    expected = jax.vmap(eqx.filter_value_and_grad(loss))(batch_p, batch_t)
+    assert_tree_allclose(got, expected)
+    got = jax.jit(jax.vmap(dx.filter_value_and_grad(loss)))(batch_p, batch_t)
+    assert_tree_allclose(got, expected)
+    got = jax.vmap(eqx.filter_jit(dx.filter_value_and_grad(loss)))(batch_p, batch_t)
+    assert_tree_allclose(got, expected)
+    counter.reset()
+    jax.block_until_ready(jax.jit(dx.filter_value_and_grad(loss))(P0, W))
+    jax.effects_barrier()
+    assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}
+
+
+NESTED = {
+    "vmap": lambda f: lambda p: jnp.sum(jax.vmap(f)(jnp.stack([p, 2 * p])) * W),
+    "scan": lambda f: lambda p: jnp.sum(jax.lax.scan(lambda c, _: (c + 0.1 * f(c), None), p, None, length=3)[0] * W),
+    "cond": lambda f: lambda p: jnp.sum(jax.lax.cond(p[0] > 0, f, lambda v: 2.0 * v, p) * W),
+    "checkpoint": lambda f: lambda p: jnp.sum(jax.checkpoint(f)(p) * W),
+    "nested_jit": lambda f: lambda p: jnp.sum(jax.jit(f)(p) * W),
+    "filter_jit": lambda f: lambda p: jnp.sum(eqx.filter_jit(lambda q: f(q))(p) * W),
+}
+
+
+@pytest.mark.parametrize("kind", NESTED)
+def test_sites_under_nested_transformations_fall_back(kind, counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter, name="inner")
+    loss = NESTED[kind](f)
+    plan = dx.explain(loss, P0)
+    assert all(s.schedule == "standard" for s in plan.sites), str(plan)
+    assert all(s.reason.startswith("called inside") for s in plan.sites)
+    for point in (P0, -P0):
+        got = dx.filter_value_and_grad(loss)(point)
+        assert_tree_allclose(got, eqx.filter_value_and_grad(loss)(point))
+        assert_tree_allclose(eqx.filter_jit(dx.filter_value_and_grad(loss))(point), got)
+
+
+def test_nested_site_mixed_with_direct_site(counter):
+    """A direct linear site stays deferred next to an unrelated site inside a scan."""
+    lin = make(ref, ("fwd", "bwd", "fused"), counter, name="lin")
+    inner = make(jnp.cos, ("fwd", "bwd", "fused"), name="inner")
+
+    def loss(p):
+        carry = jax.lax.scan(lambda c, _: (c + 0.1 * inner(c), None), p, None, length=2)[0]
+        return jnp.sum(W * lin(p)) + jnp.sum(carry**2)
+
+    plan = dx.explain(loss, P0)
+    assert [s.schedule for s in plan.sites] == ["standard", "deferred"]
+    assert check_against_equinox(loss, P0, counter, deferred=True) == {"fwd": 0, "bwd": 0, "fused": 1}
+
+    def coupled(p):
+        carry = jax.lax.scan(lambda c, _: (c + 0.1 * inner(c), None), p, None, length=2)[0]
+        return jnp.sum(carry * lin(p))
+
+    assert dx.explain(coupled, P0).sites[1].schedule == "standard"
+    assert_tree_allclose(dx.filter_value_and_grad(coupled)(P0), eqx.filter_value_and_grad(coupled)(P0))
+
+    def feeds_nested(p):
+        y = lin(p)
+        return jnp.sum(jax.lax.scan(lambda c, _: (c + 0.1 * inner(c), None), y, None, length=2)[0])
+
+    assert [s.schedule for s in dx.explain(feeds_nested, P0).sites] == ["standard", "standard"]
+    assert_tree_allclose(dx.filter_value_and_grad(feeds_nested)(P0), eqx.filter_value_and_grad(feeds_nested)(P0))
+
+
+# ----------------------------------------------------------------------------- analysis happens once per input structure
+
+
+def test_no_reanalysis_on_repeated_calls(monkeypatch, counter):
+    calls = []
+    original = deferax._analysis.analyse
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr("deferax._transform.analyse", counting)
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    loss = lambda p: jnp.sum(W * f(p))  # noqa: E731
+    step = dx.filter_value_and_grad(loss)
+    for _ in range(3):
+        step(P0)
+    assert len(calls) == 1
+    step(jnp.ones(4, dtype=jnp.float64) * 0.5)
+    assert len(calls) == 1
+    jitted = eqx.filter_jit(step)
+    for _ in range(3):
+        jitted(P0)
+    assert len(calls) == 2  # traced once under jit
+    counter.reset()
+    step(P0)
+    jax.effects_barrier()
+    assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_error_bad_schedule():
+    with pytest.raises(ValueError, match=re.escape("`deferax.filter_value_and_grad`: `schedule` must be one of 'auto', 'standard' or 'deferred', but got 'fast'.")):
+        dx.filter_value_and_grad(lambda p: jnp.sum(p), schedule="fast")
+
+
+def test_error_no_positional_argument():
+    with pytest.raises(TypeError, match=re.escape("`deferax.filter_value_and_grad`: the function must be called with at least one positional argument")):
+        dx.filter_value_and_grad(lambda p: jnp.sum(p))(p=P0)
+
+
+def test_error_non_scalar_loss():
+    f = make(ref, ("fwd", "bwd", "fused"))
+    with pytest.raises(TypeError, match=re.escape("`deferax.filter_value_and_grad`: the differentiated function must return a real scalar, but it returned float64[4].")):
+        dx.filter_value_and_grad(lambda p: f(p))(P0)
+
+
+def test_error_sites_change_between_traces():
+    f = make(ref, ("fwd", "bwd", "fused"), name="f")
+    g = make(jnp.cos, ("fwd", "bwd", "fused"), name="g")
+    calls = []
+
+    def unstable(p):
+        calls.append(1)
+        h = f if len(calls) % 2 else g  # Python state: a different site each trace
+        return jnp.sum(W * h(p))
+
+    with pytest.raises(RuntimeError, match=re.escape("deferax: the program called its `ExpensiveFn` sites differently between two traces")):
+        dx.filter_value_and_grad(unstable)(P0)
