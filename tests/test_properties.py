@@ -1,0 +1,124 @@
+"""Property-based tests: random downstream programs, gradients checked against Equinox."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import deferax as dx
+
+from .helpers import Counter, assert_tree_allclose, make
+
+N = 4
+CONST = jnp.array([0.5, -1.5, 2.0, 0.25])
+
+LINEAR_OPS = {
+    "scale": lambda y, p: 1.7 * y,
+    "weights": lambda y, p: CONST * y,
+    "reverse": lambda y, p: y[::-1],
+    "roll_slice": lambda y, p: jnp.concatenate([y[1:], y[:1]]),
+    "fft_real": lambda y, p: jnp.real(jnp.fft.fft(y)),
+    "fft_imag": lambda y, p: jnp.imag(jnp.fft.fft(y)),
+    "cumsum": lambda y, p: jnp.cumsum(y),
+    "mul_param": lambda y, p: jnp.tanh(p) * y,
+    "add_param": lambda y, p: y + jnp.sin(p),
+    "reshape_T": lambda y, p: jnp.reshape(jnp.reshape(y, (2, 2)).T, (N,)),
+    "where_param": lambda y, p: jnp.where(p > 0, y, -2.0 * y),
+    "matmul": lambda y, p: jnp.outer(CONST, CONST[::-1]) @ y,
+}
+NONLINEAR_OPS = {
+    "square": lambda y, p: y**2,
+    "sin": lambda y, p: jnp.sin(y),
+    "exp": lambda y, p: jnp.exp(0.1 * y),
+    "abs": lambda y, p: jnp.abs(y) + 0.1,
+    "inverse": lambda y, p: 1.0 / (y**2 + 1.0),
+    "where_y": lambda y, p: jnp.where(y > 0, y, 0.5 * y),
+}
+REFS = [jnp.sin, lambda x: jnp.exp(0.2 * x) * x, lambda x: jnp.cos(x) ** 2]
+
+
+@st.composite
+def programs(draw):
+    n_sites = draw(st.integers(1, 3))
+    sites = []
+    for k in range(n_sites):
+        nonlinear_allowed = draw(st.booleans())
+        ops = draw(
+            st.lists(
+                st.sampled_from(sorted(LINEAR_OPS) + (sorted(NONLINEAR_OPS) if nonlinear_allowed else [])),
+                min_size=0,
+                max_size=4,
+            )
+        )
+        sites.append(
+            {
+                "ref": draw(st.integers(0, len(REFS) - 1)),
+                "ops": ops,
+                "chain_from": draw(st.one_of(st.none(), st.integers(0, k - 1))) if k > 0 else None,
+                "scale_in": draw(st.sampled_from([1.0, -0.5, 2.0])),
+                "cond": draw(st.booleans()),
+            }
+        )
+    product = draw(st.booleans()) if n_sites > 1 else False
+    pytree_input = draw(st.booleans())
+    return {"sites": sites, "product": product, "pytree_input": pytree_input}
+
+
+def build(spec, counters):
+    fns = [
+        make(REFS[s["ref"]], ("fwd", "bwd", "fused"), counters[k], name=f"site{k}")
+        for k, s in enumerate(spec["sites"])
+    ]
+
+    def loss(params):
+        p = params["p"] + params["q"][0] if spec["pytree_input"] else params
+        outs = []
+        for k, s in enumerate(spec["sites"]):
+            x = p * s["scale_in"] if s["chain_from"] is None else outs[s["chain_from"]]
+            y = fns[k](x)
+            for op in s["ops"]:
+                fn = LINEAR_OPS.get(op) or NONLINEAR_OPS[op]
+                y = fn(y, p)
+            if s["cond"]:
+                y = jax.lax.cond(jnp.sum(p) > 0, lambda v: 2.0 * v, lambda v: v[::-1], y)
+            outs.append(y)
+        total = sum(jnp.sum(CONST * y) for y in outs)
+        if spec["product"]:
+            total = total + jnp.sum(outs[0] * outs[-1])
+        return total + 0.1 * jnp.sum(p**2)
+
+    return loss
+
+
+def obviously_linear(spec) -> bool:
+    return (
+        not spec["product"]
+        and all(not s["cond"] and s["chain_from"] is None for s in spec["sites"])
+        and all(op in LINEAR_OPS for s in spec["sites"] for op in s["ops"])
+        and not any(any(t["chain_from"] == k for t in spec["sites"]) for k in range(len(spec["sites"])))
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=programs(), sign=st.sampled_from([1.0, -1.0]))
+def test_random_programs_match_equinox(spec, sign):
+    counters = [Counter() for _ in spec["sites"]]
+    loss = build(spec, counters)
+    p = sign * jnp.array([0.3, -0.1, 0.7, 0.2])
+    params = {"p": p, "q": jnp.array([0.05, 1.0])} if spec["pytree_input"] else p
+    plan = dx.explain(loss, params)
+    if obviously_linear(spec):
+        assert all(s.schedule == "deferred" for s in plan.sites), str(plan)
+    for c in counters:
+        c.reset()
+    got = dx.filter_value_and_grad(loss)(params)
+    jax.effects_barrier()
+    for site, c in zip(plan.sites, counters, strict=True):
+        if site.schedule == "deferred":
+            assert c.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}, str(plan)
+        else:
+            assert c.as_dict() == {"fwd": 1, "bwd": 1, "fused": 0}, str(plan)
+    expected = eqx.filter_value_and_grad(loss)(params)
+    assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-9)
+    assert_tree_allclose(eqx.filter_jit(dx.filter_value_and_grad(loss))(params), expected, rtol=1e-9, atol=1e-9)
