@@ -74,6 +74,7 @@ class SiteRecord:
     static: Any  # the non-array part of the ExpensiveFn (its callables and configuration)
     name: str
     has_fused: bool
+    max_basis: int | None
     x_struct: Any
     y_struct: Any
     nested: str | None  # the kind of nested transformation, or None for a direct call
@@ -94,7 +95,8 @@ class _Discover:
                 index=len(self.records),
                 static=static,
                 name=fn.name,
-                has_fused=fn.fused is not None,
+                has_fused=fn.fused is not None or fn.fused_batch is not None,
+                max_basis=fn.max_basis,
                 x_struct=jax.eval_shape(lambda v: v, x),
                 y_struct=y_struct,
                 nested=nested,
@@ -141,12 +143,21 @@ def next_record(records: list[SiteRecord], count: int, fn: ExpensiveFn, x: Any) 
 
 
 @dataclasses.dataclass
+class Basis:
+    """A site on the basis schedule: its cotangent is a combination of `k` fixed cotangents."""
+
+    k: int
+    frontier: Any  # ClosedJaxpr of (dyn leaves, ys, ts) -> the frontier variables
+
+
+@dataclasses.dataclass
 class Analysis:
     """The outcome of the static check, with what the deferred execution needs."""
 
     plan: Plan
     records: list[SiteRecord]
-    deferred: tuple[int, ...]
+    deferred: tuple[int, ...]  # sites run with one `fused(x, ct)` (plain or basis)
+    basis: dict[int, Basis]  # the deferred sites on the basis schedule
     jaxpr: Any  # ClosedJaxpr of (dyn leaves, ys, ts, seed) -> (xs, impls, cts) for direct sites
     direct: tuple[int, ...]  # indices of the direct sites, in the order of the jaxpr's outputs
     out_tree: Any  # treedef of (xs, impls, cts)
@@ -159,12 +170,47 @@ def _value_of(out: Any, has_aux: bool, where: str) -> Any:
     return value
 
 
+class _Tracer:
+    """Traces the user's program with every site replaced by its stand-in."""
+
+    def __init__(self, call, records, has_aux, where):
+        self.call, self.records, self.has_aux, self.where = call, records, has_aux, where
+
+    def loss(self, leaves, ys, ts, rec=None):
+        rec = rec or _Analyse(self.records, ys, ts)
+        rec.ys = ys
+        rec.top = _jaxpr.current_trace()
+        with _sites.recording(rec):
+            out = self.call(leaves)
+        return _value_of(out, self.has_aux, self.where), rec
+
+    def backward(self, direct):
+        """(leaves, ys, ts, seed) -> (inputs, implementation arrays, cotangents) of the direct sites."""
+
+        def analysis(leaves, ys, ts, seed):
+            rec = _Analyse(self.records, ys, ts)
+
+            def program(ys_):
+                value, _ = self.loss(leaves, ys_, ts, rec)
+                return value, (rec.xs, rec.impls)
+
+            _, vjp, (xs, impls) = jax.vjp(program, ys, has_aux=True)
+            (cts,) = vjp(seed)
+            return xs, impls, [cts[i] for i in direct]
+
+        return analysis
+
+    def forward(self, leaves, ys, ts):
+        return self.loss(leaves, ys, ts)[0]
+
+
 def analyse(
     call: Callable[[list], Any],
     dyn_structs: list,
     *,
     has_aux: bool,
     schedule: str,
+    max_basis: int,
     where: str,
 ) -> Analysis:
     """Run the static check on `call(dyn_leaves)`, the user's program on its array leaves."""
@@ -180,38 +226,26 @@ def analyse(
     _value_of(out_struct, has_aux, where)
     records = discover.records
     direct = tuple(r.index for r in records if r.nested is None)
-
-    jaxpr = None
-    out_tree = None
-    dependence: dict = {r.index: {} for r in records}
+    tracer = _Tracer(call, records, has_aux, where)
+    ys_structs = [r.y_struct for r in records]
+    ts_structs = [jax.ShapeDtypeStruct((), jnp.result_type(float)) for _ in records]
+    check = _Check(records, direct, schedule, max_basis, where)
     if direct and schedule != "standard":
-        ys_structs = [r.y_struct for r in records]
-        ts_structs = [jax.ShapeDtypeStruct((), jnp.result_type(float)) for _ in records]
-
-        def analysis(leaves, ys, ts, seed):
-            rec = _Analyse(records, ys, ts)
-
-            def program(ys_):
-                rec.ys = ys_
-                rec.top = _jaxpr.current_trace()
-                with _sites.recording(rec):
-                    out = call(leaves)
-                return _value_of(out, has_aux, where), (rec.xs, rec.impls)
-
-            rec.ys = ys
-            _, vjp, (xs, impls) = jax.vjp(program, ys, has_aux=True)
-            (cts,) = vjp(seed)
-            return xs, impls, [cts[i] for i in direct]
-
         seed_struct = jax.ShapeDtypeStruct((), out_struct[0].dtype if has_aux else out_struct.dtype)
         with fresh_pass():
-            jaxpr, shapes = jax.make_jaxpr(analysis, return_shape=True)(dyn_structs, ys_structs, ts_structs, seed_struct)
-        out_tree = jtu.tree_structure(shapes)
-        dependence = _dependence(jaxpr, records, direct, dyn_structs, ys_structs, ts_structs, shapes)
+            check.jaxpr, shapes = jax.make_jaxpr(tracer.backward(direct), return_shape=True)(
+                dyn_structs, ys_structs, ts_structs, seed_struct
+            )
+        check.out_tree = jtu.tree_structure(shapes)
+        check.labels = _labels(dyn_structs, ys_structs, ts_structs)
+        check.dependence = _dependence(check.jaxpr, check.labels, direct, shapes)
 
-    sites, deferred = _decide(records, direct, dependence, jaxpr, schedule, where)
-    plan = Plan(sites=tuple(sites), stages=_stages(records, deferred), requested=schedule)
-    return Analysis(plan=plan, records=records, deferred=deferred, jaxpr=jaxpr, direct=direct, out_tree=out_tree)
+        def forward_jaxpr():
+            with fresh_pass():
+                return jax.make_jaxpr(tracer.forward)(dyn_structs, ys_structs, ts_structs)
+
+        check.forward_jaxpr = forward_jaxpr
+    return check.run()
 
 
 def _labels(dyn_structs, ys_structs, ts_structs):
@@ -223,12 +257,11 @@ def _labels(dyn_structs, ys_structs, ts_structs):
     return labels
 
 
-def _dependence(jaxpr, records, direct, dyn_structs, ys_structs, ts_structs, shapes):
+def _dependence(jaxpr, labels, direct, shapes):
     """For each direct site: which stand-ins its input, its implementations' arrays and its
     cotangent depend on, and where its cotangent sits among the jaxpr's outputs."""
-    labels = _labels(dyn_structs, ys_structs, ts_structs)
     deps = _jaxpr.dependencies(jaxpr, labels)
-    result: dict[int, dict[str, Any]] = {r.index: {} for r in records}
+    result: dict[int, dict[str, Any]] = {site: {} for site in direct}
     offset = 0
     for key, group in zip(("x", "impl", "ct"), shapes, strict=True):
         for site, value in zip(direct, group, strict=True):
@@ -237,77 +270,117 @@ def _dependence(jaxpr, records, direct, dyn_structs, ys_structs, ts_structs, sha
             if key == "ct":
                 result[site]["ct_outputs"] = range(offset, offset + n)
             offset += n
-    result["labels"] = labels
     return result
 
 
 def _site_name(records, label) -> str:
-    kind, i = label
-    return f"#{i} `{records[i].name}`"
+    return f"#{label[1]} `{records[label[1]].name}`"
 
 
-def _decide(records, direct, dependence, jaxpr, schedule, where):
-    sites: list[Site] = []
-    deferred: list[int] = []
-    feeds: dict[int, list[int]] = {}
-    for site in direct:
-        for label in dependence[site].get("x", frozenset()) | dependence[site].get("impl", frozenset()):
-            feeds.setdefault(label[1], []).append(site)
-    for r in records:
-        reason = location = None
-        if schedule == "standard":
-            reason = "schedule='standard' was requested"
-        elif r.nested is not None:
-            reason = f"called inside {r.nested}; only sites called directly in the differentiated function are deferred"
-        elif not r.has_fused:
-            reason = "no `fused` implementation"
-        else:
-            dep = dependence[r.index]
-            upstream = sorted(dep["x"] | dep["impl"])
-            if upstream:
-                reason = "its input depends on the output of site " + ", ".join(_site_name(records, lab) for lab in upstream)
-            elif r.index in feeds:
-                reason = "its output feeds the input of site " + ", ".join(f"#{j} `{records[j].name}`" for j in feeds[r.index])
-            elif dep["ct"]:
-                sources = dep["ct"]
-                loc = None
-                for k in dep["ct_outputs"]:
-                    loc = _jaxpr.first_culprit(jaxpr, dependence["labels"], k, frozenset(sources), "seed")
-                    if loc is not None:
-                        break
-                others = sorted(lab for lab in sources if lab != ("y", r.index))
-                if ("y", r.index) in sources:
-                    reason = "its cotangent depends on its own output"
-                else:
-                    reason = "its cotangent depends on the output of site " + ", ".join(_site_name(records, lab) for lab in others)
-                if loc is not None:
-                    location = str(loc)
-                    reason += f", through {location}"
-        if reason is None:
-            deferred.append(r.index)
-        sites.append(
-            Site(
-                index=r.index,
-                name=r.name,
-                in_shapes=_describe(r.x_struct),
-                out_shapes=_describe(r.y_struct),
-                schedule="standard" if reason is not None else "deferred",
-                reason=reason,
-                location=location,
+class _Check:
+    """Decides the schedule of each site from the dependences found by the analysis."""
+
+    def __init__(self, records, direct, schedule, max_basis, where):
+        self.records, self.direct, self.schedule, self.max_basis, self.where = records, direct, schedule, max_basis, where
+        self.jaxpr = self.out_tree = self.labels = self.forward_jaxpr = None
+        self.dependence: dict = {}
+        self._forward = None
+
+    def run(self) -> Analysis:
+        feeds: dict[int, list[int]] = {}
+        for site in self.direct:
+            for label in self.dependence.get(site, {}).get("x", frozenset()) | self.dependence.get(site, {}).get("impl", frozenset()):
+                feeds.setdefault(label[1], []).append(site)
+        sites, deferred, basis = [], [], {}
+        for r in self.records:
+            schedule, reason, location, k = self._decide(r, feeds)
+            if schedule != "standard":
+                deferred.append(r.index)
+            if schedule == "deferred-basis":
+                basis[r.index] = k
+            sites.append(
+                Site(
+                    index=r.index,
+                    name=r.name,
+                    in_shapes=_describe(r.x_struct),
+                    out_shapes=_describe(r.y_struct),
+                    schedule=schedule,
+                    reason=reason,
+                    location=location,
+                    k=k.k if isinstance(k, Basis) else k,
+                )
             )
+        if self.schedule == "deferred":
+            refused = [s for s in sites if s.schedule == "standard"]
+            if refused:
+                lines = "\n".join(f"  site #{s.index} `{s.name}`: {s.reason}" for s in refused)
+                raise ValueError(_errors.CANNOT_DEFER.format(where=self.where, lines=lines))
+        plan = Plan(sites=tuple(sites), stages=_stages(self.records, deferred, basis), requested=self.schedule)
+        return Analysis(
+            plan=plan,
+            records=self.records,
+            deferred=tuple(deferred),
+            basis=basis,
+            jaxpr=self.jaxpr,
+            direct=self.direct,
+            out_tree=self.out_tree,
         )
-    if schedule == "deferred":
-        refused = [s for s in sites if s.schedule == "standard"]
-        if refused:
-            lines = "\n".join(f"  site #{s.index} `{s.name}`: {s.reason}" for s in refused)
-            raise ValueError(_errors.CANNOT_DEFER.format(where=where, lines=lines))
-    return sites, tuple(deferred)
+
+    def _decide(self, r: SiteRecord, feeds):
+        """(schedule, reason, location, basis or k) for one site."""
+        if self.schedule == "standard":
+            return "standard", "schedule='standard' was requested", None, None
+        if r.nested is not None:
+            return "standard", f"called inside {r.nested}; only sites called directly in the differentiated function are deferred", None, None
+        if not r.has_fused:
+            return "standard", "no `fused` implementation", None, None
+        dep = self.dependence[r.index]
+        upstream = sorted(dep["x"] | dep["impl"])
+        if upstream:
+            return "standard", "its input depends on the output of site " + ", ".join(_site_name(self.records, lab) for lab in upstream), None, None
+        if r.index in feeds:
+            return "standard", "its output feeds the input of site " + ", ".join(f"#{j} `{self.records[j].name}`" for j in feeds[r.index]), None, None
+        if not dep["ct"]:
+            return "deferred", None, None, None
+        # The cotangent depends on expensive outputs: say where, then try the basis schedule.
+        sources = dep["ct"]
+        location = None
+        for k in dep["ct_outputs"]:
+            loc = _jaxpr.first_culprit(self.jaxpr, self.labels, k, frozenset(sources), "seed")
+            if loc is not None:
+                location = str(loc)
+                break
+        others = sorted(lab for lab in sources if lab != ("y", r.index))
+        if ("y", r.index) in sources:
+            reason = "its cotangent depends on its own output"
+        else:
+            reason = "its cotangent depends on the output of site " + ", ".join(_site_name(self.records, lab) for lab in others)
+        if location is not None:
+            reason += f", through {location}"
+        basis = self._basis(r)
+        limit = r.max_basis if r.max_basis is not None else self.max_basis
+        if basis.k <= limit:
+            return "deferred-basis", None, location, basis
+        reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
+        return "standard", reason, location, basis.k
+
+    def _basis(self, r: SiteRecord) -> Basis:
+        if self._forward is None:
+            self._forward = self.forward_jaxpr()
+        closed = self._forward
+        labels = self.labels[:-1]  # the forward program has no seed input
+        source = [lab == ("y", r.index) for lab in labels]
+        stand_ins = [lab is not None for lab in labels]
+        frontier = _jaxpr.linear_frontier(closed, source, stand_ins)
+        return Basis(k=_jaxpr.frontier_size(frontier), frontier=_jaxpr.with_outputs(closed, frontier))
 
 
-def _stages(records: list[SiteRecord], deferred: tuple[int, ...]) -> tuple[tuple[str, ...], ...]:
+def _stages(records: list[SiteRecord], deferred: list[int], basis: dict) -> tuple[tuple[str, ...], ...]:
     stages: list[tuple[str, ...]] = []
     if deferred:
-        stages.append(tuple(f"{records[i].name}: fused" for i in deferred))
+        stages.append(
+            tuple(f"{records[i].name}: fused" + (f" (k={basis[i].k} cotangents)" if i in basis else "") for i in deferred)
+        )
     standard = [r for r in records if r.index not in deferred]
     stages.extend((f"{r.name}: fwd",) for r in standard)
     stages.extend((f"{r.name}: bwd",) for r in reversed(standard))

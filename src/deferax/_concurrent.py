@@ -32,24 +32,45 @@ class Fused(eqx.Module):
     adjoint: Callable[..., Any]
 
     def __call__(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
-        fwd = jax.jit(self.fwd)
-        adjoint = jax.jit(self.adjoint)
-        if _is_concrete((x, ct_y)):
-            y = _POOL.submit(fwd, x)
-            ct_x = _POOL.submit(adjoint, x, ct_y)
-            return y.result(), ct_x.result()
+        return _concurrently(self.fwd, self.adjoint, _apply, x, ct_y)
 
-        # Traced (inside jit or vmap): leave the program through one host callback, which
-        # runs the two compiled halves on two threads and hands both results back.
-        y_struct = jax.eval_shape(self.fwd, x)
-        ct_struct = jax.eval_shape(self.adjoint, x, ct_y)
+    def batched(self, x: PyTree, cts: PyTree) -> tuple[PyTree, PyTree]:
+        """`y` once and one `ct_x` per cotangent (leading axis of `cts`): the forward runs
+        once, concurrently with the adjoint batched by `jax.vmap` over the cotangents."""
+        return _concurrently(self.fwd, self.adjoint, _apply_batched, x, cts)
 
-        def host(x_, ct_):
-            y_ = _POOL.submit(lambda: jtu.tree_map(np.asarray, fwd(x_)))
-            c_ = _POOL.submit(lambda: jtu.tree_map(np.asarray, adjoint(x_, ct_)))
-            return y_.result(), c_.result()
 
-        return jax.pure_callback(host, (y_struct, ct_struct), x, ct_y, vmap_method="sequential")
+# Compiled once per implementation and input structure; an `eqx.Module` implementation's
+# arrays are arguments, not baked-in constants.
+@eqx.filter_jit
+def _apply(f, *args):
+    return f(*args)
+
+
+@eqx.filter_jit
+def _apply_batched(f, x, cts):
+    return jax.vmap(f, in_axes=(None, 0))(x, cts)
+
+
+def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
+    fwd = lambda x_: _apply(fwd_fn, x_)  # noqa: E731
+    adjoint = lambda x_, ct_: apply_adjoint(adjoint_fn, x_, ct_)  # noqa: E731
+    if _is_concrete((x, ct)):
+        y = _POOL.submit(fwd, x)
+        ct_x = _POOL.submit(adjoint, x, ct)
+        return y.result(), ct_x.result()
+
+    # Traced (inside jit or vmap): leave the program through one host callback, which runs
+    # the two compiled halves on two threads and hands both results back.
+    y_struct = jax.eval_shape(fwd_fn, x)
+    ct_struct = jax.eval_shape(adjoint, x, ct)
+
+    def host(x_, ct_):
+        y_ = _POOL.submit(lambda: jtu.tree_map(np.asarray, fwd(x_)))
+        c_ = _POOL.submit(lambda: jtu.tree_map(np.asarray, adjoint(x_, ct_)))
+        return y_.result(), c_.result()
+
+    return jax.pure_callback(host, (y_struct, ct_struct), x, ct, vmap_method="sequential")
 
 
 def fuse(fwd: Callable[..., Any], adjoint: Callable[..., Any]) -> Fused:

@@ -23,6 +23,7 @@ RULES = {
     "fwd": "`fwd(x)` must return a pytree shaped like the declared (or inferred) output `y`.",
     "bwd": "`bwd(x, y, ct_y)` must return a cotangent with the structure, shapes and dtypes of `x`.",
     "fused": "`fused(x, ct_y)` must return a pair `(y, ct_x)`: `y` shaped like the output, `ct_x` shaped like `x`.",
+    "fused_batch": "`fused_batch(x, cts)` must return a pair `(y, ct_xs)`: `y` shaped like the output, `ct_xs` shaped like `x` with a leading axis of length `k` (one cotangent per row of `cts`).",
 }
 
 FUSED_NOT_PAIR = """{call}: `fused` returned {found}, not a pair. `fused(x, ct_y)` must return `(y, ct_x)`:
@@ -49,3 +50,9 @@ the same expensive functions in the same order each time it is traced (no random
 BAD_SCHEDULE = "{where}: `schedule` must be one of 'auto', 'standard' or 'deferred', but got {found!r}."
 
 NO_ARGS = "{where}: the function must be called with at least one positional argument, passed by position (the argument that is differentiated)."
+
+BAD_MAX_BASIS = "{where}: `max_basis` must be a non-negative int or None, but got {found!r}."
+
+PROJECTION = """deferax internal check: at call site #{index} `{name}` the cotangent left the span of the {k} basis cotangents
+computed by the static check (relative residual above {tol:g}). This is a bug in deferax's static check; please report
+it with the loss function. Use schedule='standard' meanwhile."""

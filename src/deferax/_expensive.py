@@ -94,6 +94,8 @@ class ExpensiveFn(eqx.Module):
     fused: Any = None
     name: str | None = eqx.field(default=None, static=True)
     out: Any = None
+    fused_batch: Any = None
+    max_basis: int | None = eqx.field(default=None, static=True)
 
     def __post_init__(self):
         if self.name is None:
@@ -101,10 +103,12 @@ class ExpensiveFn(eqx.Module):
             object.__setattr__(self, "name", getattr(impl, "__name__", None) or type(impl).__name__)
 
     def __check_init__(self):
-        for impl in ("fwd", "bwd", "fused"):
+        for impl in ("fwd", "bwd", "fused", "fused_batch"):
             value = getattr(self, impl)
             if value is not None and not callable(value):
                 raise TypeError(_errors.NOT_CALLABLE.format(call=self._call, impl=impl, found=value))
+        if self.max_basis is not None and (not isinstance(self.max_basis, int) or self.max_basis < 0):
+            raise ValueError(_errors.BAD_MAX_BASIS.format(where=self._call, found=self.max_basis))
         if self.fwd is None and self.fused is None:
             raise TypeError(_errors.NO_PRIMAL.format(call=self._call))
         if self.out is not None and not callable(self.out):
@@ -205,6 +209,29 @@ class ExpensiveFn(eqx.Module):
         y, ct_x = result
         self._check("fused", "an output `y`", y, self.out_struct(x), "the output structure")
         return y, self._check_ct_x("fused", ct_x, x)
+
+    def run_fused_batch(self, x: PyTree, cts: PyTree) -> tuple[PyTree, PyTree]:
+        """Compute `y` once and `ct_x` for each of `k` cotangents (stacked on a leading axis).
+
+        Uses `fused_batch` when given; otherwise `fused` batched with `jax.vmap` over the
+        cotangent only, so that JAX computes the parts of `fused` that do not depend on
+        the cotangent (the forward solve) once. An implementation that cannot be
+        `vmap`ped this way should give `fused_batch(x, cts) -> (y, ct_xs)`.
+        """
+        k = jtu.tree_leaves(cts)[0].shape[0]
+        if self.fused_batch is not None:
+            result = self.fused_batch(x, cts)
+            if not (isinstance(result, tuple | list) and len(result) == 2):
+                raise ValueError(_errors.FUSED_NOT_PAIR.format(call=self._call, found=f"a {type(result).__name__}").replace("`fused`", "`fused_batch`", 1))
+            y, ct_xs = result
+            self._check("fused_batch", "an output `y`", y, self.out_struct(x), "the output structure")
+            expected = jtu.tree_map(lambda s: jax.ShapeDtypeStruct((k, *s.shape), s.dtype), _struct(x))
+            self._check("fused_batch", "a batch of cotangents", ct_xs, expected, "the input `x` with a leading axis of one cotangent each")
+            return y, ct_xs
+        batched = getattr(self.fused, "batched", None)
+        if batched is not None:
+            return batched(x, cts)
+        return jax.vmap(self.run_fused, in_axes=(None, 0), out_axes=(None, 0))(x, cts)
 
     # ------------------------------------------------------------------ calling
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 import equinox as eqx
 
-Schedule = Literal["standard", "deferred"]
+Schedule = Literal["standard", "deferred", "deferred-basis"]
 
 
 class Site(eqx.Module):
@@ -17,11 +17,15 @@ class Site(eqx.Module):
     - `index`: the position of the call in program order (0 for the first call).
     - `name`: the `ExpensiveFn`'s name.
     - `in_shapes`, `out_shapes`: the input and output structures, as text (`float64[64,64]`).
-    - `schedule`: `"deferred"` (one `fused(x, ct_y)` call, no `fwd` or `bwd`) or
-      `"standard"` (`fwd` on the forward pass, `bwd` on the backward pass).
+    - `schedule`: `"deferred"` (one `fused(x, ct_y)` call, no `fwd` or `bwd`),
+      `"deferred-basis"` (the cotangent is a combination of `k` fixed cotangents: the
+      primal once and `k` adjoints in one batched `fused` call, combined once the output
+      is known) or `"standard"` (`fwd` on the forward pass, `bwd` on the backward pass).
     - `reason`: for a standard site, why it could not be deferred; `None` for a deferred one.
     - `location`: for a standard site whose cotangent depends on an output, the operation
       and the user's `file:line` that make it so; otherwise `None`.
+    - `k`: for a site whose cotangent depends on outputs, the number of fixed basis
+      cotangents it is a combination of (a complex number counts as two); `None` otherwise.
     """
 
     index: int
@@ -31,6 +35,7 @@ class Site(eqx.Module):
     schedule: Schedule
     reason: str | None = None
     location: str | None = None
+    k: int | None = None
 
 
 class Plan(eqx.Module):
@@ -53,13 +58,14 @@ class Plan(eqx.Module):
 
     @property
     def deferred(self) -> tuple[Site, ...]:
-        """The sites on the deferred schedule."""
-        return tuple(s for s in self.sites if s.schedule == "deferred")
+        """The sites on a deferred schedule (`"deferred"` or `"deferred-basis"`)."""
+        return tuple(s for s in self.sites if s.schedule != "standard")
 
     def __str__(self) -> str:
         header = ("#", "site", "input", "output", "schedule", "reason")
         rows = [
-            (str(s.index), s.name, s.in_shapes, s.out_shapes, s.schedule, s.reason or "")
+            (str(s.index), s.name, s.in_shapes, s.out_shapes,
+             s.schedule + (f" (k={s.k})" if s.schedule == "deferred-basis" else ""), s.reason or "")
             for s in self.sites
         ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

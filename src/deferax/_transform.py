@@ -40,11 +40,54 @@ _replay = jax.custom_vjp(_replay_primal)
 _replay.defvjp(_replay_fwd, _replay_bwd)
 
 
+def _realify(tree, batch_dims: int = 0):
+    """Flatten a pytree into one real vector (complex leaves count twice), per batch row."""
+    parts = []
+    for leaf in jtu.tree_leaves(tree):
+        flat = jnp.reshape(leaf, (*leaf.shape[:batch_dims], -1))
+        if jnp.iscomplexobj(flat):
+            parts += [jnp.real(flat), jnp.imag(flat)]
+        else:
+            parts.append(flat)
+    return jnp.concatenate(parts, axis=-1)
+
+
+def _replay_basis_primal(x, y, basis, ct_xs, where):
+    return y
+
+
+def _replay_basis_fwd(x, y, basis, ct_xs, where):
+    return y, (x, y, basis, ct_xs)
+
+
+def _replay_basis_bwd(where, residuals, ct_y):
+    """`ct_y = sum_j a_j basis_j`: find the `a_j` and combine the precomputed `ct_x`s."""
+    x, y, basis, ct_xs = residuals
+    matrix = _realify(basis, batch_dims=1)  # (k, m)
+    target = _realify(ct_y)  # (m,)
+    coefficients = jnp.linalg.lstsq(matrix.T, target)[0]
+    residual = jnp.linalg.norm(matrix.T @ coefficients - target)
+    scale = jnp.linalg.norm(target) + jnp.finfo(target.dtype).tiny
+    tol = 1e-6 if target.dtype == jnp.float64 else 1e-3
+    index, name = where
+    coefficients = eqx.error_if(
+        coefficients, residual > tol * scale, _errors.PROJECTION.format(index=index, name=name, k=matrix.shape[0], tol=tol)
+    )
+    ct_x = jtu.tree_map(lambda c: jnp.tensordot(coefficients.astype(c.dtype), c, axes=1), ct_xs)
+    zeros = jtu.tree_map(_zero_cotangent, (y, basis, ct_xs))
+    return (ct_x, *zeros)
+
+
+_replay_basis = jax.custom_vjp(_replay_basis_primal, nondiff_argnums=(4,))
+_replay_basis.defvjp(_replay_basis_fwd, _replay_basis_bwd)
+
+
 class _Replay:
     """Stage 3: deferred sites return their precomputed output and cotangent; others run."""
 
-    def __init__(self, analysis: Analysis, ys: dict, ct_xs: dict):
+    def __init__(self, analysis: Analysis, inputs: dict, ys: dict, ct_xs: dict):
         self.analysis = analysis
+        self.inputs = inputs
         self.ys = ys
         self.ct_xs = ct_xs
         self.count = 0
@@ -52,8 +95,12 @@ class _Replay:
     def call(self, fn, x):
         record = next_record(self.analysis.records, self.count, fn, x)
         self.count += 1
-        if record.index in self.ys:
-            return _replay(x, self.ys[record.index], self.ct_xs[record.index])
+        site = record.index
+        if site in self.analysis.basis:
+            basis = self.inputs[site][2]
+            return _replay_basis(x, self.ys[site], basis, self.ct_xs[site], (site, record.name))
+        if site in self.ys:
+            return _replay(x, self.ys[site], self.ct_xs[site])
         return fn.standard(x)
 
 
@@ -73,10 +120,10 @@ def _split(fun, x, args, kwargs):
     return leaves, (treedef, static)
 
 
-def _cache_key(leaves, split_static, has_aux, schedule):
+def _cache_key(leaves, split_static, has_aux, schedule, max_basis):
     structs = tuple((jnp.shape(a), jnp.result_type(a), getattr(a, "weak_type", False)) for a in leaves)
     static_leaves, static_def = jtu.tree_flatten(split_static[1])
-    key = (split_static[0], static_def, tuple(static_leaves), structs, has_aux, schedule)
+    key = (split_static[0], static_def, tuple(static_leaves), structs, has_aux, schedule, max_basis)
     hash(key)
     return key
 
@@ -86,30 +133,66 @@ class _Compiled:
 
     def __init__(self, analysis: Analysis, program: _Program, has_aux: bool, diff_mask: Any):
         self.analysis = analysis
-        self.stage1 = jax.jit(ft.partial(_jaxpr.eval_jaxpr, analysis.jaxpr))
-        self.stage3 = eqx.filter_jit(ft.partial(_stage3, analysis, program, has_aux, diff_mask))
+        if analysis.deferred:
+            self.stage1 = jax.jit(ft.partial(_stage1, analysis))
+            self.stage3 = eqx.filter_jit(ft.partial(_stage3, analysis, program, has_aux, diff_mask))
 
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 256
 
 
-def _inputs(analysis: Analysis, flat_out: list):
-    xs, impls, cts = jtu.tree_unflatten(analysis.out_tree, flat_out)
-    return {site: (xs[i], impls[i], cts[i]) for i, site in enumerate(analysis.direct)}
+def _basis_cotangents(frontier, leaves, ys, ts, site):
+    """The rows of the Jacobian of the frontier with respect to `ys[site]` (exact: the
+    frontier is linear in it), one per real number of the frontier, stacked."""
+
+    def frontier_of(y_site):
+        ys_ = list(ys)
+        ys_[site] = y_site
+        return _jaxpr.eval_jaxpr(frontier, *jtu.tree_leaves((leaves, ys_, ts)))
+
+    values, vjp = jax.vjp(frontier_of, ys[site])
+    seeds = []
+    for i, v in enumerate(values):
+        units = [jnp.eye(v.size, dtype=v.dtype)]
+        if jnp.iscomplexobj(v):
+            units.append(1j * units[0])
+        for unit in units:
+            rows = unit.shape[0]
+            seeds.append(
+                [jnp.reshape(unit, (rows, *v.shape)) if j == i else jnp.zeros((rows, *w.shape), w.dtype) for j, w in enumerate(values)]
+            )
+    batch = [jnp.concatenate([s[j] for s in seeds]) for j in range(len(values))]
+    (basis,) = jax.vmap(vjp)(batch)
+    return basis
 
 
-def _stage1_args(analysis: Analysis, leaves: list, seed_dtype) -> list:
+def _stage1(analysis: Analysis, leaves: list) -> dict:
+    """Inputs and cotangents of the deferred sites, computed without any expensive call:
+    every site's output is a stand-in (zeros), which the static check proved unused."""
     ys = [jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), r.y_struct) for r in analysis.records]
     ts = [jnp.zeros((), jnp.result_type(float)) for _ in analysis.records]
-    return jtu.tree_leaves((leaves, ys, ts, jnp.ones((), seed_dtype)))
+    seed = jnp.ones((), analysis.jaxpr.in_avals[-1].dtype)
+    flat = _jaxpr.eval_jaxpr(analysis.jaxpr, *jtu.tree_leaves((leaves, ys, ts, seed)))
+    xs, impls, cts = jtu.tree_unflatten(analysis.out_tree, flat)
+    inputs = {}
+    for i, site in enumerate(analysis.direct):
+        if site in analysis.basis:
+            inputs[site] = (xs[i], impls[i], _basis_cotangents(analysis.basis[site].frontier, leaves, ys, ts, site))
+        elif site in analysis.deferred:
+            inputs[site] = (xs[i], impls[i], cts[i])
+    return inputs
 
 
-def _run_fused(analysis: Analysis, inputs: dict, eager: bool):
-    """Stage 2: one `fused(x, ct_y)` per deferred site; concurrently when running eagerly."""
+def _stage2(analysis: Analysis, inputs: dict, eager: bool):
+    """The expensive calls: one `fused` per deferred site (batched over the basis cotangents
+    of a basis site); the sites run concurrently on threads when running eagerly."""
+
     def one(site):
         x, impl, ct = inputs[site]
         fn = eqx.combine(impl, analysis.records[site].static)
+        if site in analysis.basis:
+            return fn.run_fused_batch(x, ct)
         return fn.run_fused(x, ct)
 
     sites = analysis.deferred
@@ -123,7 +206,7 @@ def _run_fused(analysis: Analysis, inputs: dict, eager: bool):
     return ys, ct_xs
 
 
-def _stage3(analysis: Analysis, program: _Program, has_aux: bool, diff_mask: Any, leaves, ys, ct_xs):
+def _stage3(analysis: Analysis, program: _Program, has_aux: bool, diff_mask: Any, leaves, inputs, ys, ct_xs):
     """Value, aux and gradients, with the deferred sites' results replayed."""
     fun, x, args, kwargs = eqx.combine(jtu.tree_unflatten(program.static[0], leaves), program.static[1])
     diff_x, nondiff_x = eqx.partition(x, diff_mask)
@@ -131,62 +214,54 @@ def _stage3(analysis: Analysis, program: _Program, has_aux: bool, diff_mask: Any
     def loss(d):
         return fun(eqx.combine(d, nondiff_x), *args, **kwargs)
 
-    with fresh_pass(), _sites.recording(_Replay(analysis, ys, ct_xs)):
+    with fresh_pass(), _sites.recording(_Replay(analysis, inputs, ys, ct_xs)):
         return jax.value_and_grad(loss, has_aux=has_aux)(diff_x)
 
 
-def _value_and_grad(fun, has_aux: bool, schedule: str, x, args, kwargs):
-    diff_mask = jtu.tree_map(eqx.is_inexact_array, x)
+def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int, x, args, kwargs):
     if schedule == "standard":
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs), None
+    diff_mask = jtu.tree_map(eqx.is_inexact_array, x)
     leaves, static = _split(fun, x, args, kwargs)
     program = _Program(static=static)
     eager = _jaxpr.is_eager() and not any(isinstance(a, jax.core.Tracer) for a in leaves)
-    compiled = None
+    compiled = key = None
     if eager:
         try:
-            key = _cache_key(leaves, static, has_aux, schedule)
-        except TypeError:
+            key = _cache_key(leaves, static, has_aux, schedule, max_basis)
+        except TypeError:  # an unhashable static part: analyse every call
             key = None
         compiled = _CACHE.get(key) if key is not None else None
         if compiled is not None:
             _CACHE.move_to_end(key)
     if compiled is None:
         structs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in leaves]
-        analysis = analyse(program, structs, has_aux=has_aux, schedule=schedule, where=_WHERE)
-        if eager and analysis.deferred:
+        analysis = analyse(program, structs, has_aux=has_aux, schedule=schedule, max_basis=max_basis, where=_WHERE)
+        if eager:
             compiled = _Compiled(analysis, program, has_aux, diff_mask)
             if key is not None:
                 _CACHE[key] = compiled
                 if len(_CACHE) > _CACHE_SIZE:
                     _CACHE.popitem(last=False)
-    else:
-        analysis = compiled.analysis
+    analysis = compiled.analysis if compiled is not None else analysis
     if not analysis.deferred:
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs), analysis.plan
-
-    seed_dtype = _seed_dtype(analysis)
-    stage1_in = _stage1_args(analysis, leaves, seed_dtype)
-    if compiled is not None:
-        inputs = _inputs(analysis, compiled.stage1(*stage1_in))
-        ys, ct_xs = _run_fused(analysis, inputs, eager=True)
-        result = compiled.stage3(leaves, ys, ct_xs)
+    if eager:
+        inputs = compiled.stage1(leaves)
+        ys, ct_xs = _stage2(analysis, inputs, eager=True)
+        result = compiled.stage3(leaves, inputs, ys, ct_xs)
     else:
-        inputs = _inputs(analysis, _jaxpr.eval_jaxpr(analysis.jaxpr, *stage1_in))
-        ys, ct_xs = _run_fused(analysis, inputs, eager=False)
-        result = _stage3(analysis, program, has_aux, diff_mask, leaves, ys, ct_xs)
-    value, grads = result
-    return (value, grads), analysis.plan
-
-
-def _seed_dtype(analysis: Analysis):
-    return analysis.jaxpr.in_avals[-1].dtype
+        inputs = _stage1(analysis, leaves)
+        ys, ct_xs = _stage2(analysis, inputs, eager=False)
+        result = _stage3(analysis, program, has_aux, diff_mask, leaves, inputs, ys, ct_xs)
+    return result, analysis.plan
 
 
 class _ValueAndGradWrapper(eqx.Module):
     _fun: Callable
     _has_aux: bool = eqx.field(static=True)
     _schedule: str = eqx.field(static=True)
+    _max_basis: int = eqx.field(static=True)
 
     @property
     def __wrapped__(self):
@@ -196,18 +271,23 @@ class _ValueAndGradWrapper(eqx.Module):
         if not args:
             raise TypeError(_errors.NO_ARGS.format(where=_WHERE))
         x, *rest = args
-        return _value_and_grad(self._fun, self._has_aux, self._schedule, x, tuple(rest), kwargs)[0]
+        return _value_and_grad(self._fun, self._has_aux, self._schedule, self._max_basis, x, tuple(rest), kwargs)[0]
 
     def plan(self, *args, **kwargs) -> Plan:
         """The schedule that `self(*args, **kwargs)` would run (see [`deferax.explain`][])."""
         if not args:
             raise TypeError(_errors.NO_ARGS.format(where=_WHERE))
         x, *rest = args
-        diff_x, nondiff_x = eqx.partition(x, eqx.is_inexact_array)
         leaves, static = _split(self._fun, x, tuple(rest), kwargs)
         structs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in leaves]
-        schedule = self._schedule
-        return analyse(_Program(static=static), structs, has_aux=self._has_aux, schedule=schedule, where=_WHERE).plan
+        return analyse(
+            _Program(static=static),
+            structs,
+            has_aux=self._has_aux,
+            schedule=self._schedule,
+            max_basis=self._max_basis,
+            where=_WHERE,
+        ).plan
 
     def __get__(self, instance, owner):
         if instance is None:
@@ -240,12 +320,17 @@ class _GradWrapper(eqx.Module):
         return eqx.Partial(self, instance)
 
 
-def _check_schedule(schedule):
+DEFAULT_MAX_BASIS = 2
+
+
+def _check_settings(schedule, max_basis):
     if schedule not in _SCHEDULES:
         raise ValueError(_errors.BAD_SCHEDULE.format(where=_WHERE, found=schedule))
+    if not isinstance(max_basis, int) or isinstance(max_basis, bool) or max_basis < 0:
+        raise ValueError(_errors.BAD_MAX_BASIS.format(where=_WHERE, found=max_basis))
 
 
-def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "auto"):
+def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "auto", max_basis: int = DEFAULT_MAX_BASIS):
     """Equinox's `filter_value_and_grad`, running the deferred VJP where it is sound.
 
     Differentiates `fun` with respect to the floating-point arrays of its first positional
@@ -262,6 +347,11 @@ def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "a
       which the static check proves it sound and keeps the rest standard; `"standard"`
       behaves exactly like `equinox.filter_value_and_grad`; `"deferred"` defers every site or
       raises an error naming each site that cannot be deferred and why.
+    - `max_basis`: the most basis cotangents `k` a site may need for the
+      `"deferred-basis"` schedule (its cotangent is a combination of `k` fixed cotangents
+      with coefficients that depend on outputs). Default 2: a scalar output, or one
+      complex overlap. A site's own `ExpensiveFn(max_basis=...)` takes precedence. Raise it
+      when the `k` adjoints batch well (a GPU, a cluster); keep it small on a few CPU cores.
 
     **Returns:**
 
@@ -274,22 +364,22 @@ def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "a
     `jax.jit`, `eqx.filter_jit` or `jax.vmap` the whole schedule is traced into the
     surrounding program.
     """
-    _check_schedule(schedule)
+    _check_settings(schedule, max_basis)
     if fun is None:
-        return ft.partial(filter_value_and_grad, has_aux=has_aux, schedule=schedule)
-    return eqx.module_update_wrapper(_ValueAndGradWrapper(fun, has_aux, schedule))
+        return ft.partial(filter_value_and_grad, has_aux=has_aux, schedule=schedule, max_basis=max_basis)
+    return eqx.module_update_wrapper(_ValueAndGradWrapper(fun, has_aux, schedule, max_basis))
 
 
-def filter_grad(fun=None, *, has_aux: bool = False, schedule: str = "auto"):
+def filter_grad(fun=None, *, has_aux: bool = False, schedule: str = "auto", max_basis: int = DEFAULT_MAX_BASIS):
     """Equinox's `filter_grad`, running the deferred VJP where it is sound.
 
     As [`deferax.filter_value_and_grad`][], but returns only the gradients (and `aux`,
     as `(grads, aux)`, with `has_aux=True`).
     """
-    _check_schedule(schedule)
+    _check_settings(schedule, max_basis)
     if fun is None:
-        return ft.partial(filter_grad, has_aux=has_aux, schedule=schedule)
-    value_and_grad = _ValueAndGradWrapper(fun, has_aux, schedule)
+        return ft.partial(filter_grad, has_aux=has_aux, schedule=schedule, max_basis=max_basis)
+    value_and_grad = _ValueAndGradWrapper(fun, has_aux, schedule, max_basis)
     return eqx.module_update_wrapper(_GradWrapper(value_and_grad, has_aux))
 
 
@@ -315,4 +405,4 @@ def explain(fun, *args, **kwargs) -> Plan:
     """
     if isinstance(fun, _ValueAndGradWrapper | _GradWrapper):
         return fun.plan(*args, **kwargs)
-    return _ValueAndGradWrapper(fun, False, "auto").plan(*args, **kwargs)
+    return _ValueAndGradWrapper(fun, False, "auto", DEFAULT_MAX_BASIS).plan(*args, **kwargs)

@@ -1,0 +1,283 @@
+"""The deferred-basis schedule: cotangents that depend on the output through a few numbers."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import deferax as dx
+
+from .helpers import Counter, assert_tree_allclose
+
+P0 = jnp.array([0.3, -0.2, 0.8])
+M1 = jnp.array([1.0 + 1.0j, 0.5 + 0.0j, -1.0j])
+M2 = jnp.array([0.3 + 0.0j, 1.0j, 1.0 - 0.5j])
+
+
+class Parts(eqx.Module):
+    """A `fused` whose primal part and adjoint part are counted separately.
+
+    The primal tick takes `x` (not batched over cotangents) and fires once per run of the
+    primal; the adjoint tick takes the cotangent and fires once per cotangent.
+    """
+
+    ref: object = eqx.field(static=True)
+    counter: object = eqx.field(static=True)
+
+    def __call__(self, x, ct):
+        jax.debug.callback(lambda _: self.counter.counts.update(["primal"]), x)
+        y, vjp = jax.vjp(self.ref, x)
+        (ct_x,) = vjp(ct)
+        jax.debug.callback(lambda _: self.counter.counts.update(["adjoint"]), jax.tree.leaves(ct)[0])
+        return y, ct_x
+
+
+def sim(ref, counter, name="sim", **kwargs):
+    def fwd(x):
+        counter.tick("fwd")
+        return ref(x)
+
+    def bwd(x, y, ct):
+        counter.tick("bwd")
+        return jax.vjp(ref, x)[1](ct)[0]
+
+    return dx.ExpensiveFn(fwd=fwd, bwd=bwd, fused=Parts(ref, counter), name=name, **kwargs)
+
+
+def scalar_ref(x):
+    return jnp.sum(jnp.sin(x) ** 2) + 0.5
+
+
+def field_ref(x):
+    z = x.astype(jnp.complex128)
+    return z * jnp.exp(1j * jnp.array([1.0, 2.0, 3.0], dtype=jnp.complex128) * z)
+
+
+def counts(counter):
+    return {k: counter.counts[k] for k in ("fwd", "bwd", "primal", "adjoint")}
+
+
+def run_and_compare(loss, p, counter, *, max_basis=2, jit=False):
+    transform = dx.filter_value_and_grad(loss, max_basis=max_basis)
+    if jit:
+        transform = eqx.filter_jit(transform)
+        transform(p)
+        jax.effects_barrier()
+    counter.reset()
+    got = transform(p)
+    jax.block_until_ready(got)
+    jax.effects_barrier()
+    seen = counts(counter)
+    assert_tree_allclose(got, eqx.filter_value_and_grad(loss)(p), rtol=1e-10, atol=1e-12)
+    return seen
+
+
+SCALAR_LOSSES = {
+    "log": lambda y, p: jnp.log(y) + jnp.sum(p**2),
+    "square": lambda y, p: y**2 * jnp.sum(p),
+    "sin": lambda y, p: jnp.sin(3.0 * y),
+    "inverse": lambda y, p: 1.0 / y + jnp.sum(jnp.cos(p)),
+}
+
+
+@pytest.mark.parametrize("name", SCALAR_LOSSES)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_scalar_output(name, jit):
+    counter = Counter()
+    f = sim(scalar_ref, counter)
+    loss = lambda p: SCALAR_LOSSES[name](f(p), p)  # noqa: E731
+    (site,) = dx.explain(loss, P0).sites
+    assert site.schedule == "deferred-basis" and site.k == 1 and site.reason is None
+    assert run_and_compare(loss, P0, counter, jit=jit) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 1}
+
+
+def test_overlap_squared_complex_field():
+    counter = Counter()
+    f = sim(field_ref, counter, name="fdfd")
+    loss = lambda p: jnp.abs(jnp.vdot(M1, f(p))) ** 2  # noqa: E731
+    (site,) = dx.explain(loss, P0).sites
+    assert site.schedule == "deferred-basis" and site.k == 2
+    # a complex number counts as two real numbers: one primal, two adjoints
+    assert run_and_compare(loss, P0, counter) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 2}
+    assert run_and_compare(loss, P0, counter, jit=True) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 2}
+
+
+def two_overlaps(f):
+    def loss(p):
+        e = f(p)
+        return jnp.abs(jnp.vdot(M1, e)) ** 2 + 0.5 * jnp.abs(jnp.vdot(M2, e)) ** 2
+
+    return loss
+
+
+def test_sum_of_two_overlaps_k4():
+    counter = Counter()
+    loss = two_overlaps(sim(field_ref, counter))
+    plan = dx.explain(dx.filter_value_and_grad(loss, max_basis=4), P0)
+    assert plan.sites[0].schedule == "deferred-basis" and plan.sites[0].k == 4
+    assert run_and_compare(loss, P0, counter, max_basis=4) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 4}
+
+
+def test_k_above_max_basis_stays_standard_and_says_why():
+    counter = Counter()
+    loss = two_overlaps(sim(field_ref, counter))
+    (site,) = dx.explain(loss, P0).sites
+    assert site.schedule == "standard" and site.k == 4
+    assert "it is a combination of k=4 fixed cotangents, more than max_basis=2" in site.reason
+    assert run_and_compare(loss, P0, counter) == {"fwd": 1, "bwd": 1, "primal": 0, "adjoint": 0}
+
+
+def test_per_function_max_basis_takes_precedence():
+    counter = Counter()
+    loss = two_overlaps(sim(field_ref, counter, max_basis=4))
+    assert dx.explain(loss, P0).sites[0].schedule == "deferred-basis"
+    scalar = sim(scalar_ref, counter, max_basis=0)
+    site = dx.explain(lambda p: jnp.log(scalar(p)), P0).sites[0]
+    assert site.schedule == "standard" and "more than max_basis=0" in site.reason
+
+
+def test_ratio_of_two_powers():
+    counter = Counter()
+    f = sim(field_ref, counter)
+
+    def loss(p):
+        e = f(p)
+        return jnp.abs(jnp.vdot(M1, e)) ** 2 / jnp.abs(jnp.vdot(M2, e)) ** 2
+
+    assert dx.explain(dx.filter_value_and_grad(loss, max_basis=4), P0).sites[0].k == 4
+    assert run_and_compare(loss, P0, counter, max_basis=4) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 4}
+
+
+def test_power_of_whole_field_has_large_k():
+    f = sim(field_ref, Counter())
+    site = dx.explain(lambda p: jnp.log(jnp.sum(jnp.abs(f(p)) ** 2)), P0).sites[0]
+    assert site.schedule == "standard" and site.k == 6
+
+
+def test_mixed_with_deferred_and_standard_sites():
+    c_lin, c_basis, c_std = Counter(), Counter(), Counter()
+    lin = sim(jnp.cos, c_lin, name="lin")
+    basis = sim(field_ref, c_basis, name="overlap")
+    std = sim(jnp.sin, c_std, name="std")
+
+    def loss(p):
+        return jnp.sum(lin(p) * jnp.arange(3.0)) + jnp.log(jnp.abs(jnp.vdot(M1, basis(p))) ** 2) + jnp.sum(std(p) ** 3)
+
+    plan = dx.explain(loss, P0)
+    assert [s.schedule for s in plan.sites] == ["deferred", "deferred-basis", "standard"]
+    for c in (c_lin, c_basis, c_std):
+        c.reset()
+    got = dx.filter_value_and_grad(loss)(P0)
+    jax.effects_barrier()
+    assert counts(c_lin) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 1}
+    assert counts(c_basis) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 2}
+    assert counts(c_std) == {"fwd": 1, "bwd": 1, "primal": 0, "adjoint": 0}
+    assert_tree_allclose(got, eqx.filter_value_and_grad(loss)(P0))
+
+
+def test_inside_vmap_and_jit():
+    f = sim(field_ref, Counter())
+
+    def loss(p, m):
+        return jnp.abs(jnp.vdot(m, f(p))) ** 2 + jnp.sum(p**2)
+
+    ps = jnp.stack([P0, -P0, 2 * P0])
+    ms = jnp.stack([M1, M2, M1 * 2])
+    expected = jax.vmap(eqx.filter_value_and_grad(loss))(ps, ms)
+    assert_tree_allclose(jax.vmap(dx.filter_value_and_grad(loss))(ps, ms), expected)
+    assert_tree_allclose(jax.jit(jax.vmap(dx.filter_value_and_grad(loss)))(ps, ms), expected)
+
+
+def test_fused_batch_is_used():
+    counter = Counter()
+
+    def fused_batch(x, cts):
+        counter.counts.update(["batch"])  # a host-level implementation, run eagerly
+        y, vjp = jax.vjp(field_ref, x)
+        return y, jax.vmap(lambda c: vjp(c)[0])(cts)
+
+    f = dx.ExpensiveFn(fwd=field_ref, fused_batch=fused_batch, name="batched")
+    loss = lambda p: jnp.abs(jnp.vdot(M1, f(p))) ** 2  # noqa: E731
+    assert dx.explain(loss, P0).sites[0].schedule == "deferred-basis"
+    got = dx.filter_value_and_grad(loss)(P0)
+    assert counter.counts["batch"] == 1
+    assert_tree_allclose(got, eqx.filter_value_and_grad(loss)(P0))
+
+
+def test_fuse_batched_runs_forward_once():
+    adjoint = lambda x, ct: jax.vjp(field_ref, x)[1](ct)[0]  # noqa: E731
+    f = dx.ExpensiveFn(fwd=field_ref, bwd=lambda x, y, ct: adjoint(x, ct), fused=dx.fuse(field_ref, adjoint))
+    loss = two_overlaps(f)
+    expected = eqx.filter_value_and_grad(loss)(P0)
+    assert_tree_allclose(dx.filter_value_and_grad(loss, max_basis=4)(P0), expected)
+    assert_tree_allclose(eqx.filter_jit(dx.filter_value_and_grad(loss, max_basis=4))(P0), expected)
+
+
+def test_error_fused_batch_wrong_shape():
+    f = dx.ExpensiveFn(fwd=field_ref, fused_batch=lambda x, cts: (field_ref(x), jnp.zeros((1, 3))), name="bad")
+    loss = lambda p: jnp.abs(jnp.vdot(M1, f(p))) ** 2  # noqa: E731
+    expected = (
+        "`ExpensiveFn(name='bad')`: `fused_batch` returned a batch of cotangents that does not match the input `x` with "
+        "a leading axis of one cotangent each.\nExpected float64[2, 3], found float64[1, 3]."
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        dx.filter_value_and_grad(loss)(P0)
+
+
+def test_error_bad_max_basis():
+    with pytest.raises(ValueError, match=re.escape("`deferax.filter_value_and_grad`: `max_basis` must be a non-negative int or None, but got -1.")):
+        dx.filter_value_and_grad(lambda p: p.sum(), max_basis=-1)
+    with pytest.raises(ValueError, match=re.escape("`ExpensiveFn(name='f')`: `max_basis` must be a non-negative int or None, but got -2.")):
+        dx.ExpensiveFn(fwd=jnp.sin, name="f", max_basis=-2)
+
+
+# ----------------------------------------------------------------------------- property-based
+
+PROJECTIONS = {
+    "dot": lambda y: jnp.dot(jnp.array([0.5, -1.0, 2.0]), y),
+    "slice": lambda y: y[1],
+    "sum": lambda y: jnp.sum(y),
+    "weighted_slice": lambda y: 3.0 * y[0] - y[2],
+    "fft0_real": lambda y: jnp.real(jnp.fft.fft(y)[1]),
+}
+AFTER = {
+    "log": lambda z: jnp.log(z**2 + 1.0),
+    "square": lambda z: z**2,
+    "sin": lambda z: jnp.sin(z),
+    "product": lambda z: z * jnp.tanh(z),
+    "exp": lambda z: jnp.exp(0.3 * z),
+}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    projections=st.lists(st.sampled_from(sorted(PROJECTIONS)), min_size=1, max_size=3, unique=True),
+    after=st.lists(st.sampled_from(sorted(AFTER)), min_size=1, max_size=3),
+    couple=st.booleans(),
+    sign=st.sampled_from([1.0, -1.0]),
+)
+def test_random_projection_then_nonlinear(projections, after, couple, sign):
+    counter = Counter()
+    f = sim(lambda x: jnp.sin(x) * jnp.exp(0.2 * x), counter)
+
+    def loss(p):
+        y = f(p)
+        zs = [PROJECTIONS[name](y) for name in projections]
+        total = 0.0
+        for z in zs:
+            for name in after:
+                z = AFTER[name](z)
+            total = total + z
+        if couple and len(zs) > 1:
+            total = total + zs[0] * zs[1]  # nonlinear coupling of two projections
+        return total + jnp.sum(p**2)
+
+    p = sign * P0
+    site = dx.explain(dx.filter_value_and_grad(loss, max_basis=3), p).sites[0]
+    assert site.schedule == "deferred-basis"
+    assert site.k == len(projections)
+    assert run_and_compare(loss, p, counter, max_basis=3) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": len(projections)}
