@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import equinox as eqx
@@ -11,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _errors, _jaxpr, _sites
+from . import _errors, _jaxpr, _sites, _typed
 
 
 def _struct(tree: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
@@ -181,11 +182,24 @@ class ExpensiveFn(eqx.Module):
 
     # ------------------------------------------------------------------ implementations, derived where needed
 
+    def _invoke(self, impl: str, *args: Any) -> Any:
+        """Call an implementation, checking its jaxtyping annotations (if it has any)."""
+        fn = getattr(self, impl)
+        if isinstance(fn, _typed.TypedModule) or not _typed.typechecking_enabled():
+            return fn(*args)
+        where = f"{self._call} `{impl}`"
+        if inspect.isfunction(fn) or inspect.ismethod(fn):
+            return _typed.check_call(fn, where, args, {})
+        method = getattr(type(fn), "__call__", None)
+        if isinstance(fn, eqx.Module) and inspect.isfunction(method):
+            return _typed.check_call(method, where, (fn, *args), {}, call=lambda *_: fn(*args))
+        return fn(*args)
+
     def primal(self, x: PyTree) -> PyTree:
         """Compute `y = f(x)` with `fwd`, or with `fused` and a zero cotangent."""
         expected = self.out_struct(x)
         if self.fwd is not None:
-            y = self.fwd(x)
+            y = self._invoke("fwd", x)
             self._check("fwd", "an output", y, expected, "the output structure")
             return y
         ct0 = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), expected)
@@ -194,7 +208,7 @@ class ExpensiveFn(eqx.Module):
     def cotangent(self, x: PyTree, y: PyTree, ct_y: PyTree) -> PyTree:
         """Compute `ct_x` with `bwd`, or with `fused` (which recomputes the primal)."""
         if self.bwd is not None:
-            return self._check_ct_x("bwd", self.bwd(x, y, ct_y), x)
+            return self._check_ct_x("bwd", self._invoke("bwd", x, y, ct_y), x)
         return self.run_fused(x, ct_y)[1]
 
     def run_fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
@@ -202,7 +216,7 @@ class ExpensiveFn(eqx.Module):
         if self.fused is None:
             y = self.primal(x)
             return y, self.cotangent(x, y, ct_y)
-        result = self.fused(x, ct_y)
+        result = self._invoke("fused", x, ct_y)
         if not (isinstance(result, tuple | list) and len(result) == 2):
             found = f"a {type(result).__name__}" + (f" of length {len(result)}" if isinstance(result, tuple | list) else "")
             raise ValueError(_errors.FUSED_NOT_PAIR.format(call=self._call, found=found))
@@ -220,7 +234,7 @@ class ExpensiveFn(eqx.Module):
         """
         k = jtu.tree_leaves(cts)[0].shape[0]
         if self.fused_batch is not None:
-            result = self.fused_batch(x, cts)
+            result = self._invoke("fused_batch", x, cts)
             if not (isinstance(result, tuple | list) and len(result) == 2):
                 raise ValueError(_errors.FUSED_NOT_PAIR.format(call=self._call, found=f"a {type(result).__name__}").replace("`fused`", "`fused_batch`", 1))
             y, ct_xs = result

@@ -1,0 +1,206 @@
+"""Typed modules: jaxtyping annotations checked at run time by beartype.
+
+Checks run in Python when a function is called, so inside a jitted step they cost
+nothing after tracing: shapes and dtypes are static, and the check happens while JAX
+traces. Dimension names bind across one call: a module's fields, a method's arguments and
+its return value share one set of bindings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools as ft
+import inspect
+import io
+import os
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import jaxtyping
+from beartype.door import is_bearable
+
+from . import _errors
+
+_ENV = "DEFERAX_TYPECHECK"
+_DEFAULT = os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_typecheck", default=_DEFAULT)
+
+
+class AnnotationError(TypeError):
+    """A value did not match its jaxtyping annotation (shape, dtype or structure)."""
+
+
+def typechecking_enabled() -> bool:
+    """Whether typed modules and typed implementations are checked now."""
+    return _ENABLED.get()
+
+
+def set_typechecking(enabled: bool) -> None:
+    """Turn the run-time checks of typed modules on or off for the current context.
+
+    The default is on, unless the environment variable `DEFERAX_TYPECHECK` is `0`,
+    `false`, `off` or `no` when deferax is imported.
+    """
+    _ENABLED.set(bool(enabled))
+
+
+@contextlib.contextmanager
+def typechecking(enabled: bool) -> Iterator[None]:
+    """Context manager: run the block with the checks turned on or off.
+
+    !!! Example
+
+        ```python
+        with dx.typechecking(False):
+            loss = step(model, batch)  # no shape checks while tracing
+        ```
+    """
+    token = _ENABLED.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+@typing.no_type_check  # runs in the caller's jaxtyping bindings
+def _bindings() -> str:
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        jaxtyping.print_bindings()
+    lines = [line for line in buffer.getvalue().splitlines() if "=" in line]
+    return ", ".join(lines) if lines else "none yet"
+
+
+def describe(value: Any) -> str:
+    """A short description of a value: `float64[3, 4]` for an array, a pytree of those."""
+    if isinstance(value, jax.Array | jax.ShapeDtypeStruct) or hasattr(value, "__array__") and hasattr(value, "shape"):
+        return f"{jnp.dtype(value.dtype).name}{list(value.shape)}"
+    leaves, treedef = jtu.tree_flatten(value)
+    if treedef.num_nodes == 1:
+        return type(value).__name__ if not leaves or leaves[0] is not value else repr(value)[:80]
+    return str(jtu.tree_unflatten(treedef, [describe(v) for v in leaves])).replace("'", "")
+
+
+def _hint_text(hint: Any) -> str:
+    """`Float[Array, 'nx ny']` rather than the class's repr."""
+    text = getattr(hint, "__name__", None) if isinstance(hint, type) else None
+    text = text or repr(hint)
+    for noise in ("jaxtyping.", "jaxlib._jax.", "jax.jaxlib._jax.", "<class '", "'>"):
+        text = text.replace(noise, "")
+    return text
+
+
+@typing.no_type_check  # runs in the caller's jaxtyping bindings
+def check(value: Any, hint: Any, where: str, what: str) -> None:
+    """Check `value` against `hint` in the current bindings; raise `AnnotationError`."""
+    if hint is Any or hint is inspect.Parameter.empty:
+        return
+    if not is_bearable(value, hint):
+        raise AnnotationError(
+            _errors.ANNOTATION.format(
+                where=where, what=what, expected=_hint_text(hint), found=describe(value), bindings=_bindings()
+            )
+        )
+
+
+@ft.cache
+def _field_hints(cls: type) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    names = [f.name for f in dataclasses.fields(cls)]
+    return tuple((name, hints[name]) for name in names if name in hints)
+
+
+@typing.no_type_check  # runs in the caller's jaxtyping bindings
+def _check_fields(module: Any, where: str) -> None:
+    for name, hint in _field_hints(type(module)):
+        check(getattr(module, name), hint, where, f"field `{name}`")
+
+
+@ft.lru_cache(maxsize=4096)
+def _signature(fn: Callable) -> tuple[inspect.Signature, dict[str, Any]]:
+    return inspect.signature(fn), typing.get_type_hints(fn, include_extras=True)
+
+
+@typing.no_type_check  # runs in the caller's jaxtyping bindings
+def check_call(fn: Callable, where: str, args: tuple, kwargs: dict, *, self_fields: Any = None, call: Callable | None = None):
+    """Call `fn(*args, **kwargs)` checking annotated arguments and the return value in
+    one set of dimension bindings (shared with `self_fields`' annotated fields)."""
+    call = fn if call is None else call
+    if not typechecking_enabled():
+        return call(*args, **kwargs)
+    try:
+        signature, hints = _signature(fn)
+    except (TypeError, ValueError, NameError):
+        return call(*args, **kwargs)
+    with jaxtyping.jaxtyped("context"):
+        if self_fields is not None:
+            _check_fields(self_fields, where)
+        bound = signature.bind(*args, **kwargs)
+        for name, value in bound.arguments.items():
+            if name in hints:
+                check(value, hints[name], where, f"argument `{name}`")
+        result = call(*args, **kwargs)
+        if "return" in hints:
+            check(result, hints["return"], where, "the return value")
+    return result
+
+
+def _typed_method(cls_name: str, name: str, method: Callable) -> Callable:
+    where = f"`{cls_name}.{name}`"
+
+    @typing.no_type_check  # runs in the caller's jaxtyping bindings
+    @ft.wraps(method)
+    def checked(self, *args, **kwargs):
+        if not typechecking_enabled():
+            return method(self, *args, **kwargs)
+        return check_call(method, where, (self, *args), kwargs, self_fields=self)
+
+    return checked
+
+
+class TypedModule(eqx.Module):
+    """An `eqx.Module` whose jaxtyping annotations are checked at run time.
+
+    Annotated fields are checked when the module is constructed; annotated methods
+    (`__call__` and any other) are checked at each call, arguments and return value,
+    with the fields' dimension names bound in the same scope: a field
+    `weight: Float[Array, "out in"]` and an argument `x: Float[Array, "in"]` must agree.
+    Inside `jax.jit` the checks run once, while tracing. Turn them off with
+    [`deferax.typechecking`][], [`deferax.set_typechecking`][] or the environment variable
+    `DEFERAX_TYPECHECK=0`.
+
+    A mismatch raises [`deferax.AnnotationError`][] naming the module, the method, the
+    argument or field, the expected annotation, what was received and the dimension
+    bindings so far.
+
+    !!! Example
+
+        ```python
+        class Linear(dx.TypedModule):
+            weight: Float[Array, "out in"]
+
+            def __call__(self, x: Float[Array, "in"]) -> Float[Array, "out"]:
+                return self.weight @ x
+        ```
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name, attr in list(vars(cls).items()):
+            if not inspect.isfunction(attr) or (name.startswith("__") and name != "__call__"):
+                continue
+            if getattr(attr, "__annotations__", None):
+                setattr(cls, name, _typed_method(cls.__name__, name, attr))
+
+    @typing.no_type_check  # runs in the caller's jaxtyping bindings
+    def __check_init__(self):
+        if typechecking_enabled():
+            with jaxtyping.jaxtyped("context"):
+                _check_fields(self, f"`{type(self).__name__}(...)`")
