@@ -428,3 +428,37 @@ def test_error_sites_change_between_traces():
 
     with pytest.raises(RuntimeError, match=re.escape("deferax: the program called its `ExpensiveFn` sites differently between two traces")):
         dx.filter_value_and_grad(unstable)(P0)
+
+
+WEIGHTS = jnp.array([1.0, 2.0, 3.0, 4.0])
+
+
+def test_rebinding_a_captured_global_array_is_not_stale():
+    global WEIGHTS
+    f = make(ref, ("fwd", "bwd", "fused"))
+
+    def loss(p):
+        return jnp.sum(WEIGHTS * f(p))
+
+    step = dx.filter_value_and_grad(loss)
+    first = step(P0)
+    assert_tree_allclose(first, eqx.filter_value_and_grad(loss)(P0))
+    saved = WEIGHTS
+    try:
+        WEIGHTS = -2.0 * saved
+        assert_tree_allclose(step(P0), eqx.filter_value_and_grad(loss)(P0))
+    finally:
+        WEIGHTS = saved
+
+
+def test_rebinding_a_closed_over_array_is_not_stale():
+    f = make(ref, ("fwd", "bwd", "fused"))
+    weights = W
+
+    def loss(p):
+        return jnp.sum(weights * f(p))
+
+    step = dx.filter_value_and_grad(loss)
+    step(P0)
+    weights = 3.0 * W  # noqa: F841 (read by loss through its closure)
+    assert_tree_allclose(step(P0), eqx.filter_value_and_grad(loss)(P0))

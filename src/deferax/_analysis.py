@@ -125,7 +125,7 @@ class _Analyse:
             self.impls.append(eqx.filter(fn, eqx.is_array))
             return self.ys[record.index]
         t = self.ts[record.index]
-        total = sum((jnp.sum(jnp.real(leaf)) for leaf in jtu.tree_leaves(x)), start=jnp.zeros((), t.dtype))
+        total = sum((jnp.sum(jnp.real(leaf)).astype(t.dtype) for leaf in jtu.tree_leaves(x)), start=jnp.zeros((), t.dtype))
         scale = t * (1 + total)
         return jtu.tree_map(lambda s: jnp.broadcast_to(scale, s.shape).astype(s.dtype), record.y_struct)
 

@@ -120,10 +120,25 @@ def _split(fun, x, args, kwargs):
     return leaves, (treedef, static)
 
 
+def _captured_arrays(fun) -> tuple[int, ...]:
+    """Identities of the arrays a plain function reaches through its closure or its
+    module's globals. They are compiled into the cached stages as constants (as
+    `eqx.filter_jit` does), so rebinding one must miss the cache rather than reuse it."""
+    fn = getattr(fun, "__func__", fun)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ()
+    values = [cell.cell_contents for cell in (fn.__closure__ or ()) if cell.cell_contents is not None]
+    module_globals = getattr(fn, "__globals__", {})
+    values += [module_globals[name] for name in code.co_names if name in module_globals]
+    return tuple(id(v) for v in values if eqx.is_array(v))
+
+
 def _cache_key(leaves, split_static, has_aux, schedule, max_basis):
     structs = tuple((jnp.shape(a), jnp.result_type(a), getattr(a, "weak_type", False)) for a in leaves)
     static_leaves, static_def = jtu.tree_flatten(split_static[1])
-    key = (split_static[0], static_def, tuple(static_leaves), structs, has_aux, schedule, max_basis)
+    captured = tuple(_captured_arrays(leaf) for leaf in static_leaves if callable(leaf))
+    key = (split_static[0], static_def, tuple(static_leaves), structs, captured, has_aux, schedule, max_basis)
     hash(key)
     return key
 
