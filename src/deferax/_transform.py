@@ -120,7 +120,22 @@ def _split(fun, x, args, kwargs):
     return leaves, (treedef, static)
 
 
-def _captured_arrays(fun) -> tuple[int, ...]:
+class _Identity:
+    """Hashes and compares by identity, and keeps the object alive (so its id is not reused)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+
+def _captured_arrays(fun) -> tuple[_Identity, ...]:
     """Identities of the arrays a plain function reaches through its closure or its
     module's globals. They are compiled into the cached stages as constants (as
     `eqx.filter_jit` does), so rebinding one must miss the cache rather than reuse it."""
@@ -131,7 +146,7 @@ def _captured_arrays(fun) -> tuple[int, ...]:
     values = [cell.cell_contents for cell in (fn.__closure__ or ()) if cell.cell_contents is not None]
     module_globals = getattr(fn, "__globals__", {})
     values += [module_globals[name] for name in code.co_names if name in module_globals]
-    return tuple(id(v) for v in values if eqx.is_array(v))
+    return tuple(_Identity(v) for v in values if eqx.is_array(v))
 
 
 def _cache_key(leaves, split_static, has_aux, schedule, max_basis):
