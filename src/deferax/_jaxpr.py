@@ -98,29 +98,34 @@ def _inner_jaxpr(eqn):
     return getattr(inner, "jaxpr", inner)
 
 
-def _propagate(jaxpr, in_marks: Sequence[frozenset]) -> list[frozenset]:
-    """Forward dependency analysis: which sources each output of `jaxpr` depends on."""
-    marks: dict = {}
+def _mark(jaxpr, in_marks: Sequence[frozenset]) -> tuple[list[frozenset], list[list[frozenset]]]:
+    """Forward dependency analysis over `jaxpr`.
+
+    Returns the marks (sets of source labels) of the outputs, and for each equation the
+    marks of its inputs. A call-like equation is analysed inside; any other equation marks
+    every output with the union of its inputs' marks (conservative, so always sound).
+    """
     empty: frozenset = frozenset()
+    marks: dict = dict(zip(jaxpr.invars, in_marks, strict=True))
 
     def read(v):
-        if isinstance(v, _core.Literal):
-            return empty
-        return marks.get(v, empty)
+        return empty if isinstance(v, _core.Literal) else marks.get(v, empty)
 
-    for v, m in zip(jaxpr.invars, in_marks, strict=True):
-        marks[v] = m
+    eqn_ins = []
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         inner = _inner_jaxpr(eqn)
         if inner is not None and len(inner.invars) == len(ins):
-            outs = _propagate(inner, ins)
+            outs = _mark(inner, ins)[0]
         else:
-            union = frozenset().union(*ins) if ins else empty
-            outs = [union] * len(eqn.outvars)
-        for v, m in zip(eqn.outvars, outs, strict=True):
-            marks[v] = m
-    return [read(v) for v in jaxpr.outvars]
+            outs = [frozenset().union(*ins)] * len(eqn.outvars)
+        marks.update(zip(eqn.outvars, outs, strict=True))
+        eqn_ins.append(ins)
+    return [read(v) for v in jaxpr.outvars], eqn_ins
+
+
+def _in_marks(in_labels: Sequence[object]) -> list[frozenset]:
+    return [frozenset() if lab is None else frozenset([lab]) for lab in in_labels]
 
 
 def dependencies(closed, in_labels: Sequence[object]) -> list[frozenset]:
@@ -130,26 +135,7 @@ def dependencies(closed, in_labels: Sequence[object]) -> list[frozenset]:
     syntactic and conservative: an output is reported dependent whenever some chain of
     operations connects it to the input, whatever the values.
     """
-    jaxpr = closed.jaxpr
-    marks = [frozenset() if lab is None else frozenset([lab]) for lab in in_labels]
-    return _propagate(jaxpr, marks)
-
-
-def _forward_state(jaxpr, marks):
-    state: dict = dict(zip(jaxpr.invars, marks, strict=True))
-    eqn_ins = []
-    for eqn in jaxpr.eqns:
-        ins = [frozenset() if isinstance(v, _core.Literal) else state.get(v, frozenset()) for v in eqn.invars]
-        inner = _inner_jaxpr(eqn)
-        if inner is not None and len(inner.invars) == len(ins):
-            outs = _propagate(inner, ins)
-        else:
-            union = frozenset().union(*ins) if ins else frozenset()
-            outs = [union] * len(eqn.outvars)
-        for v, m in zip(eqn.outvars, outs, strict=True):
-            state[v] = m
-        eqn_ins.append(ins)
-    return eqn_ins
+    return _mark(closed.jaxpr, _in_marks(in_labels))[0]
 
 
 def _relevant_eqns(jaxpr, output: int) -> list[bool]:
@@ -176,8 +162,7 @@ def first_culprit(closed, in_labels: Sequence[object], output: int, sources: fro
     output is named instead.
     """
     jaxpr = closed.jaxpr
-    marks = [frozenset() if lab is None else frozenset([lab]) for lab in in_labels]
-    eqn_ins = _forward_state(jaxpr, marks)
+    eqn_ins = _mark(jaxpr, _in_marks(in_labels))[1]
     relevant = _relevant_eqns(jaxpr, output)
     fallback = None
     for eqn, ins, rel in zip(jaxpr.eqns, eqn_ins, relevant, strict=True):
