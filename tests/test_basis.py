@@ -281,3 +281,33 @@ def test_random_projection_then_nonlinear(projections, after, couple, sign):
     assert site.schedule == "deferred-basis"
     assert site.k == len(projections)
     assert run_and_compare(loss, p, counter, max_basis=3) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": len(projections)}
+
+
+def test_weak_typed_scalar_input():
+    f = dx.ExpensiveFn(fwd=jnp.sin, fused=lambda x, ct: (jnp.sin(x), ct * jnp.cos(x)), name="sin")
+    loss = lambda x: jnp.log(f(x) + 2.0)  # noqa: E731
+    x = jnp.asarray(1.0)  # weak-typed
+    assert_tree_allclose(dx.filter_value_and_grad(loss)(x), eqx.filter_value_and_grad(loss)(x))
+    assert_tree_allclose(eqx.filter_jit(dx.filter_value_and_grad(loss))(x), eqx.filter_value_and_grad(loss)(x))
+
+
+def test_callback_fused_without_fused_batch_warns_and_is_correct():
+    import numpy as np
+
+    calls = []
+
+    def host_fused(x, ct):
+        calls.append(1)
+        y, vjp = jax.vjp(field_ref, jnp.asarray(x))
+        return np.asarray(y), np.asarray(vjp(jnp.asarray(ct))[0])
+
+    def fused(x, ct):
+        out = (jax.ShapeDtypeStruct((3,), jnp.complex128), jax.ShapeDtypeStruct((3,), jnp.float64))
+        return jax.pure_callback(host_fused, out, x, ct, vmap_method="sequential")
+
+    f = dx.ExpensiveFn(fwd=field_ref, fused=fused, name="host")
+    loss = lambda p: jnp.abs(jnp.vdot(M1, f(p))) ** 2  # noqa: E731
+    with pytest.warns(UserWarning, match=re.escape("`ExpensiveFn(name='host')`: `fused` could not be batched over the cotangent with the primal computed once")):
+        got = dx.filter_value_and_grad(loss)(P0)
+    assert len(calls) == 2  # k = 2 runs, each with its own primal; no wasted trial run
+    assert_tree_allclose(got, eqx.filter_value_and_grad(loss)(P0))

@@ -130,12 +130,18 @@ class _Analyse:
         return jtu.tree_map(lambda s: jnp.broadcast_to(scale, s.shape).astype(s.dtype), record.y_struct)
 
 
+def _shapes(tree: Any) -> tuple:
+    """Structure, shapes and dtypes (not weak types, which differ between traces)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    return treedef, tuple((tuple(jnp.shape(a)), jnp.dtype(a.dtype)) for a in leaves)
+
+
 def next_record(records: list[SiteRecord], count: int, fn: ExpensiveFn, x: Any) -> SiteRecord:
     """The record for the `count`-th call, checking that the program calls the same sites."""
     if count >= len(records):
         raise RuntimeError(_errors.SITES_CHANGED.format(found=f"more than {len(records)} calls", name=fn.name))
     record = records[count]
-    if record.name != fn.name or jax.eval_shape(lambda v: v, x) != record.x_struct:
+    if record.name != fn.name or _shapes(x) != _shapes(record.x_struct):
         raise RuntimeError(
             _errors.SITES_CHANGED.format(found=f"call {count} is `{fn.name}` on {_describe(x)}", name=record.name)
         )

@@ -61,3 +61,7 @@ ANNOTATION = """{where}: {what} does not match its annotation.
   expected: {expected}
   received: {found}
   dimension bindings so far: {bindings}"""
+
+NOT_SEPARABLE = """{call}: `fused` could not be batched over the cotangent with the primal computed once (its output `y`
+depends on the batch under `jax.vmap`, as a host callback's does), so the primal runs {k} times, once per basis
+cotangent. Give `fused_batch(x, cts) -> (y, ct_xs)` to compute it once."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -69,6 +70,14 @@ class ExpensiveFn(eqx.Module):
     - `out`: the output's structure, a pytree of `jax.ShapeDtypeStruct`, or a function from
       the input's structure (a pytree of `jax.ShapeDtypeStruct`) to it. Optional when `fwd`
       is JAX-traceable: it is then inferred with `jax.eval_shape`.
+    - `fused_batch`: optional `fused_batch(x, cts) -> (y, ct_xs)`, where `cts` stacks `k`
+      cotangents on a leading axis and `ct_xs` stacks their input cotangents: the primal
+      once, `k` adjoints. Used by the `"deferred-basis"` schedule; without it, `fused` is
+      batched with `jax.vmap` over the cotangent (a [`deferax.fuse`][] implementation
+      runs the forward once and the batched adjoint concurrently). Give it for
+      implementations that cannot be `vmap`ped that way (host callbacks, remote jobs).
+    - `max_basis`: this function's limit on `k` for the `"deferred-basis"` schedule; it
+      takes precedence over the `max_basis` of [`deferax.filter_value_and_grad`][].
 
     Arrays held by the implementations (fields of an `eqx.Module` implementation) are
     constants to the derivative: their cotangent is zero.
@@ -245,7 +254,19 @@ class ExpensiveFn(eqx.Module):
         batched = getattr(self.fused, "batched", None)
         if batched is not None:
             return batched(x, cts)
-        return jax.vmap(self.run_fused, in_axes=(None, 0), out_axes=(None, 0))(x, cts)
+        separable = jax.vmap(self.run_fused, in_axes=(None, 0), out_axes=(None, 0))
+        try:
+            jax.eval_shape(separable, x, cts)  # traces only: nothing expensive runs
+        except ValueError as error:
+            if "out_axes" not in str(error):
+                raise
+        else:
+            return separable(x, cts)
+        # `fused` computes `y` in a way vmap cannot see is independent of the cotangent
+        # (a host callback, say): correct, but the primal runs once per cotangent.
+        warnings.warn(_errors.NOT_SEPARABLE.format(call=self._call, k=k), stacklevel=2)
+        y, ct_xs = jax.vmap(self.run_fused, in_axes=(None, 0))(x, cts)
+        return jtu.tree_map(lambda a: a[0], y), ct_xs
 
     # ------------------------------------------------------------------ calling
 
