@@ -74,7 +74,7 @@ def main():
         print(f"step {i}: loss {float(value):.5f}")
     reference = eqx.filter_value_and_grad(loss)(model, z)
     ours = dx.filter_value_and_grad(loss)(model, z)
-    error = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)))
+    error = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True))
     print(f"max difference from eqx.filter_value_and_grad: {error:.2e}")
     assert error < 1e-4
 

@@ -323,7 +323,7 @@ def test_error_fused_not_a_pair():
 def test_error_forward_mode(given):
     f = make(jnp.sin, given, name="sim")
     how = "given by `bwd`" if "bwd" in given else "derived from `fused`"
-    text = f"`ExpensiveFn(name='sim')`: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`"
+    text = "`ExpensiveFn(name='sim')`: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`"
     with pytest.raises(TypeError, match=match(text)) as info:
         jax.jvp(f, (jnp.ones(3),), (jnp.ones(3),))
     assert f"function whose derivative is {how}" in str(info.value)

@@ -2,15 +2,27 @@
 
 import importlib.metadata
 
-from ._concurrent import Fused as Fused, fuse as fuse
+from ._concurrent import Fused as Fused
+from ._concurrent import fuse as fuse
 from ._expensive import ExpensiveFn as ExpensiveFn
-from ._plan import Plan as Plan, Site as Site
-from ._transform import explain as explain, filter_grad as filter_grad, filter_value_and_grad as filter_value_and_grad
+from ._plan import Plan as Plan
+from ._plan import Site as Site
+from ._transform import explain as explain
+from ._transform import filter_grad as filter_grad
+from ._transform import filter_value_and_grad as filter_value_and_grad
 from ._typed import (
     AnnotationError as AnnotationError,
-    set_typechecking as set_typechecking,
+)
+from ._typed import (
     TypedModule as TypedModule,
+)
+from ._typed import (
+    set_typechecking as set_typechecking,
+)
+from ._typed import (
     typechecking as typechecking,
+)
+from ._typed import (
     typechecking_enabled as typechecking_enabled,
 )
 

@@ -199,7 +199,7 @@ class ExpensiveFn(eqx.Module):
         where = f"{self._call} `{impl}`"
         if inspect.isfunction(fn) or inspect.ismethod(fn):
             return _typed.check_call(fn, where, args, {})
-        method = getattr(type(fn), "__call__", None)
+        method = type(fn).__call__ if isinstance(fn, eqx.Module) else None
         if isinstance(fn, eqx.Module) and inspect.isfunction(method):
             return _typed.check_call(method, where, (fn, *args), {}, call=lambda *_: fn(*args))
         return fn(*args)

@@ -69,7 +69,7 @@ class Plan(eqx.Module):
             for s in self.sites
         ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
         out = [f"deferax plan (schedule={self.requested!r}): {len(self.sites)} site(s), "
                f"{len(self.deferred)} deferred"]
         out.append(line(header))

@@ -1,0 +1,168 @@
+"""Running host jobs on a `concurrent.futures.Executor`: submission, waiting, faults, timeouts.
+
+Every job of a host `ExpensiveFn` (a forward solve, an adjoint solve, a `bwd` or `fused`
+call) is the user's own function submitted as it is, with NumPy arguments: a worker needs
+neither JAX nor deferax. What comes back (a result, an exception, a lost worker, nothing
+before the timeout) is turned into a result or a `HostError` here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_DEFAULT: cf.Executor | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_executor() -> cf.Executor:
+    """The thread pool that host jobs run on when no `executor=` is given (created on first use)."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = cf.ThreadPoolExecutor(thread_name_prefix="deferax-host")
+        return _DEFAULT
+
+
+class HostError(RuntimeError):
+    """A host implementation of an [`deferax.ExpensiveFn`][] failed.
+
+    Raised when a host function raised an exception (on a thread, a process or a Dask
+    worker; the message carries the original exception's type and message, and on a thread
+    the original exception is chained as `__cause__`), when the worker running it was lost,
+    or when it did not finish within the `timeout=` given to [`deferax.host`][]. The
+    message names the `ExpensiveFn` and the implementation (`fwd`, `adjoint`, `bwd`,
+    `fused`).
+
+    Inside `jax.jit` (or any other traced context) the host function runs from a
+    `jax.pure_callback`, and JAX re-raises the failure as a `jax.errors.JaxRuntimeError`
+    whose message contains this one.
+    """
+
+
+RAISED = """{call}: the host function `{impl}` raised {error} (on {where}).
+The original exception {chained}."""
+
+LOST = """{call}: the host function `{impl}` did not complete: the worker running it was lost ({error}, on {where}).
+{advice}"""
+
+ADVICE_PROCESS_POOL = """A `concurrent.futures.ProcessPoolExecutor` cannot be used once one of its workers has died: make a new one.
+A Dask executor (`distributed.Client(...).get_executor()`) runs a job again on another worker when its worker dies."""
+
+ADVICE_DASK = """The Dask scheduler ran the job again on other workers (`distributed.scheduler.allowed-failures` times) and all of
+them died: the job itself probably kills its worker (a crash, an out-of-memory kill, `os._exit`). Jobs that *raise* are
+retried with `client.get_executor(retries=n)`."""
+
+ADVICE_OTHER = "Submit the job again on a working executor."
+
+TIMEOUT = """{call}: the host function `{impl}` did not finish within timeout={timeout:g} s (on {where}).
+Jobs not yet started were cancelled; a job already running on a thread keeps its thread until it returns.
+Raise `timeout=` in `dx.host(...)`, or give `timeout=None` to wait without limit."""
+
+SUBMIT_FAILED = """{call}: the host function `{impl}` could not be submitted to {where}: {error}.
+Give `dx.host(..., executor=...)` an executor that accepts jobs (not one that was shut down)."""
+
+NOT_PICKLABLE = """{call}: `{impl}` cannot be sent to the workers of {where}: {pickler} failed with {error}.
+Host functions that run in other processes must be picklable: use functions defined at module level (for Dask, also
+closures over picklable data), and open files, locks and connections inside the function rather than capturing them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One call of a host function: `fn(*args)`, named `impl` in messages."""
+
+    impl: str
+    fn: Callable[..., Any]
+    args: tuple
+
+
+def describe(executor: cf.Executor) -> str:
+    if isinstance(executor, cf.ThreadPoolExecutor):
+        return "a thread of a ThreadPoolExecutor"
+    if isinstance(executor, cf.ProcessPoolExecutor):
+        return "a process of a ProcessPoolExecutor"
+    if _is_dask(executor):
+        return "a Dask worker"
+    return f"a {type(executor).__name__}"
+
+
+def _is_dask(executor: cf.Executor) -> bool:
+    return type(executor).__module__.split(".")[0] == "distributed"
+
+
+def check_picklable(call: str, executor: cf.Executor, impls: dict[str, Callable[..., Any]]) -> None:
+    """Raise before anything is submitted if a host function cannot reach the executor's workers."""
+    if isinstance(executor, cf.ProcessPoolExecutor):
+        pickler, dumps = "pickle", pickle.dumps
+    elif _is_dask(executor):
+        import cloudpickle  # shipped with distributed
+
+        pickler, dumps = "cloudpickle", cloudpickle.dumps
+    else:
+        return  # threads, or an executor whose transport deferax does not know
+    for impl, fn in impls.items():
+        try:
+            dumps(fn)
+        except Exception as e:
+            raise TypeError(
+                NOT_PICKLABLE.format(call=call, impl=impl, where=describe(executor), pickler=pickler, error=_error(e))
+            ) from e
+
+
+def _error(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _lost(e: BaseException) -> bool:
+    return isinstance(e, cf.BrokenExecutor | cf.CancelledError) or type(e).__name__ == "KilledWorker"
+
+
+def _failure(call: str, executor: cf.Executor, job: Job, e: BaseException) -> HostError:
+    where = describe(executor)
+    if _lost(e):
+        if isinstance(executor, cf.ProcessPoolExecutor):
+            advice = ADVICE_PROCESS_POOL
+        elif _is_dask(executor):
+            advice = ADVICE_DASK
+        else:
+            advice = ADVICE_OTHER
+        return HostError(LOST.format(call=call, impl=job.impl, error=_error(e), where=where, advice=advice))
+    chained = "is chained as `__cause__`" if isinstance(executor, cf.ThreadPoolExecutor) else "came back from the worker and is chained as `__cause__`"
+    return HostError(RAISED.format(call=call, impl=job.impl, error=_error(e), where=where, chained=chained))
+
+
+def run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job]) -> list[Any]:
+    """Submit all `jobs` at once, wait for all of them, and return their results in order.
+
+    The first failure (in completion order) cancels the jobs that have not started and is
+    raised as a `HostError`; the others are not waited for, so nothing hangs on them.
+    """
+    executor = executor if executor is not None else default_executor()
+    futures: list[cf.Future] = []
+    for job in jobs:
+        try:
+            futures.append(executor.submit(job.fn, *job.args))
+        except Exception as e:
+            for f in futures:
+                f.cancel()
+            raise HostError(SUBMIT_FAILED.format(call=call, impl=job.impl, where=describe(executor), error=_error(e))) from e
+    job_of = dict(zip(futures, jobs, strict=True))
+    done, pending = cf.wait(futures, timeout=timeout, return_when=cf.FIRST_EXCEPTION)
+    for f in futures:
+        if f in done:
+            e = cf.CancelledError("the job was cancelled") if f.cancelled() else f.exception()
+            if e is not None:
+                for g in pending:
+                    g.cancel()
+                raise _failure(call, executor, job_of[f], e) from e
+    if pending:  # no failure, so `wait` returned because the timeout passed
+        for f in pending:
+            f.cancel()
+        job = job_of[next(f for f in futures if f in pending)]
+        raise HostError(TIMEOUT.format(call=call, impl=job.impl, timeout=timeout, where=describe(executor)))
+    return [f.result() for f in futures]
