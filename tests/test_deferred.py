@@ -462,3 +462,26 @@ def test_rebinding_a_closed_over_array_is_not_stale():
     step(P0)
     weights = 3.0 * W  # noqa: F841 (read by loss through its closure)
     assert_tree_allclose(step(P0), eqx.filter_value_and_grad(loss)(P0))
+
+
+SIM = make(ref, ("fwd", "bwd", "fused"), name="global-sim")
+
+
+def _helper_reading_global_sim(p):
+    return SIM(p)
+
+
+def test_rebinding_a_global_expensive_fn_is_not_stale():
+    global SIM
+
+    def loss(p):
+        return jnp.sum(W * _helper_reading_global_sim(p))  # reaches SIM through a helper
+
+    step = dx.filter_value_and_grad(loss)
+    step(P0)
+    saved = SIM
+    try:
+        SIM = make(jnp.cos, ("fwd", "bwd", "fused"), name="global-sim")
+        assert_tree_allclose(step(P0), eqx.filter_value_and_grad(loss)(P0))
+    finally:
+        SIM = saved

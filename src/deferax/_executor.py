@@ -66,7 +66,7 @@ Raise `timeout=` in `dx.host(...)`, or give `timeout=None` to wait without limit
 SUBMIT_FAILED = """{call}: the host function `{impl}` could not be submitted to {where}: {error}.
 Give `dx.host(..., executor=...)` an executor that accepts jobs (not one that was shut down)."""
 
-NOT_PICKLABLE = """{call}: `{impl}` cannot be sent to the workers of {where}: {pickler} failed with {error}.
+NOT_PICKLABLE = """{call}: `{impl}` cannot be sent to the worker processes of {where}: {pickler} failed with {error}.
 Host functions that run in other processes must be picklable: use functions defined at module level (for Dask, also
 closures over picklable data), and open files, locks and connections inside the function rather than capturing them."""
 
@@ -80,14 +80,20 @@ class Job:
     args: tuple
 
 
+def name(executor: cf.Executor) -> str:
+    """The executor, for messages: "a ThreadPoolExecutor", "a Dask cluster", ..."""
+    return "a Dask cluster" if _is_dask(executor) else f"a {type(executor).__name__}"
+
+
 def describe(executor: cf.Executor) -> str:
+    """Where a job runs, for messages: "a thread of a ThreadPoolExecutor", "a Dask worker", ..."""
     if isinstance(executor, cf.ThreadPoolExecutor):
         return "a thread of a ThreadPoolExecutor"
     if isinstance(executor, cf.ProcessPoolExecutor):
         return "a process of a ProcessPoolExecutor"
     if _is_dask(executor):
         return "a Dask worker"
-    return f"a {type(executor).__name__}"
+    return name(executor)
 
 
 def _is_dask(executor: cf.Executor) -> bool:
@@ -109,7 +115,7 @@ def check_picklable(call: str, executor: cf.Executor, impls: dict[str, Callable[
             dumps(fn)
         except Exception as e:
             raise TypeError(
-                NOT_PICKLABLE.format(call=call, impl=impl, where=describe(executor), pickler=pickler, error=_error(e))
+                NOT_PICKLABLE.format(call=call, impl=impl, where=name(executor), pickler=pickler, error=_error(e))
             ) from e
 
 
@@ -150,7 +156,7 @@ def run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: li
         except Exception as e:
             for f in futures:
                 f.cancel()
-            raise HostError(SUBMIT_FAILED.format(call=call, impl=job.impl, where=describe(executor), error=_error(e))) from e
+            raise HostError(SUBMIT_FAILED.format(call=call, impl=job.impl, where=name(executor), error=_error(e))) from e
     job_of = dict(zip(futures, jobs, strict=True))
     done, pending = cf.wait(futures, timeout=timeout, return_when=cf.FIRST_EXCEPTION)
     for f in futures:

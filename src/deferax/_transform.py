@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools as ft
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -135,24 +136,56 @@ class _Identity:
         return isinstance(other, _Identity) and other.obj is self.obj
 
 
-def _captured_arrays(fun) -> tuple[_Identity, ...]:
-    """Identities of the arrays a plain function reaches through its closure or its
-    module's globals. They are compiled into the cached stages as constants (as
-    `eqx.filter_jit` does), so rebinding one must miss the cache rather than reuse it."""
-    fn = getattr(fun, "__func__", fun)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return ()
-    values = [cell.cell_contents for cell in (fn.__closure__ or ()) if cell.cell_contents is not None]
-    module_globals = getattr(fn, "__globals__", {})
-    values += [module_globals[name] for name in code.co_names if name in module_globals]
-    return tuple(_Identity(v) for v in values if eqx.is_array(v))
+_CAPTURE_LIMIT = 256
+
+
+def _captured(fun) -> tuple[_Identity, ...]:
+    """Identities of the objects a plain function reaches through closures and globals.
+
+    Whatever `fun` (and the plain functions it calls, found the same way) reads from a
+    closure or a global name is compiled into the cached stages as a constant, as
+    `eqx.filter_jit` would. Unlike Equinox's uncompiled `filter_value_and_grad`, the
+    cache would then keep using an old array or `ExpensiveFn` after the name is rebound;
+    keying on their identities makes a rebinding miss the cache instead.
+    """
+    found: list[_Identity] = []
+    seen: set[int] = set()
+    queue = [getattr(fun, "__func__", fun)]
+    while queue and len(found) < _CAPTURE_LIMIT:
+        fn = queue.pop()
+        code = getattr(fn, "__code__", None)
+        if code is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        names: list[str] = []
+        codes = [code]
+        while codes:  # names read by nested functions and lambdas too
+            c = codes.pop()
+            names += c.co_names
+            codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        module_globals = getattr(fn, "__globals__", {})
+        values = [cell.cell_contents for cell in (fn.__closure__ or ()) if _filled(cell)]
+        values += [module_globals[name] for name in names if name in module_globals]
+        for value in values:
+            if isinstance(value, types.FunctionType):
+                queue.append(value)
+            elif not isinstance(value, types.ModuleType | type | types.BuiltinFunctionType):
+                found.append(_Identity(value))
+    return tuple(found)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell (a name not yet bound)
+        return False
+    return True
 
 
 def _cache_key(leaves, split_static, has_aux, schedule, max_basis):
     structs = tuple((jnp.shape(a), jnp.result_type(a), getattr(a, "weak_type", False)) for a in leaves)
     static_leaves, static_def = jtu.tree_flatten(split_static[1])
-    captured = tuple(_captured_arrays(leaf) for leaf in static_leaves if callable(leaf))
+    captured = tuple(_captured(leaf) for leaf in static_leaves if callable(leaf))
     key = (split_static[0], static_def, tuple(static_leaves), structs, captured, has_aux, schedule, max_basis)
     hash(key)
     return key

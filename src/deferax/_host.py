@@ -1,0 +1,251 @@
+"""`host`: an `ExpensiveFn` whose implementations are host functions (NumPy, SciPy, C++, a
+remote service), run on an executor through `jax.pure_callback`."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools as ft
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from . import _errors, _executor
+from ._expensive import ExpensiveFn, _struct
+from ._host_jobs import Runner
+
+NO_OUT = """{call}: host functions cannot be traced by JAX, so the output's shape and dtype must be declared with `out=`,
+a pytree of `jax.ShapeDtypeStruct` (or a function from the input's structure to one):
+
+    dx.host(simulate, adjoint=simulate_adjoint, out=jax.ShapeDtypeStruct((nx, ny), jnp.complex128))"""
+
+NO_PRIMAL = """{call}: nothing computes the output. Give the forward host function `fwd(x) -> y`, or `fused(x, ct_y) -> (y, ct_x)`:
+
+    dx.host(simulate, adjoint=simulate_adjoint, out=...)"""
+
+BOTH_ADJOINTS = """{call}: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both. Prefer `adjoint` (with `combine` if the
+cotangent needs `y`): it does not need the output, so forward and adjoint can run at the same time."""
+
+ONLY_WITH_ADJOINT = "{call}: `{what}` was given without `adjoint`; `combine` and `adjoint_out` describe what `adjoint` returns."
+
+BAD_EXECUTOR = """{call}: `executor` must be a `concurrent.futures.Executor` (a `ThreadPoolExecutor`, a `ProcessPoolExecutor`,
+`distributed.Client(...).get_executor()`) or None for deferax's thread pool, but got {found!r}."""
+
+BAD_TIMEOUT = "{call}: `timeout` must be a positive number of seconds or None, but got {found!r}."
+
+
+def _concrete(tree: PyTree) -> bool:
+    return not any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(tree))
+
+
+def _identity(x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
+    """The default `combine`: the adjoint's result is the input cotangent."""
+    return partial
+
+
+class _Host(eqx.Module):
+    """A host `ExpensiveFn`'s implementations, as JAX functions: each leaves the program
+    through one `jax.pure_callback` (or calls the host functions directly when its
+    arguments are concrete arrays)."""
+
+    call: str = eqx.field(static=True)
+    host_fwd: Callable[..., Any] | None = eqx.field(static=True)
+    host_adjoint: Callable[..., Any] | None = eqx.field(static=True)
+    host_bwd: Callable[..., Any] | None = eqx.field(static=True)
+    host_fused: Callable[..., Any] | None = eqx.field(static=True)
+    executor: cf.Executor | None = eqx.field(static=True)
+    timeout: float | None = eqx.field(static=True)
+    vectorized: bool = eqx.field(static=True)
+    linear_adjoint: bool = eqx.field(static=True)
+    combine: Callable[..., Any]
+    out: Any
+    adjoint_out: Any
+
+    def _runner(self) -> Runner:
+        why = "declared by `adjoint_out=`" if self.adjoint_out is not None else "shaped like the input `x`, the default of `adjoint_out=`"
+        return Runner(
+            self.call, self.host_fwd, self.host_adjoint, self.host_bwd, self.host_fused,
+            self.executor, self.timeout, self.vectorized, self.linear_adjoint, why,
+        )  # fmt: skip
+
+    def _out(self, x: PyTree) -> PyTree:
+        return self.out(_struct(x)) if callable(self.out) else self.out
+
+    def _adjoint_out(self, x: PyTree) -> PyTree:
+        if self.adjoint_out is None:
+            return _struct(x)
+        return self.adjoint_out(_struct(x)) if callable(self.adjoint_out) else self.adjoint_out
+
+    def _run(self, kind: str, args: tuple, result: PyTree) -> PyTree:
+        runner = self._runner()
+        arg_structs = _struct(args)
+        if _concrete(args):
+            return jtu.tree_map(jnp.asarray, runner(kind, result, arg_structs, *jtu.tree_map(np.asarray, args)))
+        return jax.pure_callback(ft.partial(runner, kind, result, arg_structs), result, *args, vmap_method="broadcast_all")
+
+    def fwd(self, x: PyTree) -> PyTree:
+        return self._run("fwd", (x,), self._out(x))
+
+    def bwd(self, x: PyTree, y: PyTree, ct_y: PyTree) -> PyTree:
+        if self.host_adjoint is not None:
+            return self.combine(x, y, self._run("adjoint", (x, ct_y), self._adjoint_out(x)))
+        return self._run("bwd", (x, y, ct_y), _struct(x))
+
+    def fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
+        if self.host_fused is not None:
+            return self._run("fused", (x, ct_y), (self._out(x), _struct(x)))
+        y, partial = self._run("fwd+adjoint", (x, ct_y), (self._out(x), self._adjoint_out(x)))
+        return y, self.combine(x, y, partial)
+
+    def fused_batch(self, x: PyTree, cts: PyTree) -> tuple[PyTree, PyTree]:
+        k = jtu.tree_leaves(cts)[0].shape[0]
+        batched = lambda struct: jtu.tree_map(lambda s: jax.ShapeDtypeStruct((k, *s.shape), s.dtype), struct)  # noqa: E731
+        if self.host_fwd is not None and self.host_adjoint is not None:
+            y, partials = self._run("fwd+adjoints", (x, cts), (self._out(x), batched(self._adjoint_out(x))))
+            return y, jax.vmap(lambda p: self.combine(x, y, p))(partials)
+        return self._run("fused*k", (x, cts), (self._out(x), batched(_struct(x))))
+
+
+# Typed `Any` where a wrong value must reach the checks below, whose messages name the function.
+def host(
+    fwd: Any = None,
+    *,
+    adjoint: Any = None,
+    combine: Any = None,
+    bwd: Any = None,
+    fused: Any = None,
+    out: Any = None,
+    adjoint_out: Any = None,
+    name: str | None = None,
+    executor: Any = None,
+    timeout: Any = None,
+    vectorized: bool = False,
+    linear_adjoint: bool = False,
+    max_basis: int | None = None,
+) -> ExpensiveFn:
+    """Make a [`deferax.ExpensiveFn`][] from host functions: NumPy, SciPy, a C++ solver, a job
+    on a cluster.
+
+    The host functions take and return NumPy arrays (pytrees of them). They reach the JAX
+    program through `jax.pure_callback`, so the result works under `jax.jit`, `jax.vmap`,
+    `jax.grad` and on every schedule of [`deferax.filter_value_and_grad`][]; called on
+    concrete arrays (outside `jit`), they are called directly and their exceptions are
+    ordinary Python exceptions. Every call is submitted to `executor`.
+
+    **Arguments:**
+
+    - `fwd`: `fwd(x) -> y`, the forward solve.
+    - `adjoint`: `adjoint(x, ct_y) -> partial`, the adjoint solve. It does not get `y`, so
+      the deferred schedules run it *at the same time* as `fwd`: both are submitted to the
+      executor together.
+    - `combine`: `combine(x, y, partial) -> ct_x`, the cheap step that needs `y` (for
+      example `ct_eps = -k0**2 * Re(E * lambda)`). A JAX function (it runs inside the
+      program, not on the host). Default: `partial` is `ct_x`.
+    - `bwd`: `bwd(x, y, ct_y) -> ct_x`, instead of `adjoint` for a derivative that needs
+      `y` from the start. Such a function stays on the standard schedule.
+    - `fused`: `fused(x, ct_y) -> (y, ct_x)`, optional: a host function that does both
+      (sharing a factorisation, say). Used instead of `fwd` + `adjoint` on the deferred
+      schedule.
+    - `out`: the structure of `y`: a pytree of `jax.ShapeDtypeStruct`, or a function from
+      the input's structure to one. Required. Host results must match the declared shapes
+      and dtypes exactly, as for `jax.pure_callback` (in JAX's default 32-bit mode, return
+      `float32` arrays, or turn on `jax_enable_x64`).
+    - `adjoint_out`: the structure of what `adjoint` returns, likewise; default: that of
+      `x` (the right one when `combine` is the identity).
+    - `name`: shown in errors and in [`deferax.explain`][]; default: `fwd.__name__`.
+    - `executor`: any `concurrent.futures.Executor`: a `ThreadPoolExecutor`, a
+      `ProcessPoolExecutor`, a Dask cluster's `distributed.Client(...).get_executor()`.
+      Default: a thread pool shared by all host functions. For a process pool or Dask,
+      the host functions must be picklable; that is checked here.
+    - `timeout`: seconds to wait for the jobs of one call; then a [`deferax.HostError`][]
+      is raised. Default: no limit.
+    - `vectorized`: `False` (default): each host function is called on one example at a
+      time; under `jax.vmap` the examples of a batch are submitted to the executor
+      together, one job each. `True`: each host function takes a leading batch axis on
+      every argument and returns one on every result (of length 1 when there is no batch),
+      and gets a whole batch in one call.
+    - `linear_adjoint`: declare that `adjoint` is linear in `ct_y` over the cotangent's
+      numbers, complex ones included: `adjoint(x, c * ct) == c * adjoint(x, ct)` (true for a
+      linear solve with the cotangent as right-hand side). Then, on the deferred-basis
+      schedule, a basis cotangent that is a multiple of another (an overlap `|<m, E>|^2`
+      gives `m` and `1j * m`) or zero is not solved again.
+    - `max_basis`: as for [`deferax.ExpensiveFn`][].
+
+    **Returns:**
+
+    An [`deferax.ExpensiveFn`][]. With `fwd` and `adjoint` it has `fwd`, `bwd`
+    (`combine(x, y, adjoint(x, ct_y))`), `fused` (forward and adjoint submitted together)
+    and `fused_batch` (the forward once and `k` adjoints, all submitted together).
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp, numpy as np
+        import deferax as dx
+
+        jax.config.update("jax_enable_x64", True)  # NumPy computes in float64
+        A = np.array([[2.0, 1.0], [1.0, 3.0]])
+
+        solve = dx.host(
+            lambda b: np.linalg.solve(A, b),                  # y = A^-1 b
+            adjoint=lambda b, ct: np.linalg.solve(A.T, ct),   # ct_b = A^-T ct_y
+            out=jax.ShapeDtypeStruct((2,), jnp.float64),
+            name="solve",
+        )
+        dx.filter_value_and_grad(lambda b: jnp.sum(solve(b)))(jnp.array([1.0, 2.0]))
+        ```
+    """
+    impls = {"fwd": fwd, "adjoint": adjoint, "combine": combine, "bwd": bwd, "fused": fused}
+    if name is None:
+        first = next((f for f in (fwd, fused, adjoint, bwd) if f is not None), None)
+        name = getattr(first, "__name__", None) or type(first).__name__
+    call = f"`ExpensiveFn(name={name!r})`"
+    for impl, fn in impls.items():
+        if fn is not None and not callable(fn):
+            raise TypeError(_errors.NOT_CALLABLE.format(call=call, impl=impl, found=fn))
+    if fwd is None and fused is None:
+        raise TypeError(NO_PRIMAL.format(call=call))
+    if out is None:
+        raise TypeError(NO_OUT.format(call=call))
+    if adjoint is not None and bwd is not None:
+        raise TypeError(BOTH_ADJOINTS.format(call=call))
+    for what, value in (("combine", combine), ("adjoint_out", adjoint_out)):
+        if value is not None and adjoint is None:
+            raise TypeError(ONLY_WITH_ADJOINT.format(call=call, what=what))
+    if executor is not None and not isinstance(executor, cf.Executor):
+        raise TypeError(BAD_EXECUTOR.format(call=call, found=executor))
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(BAD_TIMEOUT.format(call=call, found=timeout))
+        timeout = float(timeout)
+    if executor is not None:
+        _executor.check_picklable(call, executor, {k: v for k, v in impls.items() if v is not None and k != "combine"})
+    h = _Host(
+        call=call,
+        host_fwd=fwd,
+        host_adjoint=adjoint,
+        host_bwd=bwd,
+        host_fused=fused,
+        executor=executor,
+        timeout=timeout,
+        vectorized=vectorized,
+        linear_adjoint=linear_adjoint,
+        combine=combine if combine is not None else _identity,
+        out=out,
+        adjoint_out=adjoint_out,
+    )
+    deferrable = fused is not None or (fwd is not None and adjoint is not None)
+    return ExpensiveFn(
+        fwd=h.fwd if fwd is not None else None,
+        bwd=h.bwd if (adjoint is not None or bwd is not None) else None,
+        fused=h.fused if deferrable else None,
+        fused_batch=h.fused_batch if deferrable else None,
+        name=name,
+        out=out,
+        max_basis=max_basis,
+    )

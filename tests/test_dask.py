@@ -1,0 +1,234 @@
+"""Host functions on a Dask cluster: a `LocalCluster` with two worker processes, started here.
+
+Each host function records every run as a file in a shared directory (name: what ran and
+the worker's process id), so the counts are of real executions on the workers.
+"""
+
+import importlib.util
+import os
+import pathlib
+import re
+import sys
+import threading
+import time
+import uuid
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deferax as dx
+
+from .helpers import assert_tree_allclose
+
+distributed = pytest.importorskip("distributed")
+dask = pytest.importorskip("dask")
+cloudpickle = pytest.importorskip("cloudpickle")
+
+A0 = np.array([[4.0 + 1.0j, 1.0, 0.5j], [0.3, 3.0 - 0.5j, 1.0], [0.2j, -0.7, 5.0 + 0.2j]])
+SOURCE = np.array([1.0, -0.5j, 2.0])
+X0 = jnp.array([0.3, -0.2, 0.8])
+W = jnp.array([1.0 - 1.0j, 2.0, 0.5j])
+FIELD = jax.ShapeDtypeStruct((3,), jnp.complex128)
+
+
+@pytest.fixture(scope="module")
+def client():
+    # Functions of this module travel to the workers by value, so the workers need not
+    # import the tests (nor JAX): they only run NumPy.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # A job whose worker dies runs once more elsewhere; a second death fails it (fast).
+    with dask.config.set({"distributed.scheduler.allowed-failures": 1}):
+        cluster = distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None)
+        client = distributed.Client(cluster)
+        try:
+            yield client
+        finally:
+            client.close()
+            cluster.close()
+            cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture
+def executor(client):
+    return client.get_executor()
+
+
+def record(directory, what):
+    """Leave a file per run: `runs/<what>-<pid>-<unique>`."""
+    os.makedirs(os.path.join(directory, "runs"), exist_ok=True)
+    pathlib.Path(directory, "runs", f"{what}-{os.getpid()}-{uuid.uuid4().hex}").touch()
+
+
+def runs(directory):
+    """{what: number of runs}, and the set of process ids that ran them."""
+    counts, pids = {}, set()
+    for path in pathlib.Path(directory, "runs").iterdir():
+        what, pid, _ = path.name.rsplit("-", 2)
+        counts[what] = counts.get(what, 0) + 1
+        pids.add(int(pid))
+    return counts, pids
+
+
+def wait_for(path, seconds=20.0):
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.01)
+
+
+def solver(directory, executor, *, meet=False, fail=None, **kwargs):
+    """E(x) = (A0 + diag(x))^-1 s, with the adjoint solve and the combine step (see test_host.py).
+
+    `meet=True`: the forward and adjoint jobs each wait for the other to start (they can
+    only finish if they run at the same time). `fail`: what the jobs do when `x[0] < 0`.
+    """
+
+    def solve(x):
+        record(directory, "fwd")
+        if meet:
+            pathlib.Path(directory, "started-fwd").touch()
+            wait_for(os.path.join(directory, "started-adjoint"))
+        if x[0] < 0 and fail == "raise":
+            raise np.linalg.LinAlgError("Singular matrix")
+        if x[0] < 0 and fail == "sleep":
+            time.sleep(2.0)
+        if x[0] < 0 and fail == "raise once" and not os.path.exists(os.path.join(directory, "raised")):
+            pathlib.Path(directory, "raised").touch()
+            raise RuntimeError("license server busy")
+        if x[0] < 0 and fail == "die once" and not os.path.exists(os.path.join(directory, "died")):
+            pathlib.Path(directory, "died").touch()
+            os._exit(1)
+        if x[0] < 0 and fail == "die":
+            os._exit(1)
+        return np.linalg.solve(A0 + np.diag(x), SOURCE)
+
+    def solve_adjoint(x, ct):
+        record(directory, "adjoint")
+        if meet:
+            pathlib.Path(directory, "started-adjoint").touch()
+            wait_for(os.path.join(directory, "started-fwd"))
+        return np.linalg.solve((A0 + np.diag(x)).T, ct)
+
+    return dx.host(
+        solve, adjoint=solve_adjoint, combine=lambda x, e, lam: -jnp.real(e * lam), out=FIELD, adjoint_out=FIELD,
+        executor=executor, name="fdfd", **kwargs,
+    )  # fmt: skip
+
+
+def reference(x):
+    return jnp.linalg.solve(jnp.asarray(A0) + jnp.diag(x.astype(jnp.complex128)), jnp.asarray(SOURCE))
+
+
+def linear_loss(f):
+    return lambda x: jnp.sum(jnp.real(W * f(x))) + jnp.sum(x**2)
+
+
+def expected(x=X0):
+    return eqx.filter_value_and_grad(linear_loss(reference))(x)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("schedule", ["auto", "standard"])
+def test_values_gradients_and_runs_on_the_workers(executor, tmp_path, schedule, jit):
+    loss = linear_loss(solver(tmp_path, executor))
+    fn = dx.filter_value_and_grad(loss, schedule=schedule)
+    if jit:
+        fn = eqx.filter_jit(fn)
+    assert_tree_allclose(fn(X0), expected(), rtol=1e-12, atol=1e-12)
+    counts, pids = runs(tmp_path)
+    assert counts == {"fwd": 1, "adjoint": 1}
+    assert os.getpid() not in pids  # it ran on the workers
+
+
+def test_forward_and_adjoint_run_on_two_workers_at_once(executor, tmp_path):
+    loss = linear_loss(solver(tmp_path, executor, meet=True, timeout=30))
+    assert_tree_allclose(dx.filter_value_and_grad(loss)(X0), expected(), rtol=1e-12, atol=1e-12)
+    counts, pids = runs(tmp_path)
+    assert counts == {"fwd": 1, "adjoint": 1}
+    assert len(pids - {os.getpid()}) == 2  # on the two workers
+
+
+def test_exception_on_a_worker_reaches_the_caller(executor, tmp_path):
+    loss = linear_loss(solver(tmp_path, executor, fail="raise"))
+    message = re.escape(
+        "`ExpensiveFn(name='fdfd')`: the host function `fwd` raised LinAlgError: Singular matrix (on a Dask worker).\n"
+        "The original exception came back from the worker and is chained as `__cause__`."
+    )
+    with pytest.raises(dx.HostError, match=message) as info:
+        dx.filter_value_and_grad(loss)(-X0)
+    assert isinstance(info.value.__cause__, np.linalg.LinAlgError)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):  # under jit, JAX wraps it
+        jax.block_until_ready(jax.jit(dx.filter_value_and_grad(loss))(-X0))
+    assert_tree_allclose(dx.filter_value_and_grad(loss)(X0), expected(), rtol=1e-12, atol=1e-12)  # still usable
+
+
+def test_retries_of_a_dask_executor(client, tmp_path):
+    loss = linear_loss(solver(tmp_path, client.get_executor(retries=1), fail="raise once"))
+    assert_tree_allclose(dx.filter_value_and_grad(loss)(-X0), expected(-X0), rtol=1e-12, atol=1e-12)
+    counts, _ = runs(tmp_path)
+    assert counts == {"fwd": 2, "adjoint": 1}  # the forward job raised once and ran again
+
+
+def test_timeout_on_a_worker(executor, tmp_path):
+    loss = linear_loss(solver(tmp_path, executor, fail="sleep", timeout=0.5))
+    t0 = time.perf_counter()
+    message = "`ExpensiveFn(name='fdfd')`: the host function `fwd` did not finish within timeout=0.5 s (on a Dask worker)."
+    with pytest.raises(dx.HostError, match=re.escape(message)):
+        dx.filter_value_and_grad(loss)(-X0)
+    assert time.perf_counter() - t0 < 2.0
+    # A running task is not interrupted (Dask cannot), so the next jobs may queue behind it
+    # on its worker; they run once it returns.
+    loss = linear_loss(solver(tmp_path, executor))
+    assert_tree_allclose(dx.filter_value_and_grad(loss)(X0), expected(), rtol=1e-12, atol=1e-12)
+
+
+def test_not_picklable_is_refused_before_anything_runs(executor, tmp_path):
+    lock = threading.Lock()
+
+    def solve(x):
+        with lock:
+            return np.linalg.solve(A0 + np.diag(x), SOURCE)
+
+    message = (
+        "`ExpensiveFn(name='locked')`: `fwd` cannot be sent to the worker processes of a Dask cluster: cloudpickle "
+        "failed with TypeError: cannot pickle '_thread.lock' object.\nHost functions that run in other processes must be picklable"
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        dx.host(solve, out=FIELD, executor=executor, name="locked")
+
+
+def test_fdfd_example_on_dask(executor):
+    path = pathlib.Path(__file__).parent.parent / "examples" / "fdfd_inverse_design.py"
+    spec = importlib.util.spec_from_file_location("fdfd_inverse_design_dask", path)
+    fdfd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fdfd)
+    problem = fdfd.Helmholtz(20)
+    on_dask, _ = fdfd.design(problem, steps=2, executor=executor, verbose=False)
+    on_threads, _ = fdfd.design(problem, steps=2, verbose=False)
+    np.testing.assert_allclose(on_dask, on_threads, rtol=1e-12)
+    assert on_dask[-1] > on_dask[0]
+
+
+# The two tests that kill workers come last: the nannies restart them, which takes a moment.
+
+
+def test_worker_dies_once_and_the_job_runs_again(executor, tmp_path):
+    loss = linear_loss(solver(tmp_path, executor, fail="die once"))
+    assert_tree_allclose(dx.filter_value_and_grad(loss)(-X0), expected(-X0), rtol=1e-12, atol=1e-12)
+    counts, _ = runs(tmp_path)
+    assert counts == {"fwd": 2, "adjoint": 1}  # the forward job ran again on another worker
+
+
+def test_worker_that_always_dies_gives_a_clear_error(executor, tmp_path):
+    loss = linear_loss(solver(tmp_path, executor, fail="die"))
+    with pytest.raises(dx.HostError) as info:
+        dx.filter_value_and_grad(loss)(-X0)
+    text = str(info.value)
+    assert text.startswith(
+        "`ExpensiveFn(name='fdfd')`: the host function `fwd` did not complete: the worker running it was lost (KilledWorker: "
+    )
+    assert "The Dask scheduler ran the job again on other workers (`distributed.scheduler.allowed-failures` times)" in text

@@ -1,0 +1,596 @@
+"""`dx.host`: host functions on every schedule, under jit and vmap, on executors; faults; the FDFD example."""
+
+import collections
+import concurrent.futures as cf
+import importlib.util
+import multiprocessing
+import os
+import pathlib
+import re
+import threading
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deferax as dx
+
+from .helpers import assert_tree_allclose, finite_difference_grad
+
+A0 = np.array([[4.0 + 1.0j, 1.0, 0.5j], [0.3, 3.0 - 0.5j, 1.0], [0.2j, -0.7, 5.0 + 0.2j]])  # not symmetric
+SOURCE = np.array([1.0, -0.5j, 2.0])
+X0 = jnp.array([0.3, -0.2, 0.8])
+M1 = jnp.array([1.0 + 1.0j, 0.5 + 0.0j, -1.0j])
+W = jnp.array([1.0 - 1.0j, 2.0, 0.5j])
+FIELD = jax.ShapeDtypeStruct((3,), jnp.complex128)
+
+
+class Runs:
+    """Thread-safe counts of how often each host function runs, and the shapes it saw."""
+
+    def __init__(self):
+        self.counts = collections.Counter()
+        self.shapes = collections.defaultdict(list)
+        self.lock = threading.Lock()
+
+    def tick(self, key, x=None):
+        with self.lock:
+            self.counts[key] += 1
+            if x is not None:
+                self.shapes[key].append(np.shape(x))
+
+    def __getitem__(self, key):
+        return self.counts[key]
+
+    def as_dict(self, *keys):
+        return {k: self.counts[k] for k in keys}
+
+
+# ----------------------------------------------------------------------------- a small "solver"
+#
+# E(x) = A(x)^-1 s with A(x) = A0 + diag(x), x real: the FDFD pattern in miniature (a complex,
+# non-symmetric operator, so the adjoint needs the transpose). dE/dx = -A^-1 diag(E), so
+#   ct_x = Re(J^T ct_E) = -Re(E * lam),   lam = A^-T ct_E.
+
+
+def reference(x):
+    return jnp.linalg.solve(jnp.asarray(A0) + jnp.diag(x.astype(jnp.complex128)), jnp.asarray(SOURCE))
+
+
+def solver(runs=None, barrier=None, **kwargs):
+    def solve(x):
+        if runs is not None:
+            runs.tick("fwd", x)
+        if barrier is not None:
+            barrier.wait()
+        return np.linalg.solve(A0 + np.diag(x), SOURCE)
+
+    def solve_adjoint(x, ct):
+        if runs is not None:
+            runs.tick("adjoint", ct)
+        if barrier is not None:
+            barrier.wait()
+        return np.linalg.solve((A0 + np.diag(x)).T, ct)
+
+    def combine(x, e, lam):
+        return -jnp.real(e * lam)
+
+    kwargs.setdefault("name", "solver")
+    return dx.host(solve, adjoint=solve_adjoint, combine=combine, out=FIELD, adjoint_out=FIELD, **kwargs)
+
+
+def linear_loss(f):
+    return lambda x: jnp.sum(jnp.real(W * f(x))) + jnp.sum(x**2)
+
+
+def overlap_loss(f):
+    return lambda x: jnp.abs(jnp.vdot(M1, f(x))) ** 2
+
+
+def power_loss(f):
+    return lambda x: jnp.sum(jnp.abs(f(x)) ** 4)
+
+
+LOSSES = {"linear": (linear_loss, "deferred"), "overlap": (overlap_loss, "deferred-basis"), "power": (power_loss, "standard")}
+
+
+def run(loss, x, schedule="auto", jit=False, **kwargs):
+    fn = dx.filter_value_and_grad(loss, schedule=schedule, **kwargs)
+    if jit:
+        fn = eqx.filter_jit(fn)
+    return jax.block_until_ready(fn(x))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("schedule", ["auto", "standard"])
+@pytest.mark.parametrize("loss_name", sorted(LOSSES))
+def test_every_schedule_matches_jax_and_runs_each_solve_once(loss_name, schedule, jit):
+    make_loss, expected_schedule = LOSSES[loss_name]
+    runs = Runs()
+    loss = make_loss(solver(runs))
+    site = dx.explain(dx.filter_value_and_grad(loss, schedule=schedule), X0).sites[0]
+    assert site.schedule == (expected_schedule if schedule == "auto" else "standard")
+    if jit:
+        run(loss, X0, schedule, jit=True)  # compile
+    runs.counts.clear()
+    got = run(loss, X0, schedule, jit=jit)
+    assert_tree_allclose(got, eqx.filter_value_and_grad(make_loss(reference))(X0), rtol=1e-12, atol=1e-12)
+    # deferred-basis without linear_adjoint: the overlap is complex, k = 2 adjoint solves
+    adjoints = 2 if site.schedule == "deferred-basis" else 1
+    assert runs.as_dict("fwd", "adjoint") == {"fwd": 1, "adjoint": adjoints}
+
+
+def test_gradient_matches_finite_differences():
+    loss = overlap_loss(solver())
+    grad = dx.filter_grad(loss)(X0)
+    assert_tree_allclose(grad, finite_difference_grad(loss, X0), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_linear_adjoint_solves_a_complex_multiple_once(jit):
+    runs = Runs()
+    loss = overlap_loss(solver(runs, linear_adjoint=True))
+    run(loss, X0, jit=jit)
+    runs.counts.clear()
+    got = run(loss, X0, jit=jit)
+    assert_tree_allclose(got, eqx.filter_value_and_grad(overlap_loss(reference))(X0), rtol=1e-12, atol=1e-12)
+    assert runs.as_dict("fwd", "adjoint") == {"fwd": 1, "adjoint": 1}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("loss_name", ["linear", "overlap"])
+def test_forward_and_adjoints_run_at_the_same_time(loss_name, jit):
+    """Each host function waits at a barrier for all the others: the call can only finish
+    if the forward solve and every adjoint solve run at the same time."""
+    parties = 2 if loss_name == "linear" else 3  # the overlap: forward + 2 basis adjoints
+    barrier = threading.Barrier(parties, timeout=10)
+    with cf.ThreadPoolExecutor(4) as pool:
+        loss = LOSSES[loss_name][0](solver(barrier=barrier, executor=pool))
+        got = run(loss, X0, jit=jit)
+    assert_tree_allclose(got, eqx.filter_value_and_grad(LOSSES[loss_name][0](reference))(X0), rtol=1e-12, atol=1e-12)
+
+
+def test_several_sites_run_at_the_same_time():
+    barrier = threading.Barrier(6, timeout=10)  # 3 sites, forward and adjoint each
+    with cf.ThreadPoolExecutor(8) as pool:
+        fs = [solver(barrier=barrier, executor=pool, name=f"solver{i}") for i in range(3)]
+
+        def loss(x):
+            return sum(linear_loss(f)(x * (i + 1)) for i, f in enumerate(fs))
+
+        got = run(loss, X0)
+
+    def ref(x):
+        return sum(linear_loss(reference)(x * (i + 1)) for i in range(3))
+
+    assert_tree_allclose(got, eqx.filter_value_and_grad(ref)(X0), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["plain", "jit"])
+@pytest.mark.parametrize("loss_name", ["linear", "overlap"])
+def test_vmap_submits_one_job_per_example_together(loss_name, jit):
+    runs = Runs()
+    barrier = threading.Barrier(6, timeout=10)  # 3 examples, forward and adjoint each
+    xs = jnp.stack([X0, -X0, 2 * X0])
+    make_loss = LOSSES[loss_name][0]
+    with cf.ThreadPoolExecutor(8) as pool:
+        loss = make_loss(solver(runs, barrier=barrier if loss_name == "linear" else None, executor=pool, linear_adjoint=True))
+        fn = jax.vmap(dx.filter_value_and_grad(loss))
+        got = jax.block_until_ready((jax.jit(fn) if jit else fn)(xs))
+    assert_tree_allclose(got, jax.vmap(eqx.filter_value_and_grad(make_loss(reference)))(xs), rtol=1e-12, atol=1e-12)
+    assert runs.as_dict("fwd", "adjoint") == {"fwd": 3, "adjoint": 3}
+    assert set(runs.shapes["fwd"]) == {(3,)}  # one example at a time
+
+
+def test_nested_vmap_and_standard_schedule_under_vmap():
+    runs = Runs()
+    f = solver(runs)
+    xs = jnp.stack([jnp.stack([X0, -X0, 2 * X0]), jnp.stack([X0, 0.5 * X0, X0 + 1])])
+    loss, ref = power_loss(f), power_loss(reference)
+    got = jax.vmap(jax.vmap(jax.value_and_grad(loss)))(xs)
+    assert_tree_allclose(got, jax.vmap(jax.vmap(jax.value_and_grad(ref)))(xs), rtol=1e-12, atol=1e-12)
+    assert runs.as_dict("fwd", "adjoint") == {"fwd": 6, "adjoint": 6}
+
+
+def vectorized_solver(runs):
+    """Host functions that take a leading batch axis on every argument."""
+
+    def solve(x):
+        runs.tick("fwd", x)
+        return np.stack([np.linalg.solve(A0 + np.diag(xi), SOURCE) for xi in x])
+
+    def solve_adjoint(x, ct):
+        runs.tick("adjoint", ct)
+        return np.stack([np.linalg.solve((A0 + np.diag(xi)).T, c) for xi, c in zip(x, ct, strict=True)])
+
+    return dx.host(
+        solve, adjoint=solve_adjoint, combine=lambda x, e, lam: -jnp.real(e * lam), out=FIELD, adjoint_out=FIELD, vectorized=True
+    )
+
+
+def test_vectorized_host_functions_get_whole_batches():
+    runs = Runs()
+    f = vectorized_solver(runs)
+    xs = jnp.stack([X0, -X0, 2 * X0, X0 + 1])
+    got = jax.vmap(dx.filter_value_and_grad(linear_loss(f)))(xs)
+    assert_tree_allclose(got, jax.vmap(eqx.filter_value_and_grad(linear_loss(reference)))(xs), rtol=1e-12, atol=1e-12)
+    assert runs.shapes == {"fwd": [(4, 3)], "adjoint": [(4, 3)]}
+    # without vmap: a batch of one; the two basis cotangents: one adjoint call with a batch of two
+    runs.shapes.clear()
+    got = dx.filter_value_and_grad(overlap_loss(f))(X0)
+    assert_tree_allclose(got, eqx.filter_value_and_grad(overlap_loss(reference))(X0), rtol=1e-12, atol=1e-12)
+    assert runs.shapes == {"fwd": [(1, 3)], "adjoint": [(2, 3)]}
+
+
+def test_bwd_that_needs_the_output_stays_standard():
+    runs = Runs()
+
+    def solve(x):
+        runs.tick("fwd")
+        return np.linalg.solve(A0 + np.diag(x), SOURCE)
+
+    def bwd(x, e, ct):
+        runs.tick("bwd")
+        return -np.real(e * np.linalg.solve((A0 + np.diag(x)).T, ct))
+
+    f = dx.host(solve, bwd=bwd, out=FIELD, name="needs_y")
+    loss = linear_loss(f)
+    site = dx.explain(loss, X0).sites[0]
+    assert site.schedule == "standard" and site.reason == "no `fused` implementation"
+    for jit in (False, True):
+        runs.counts.clear()
+        got = run(loss, X0, jit=jit)
+        assert_tree_allclose(got, eqx.filter_value_and_grad(linear_loss(reference))(X0), rtol=1e-12, atol=1e-12)
+        assert runs.as_dict("fwd", "bwd") == {"fwd": 1, "bwd": 1}
+
+
+def test_fused_host_function_alone():
+    runs = Runs()
+
+    def fused(x, ct):
+        runs.tick("fused")
+        a = A0 + np.diag(x)
+        e = np.linalg.solve(a, SOURCE)
+        return e, -np.real(e * np.linalg.solve(a.T, ct))
+
+    f = dx.host(fused=fused, out=FIELD, name="both")
+    for make_loss, expected in ((linear_loss, 1), (overlap_loss, 2)):  # k = 2 basis cotangents: 2 calls
+        for jit in (False, True):
+            runs.counts.clear()
+            got = run(make_loss(f), X0, jit=jit)
+            assert_tree_allclose(got, eqx.filter_value_and_grad(make_loss(reference))(X0), rtol=1e-12, atol=1e-12)
+            assert runs["fused"] == expected
+
+
+def test_pytrees_in_and_out_with_the_default_combine():
+    runs = Runs()
+
+    def fwd(x):
+        runs.tick("fwd")
+        return {"y": np.sin(x["a"]) * x["b"], "z": np.sum(x["a"]) ** 2}
+
+    def adjoint(x, ct):
+        # y and z are not linear in x, but their derivative needs only x: no combine step
+        runs.tick("adjoint")
+        return {"a": np.cos(x["a"]) * x["b"] * ct["y"] + 2 * np.sum(x["a"]) * ct["z"], "b": np.sin(x["a"]) * ct["y"]}
+
+    out = {"y": jax.ShapeDtypeStruct((3,), jnp.float64), "z": jax.ShapeDtypeStruct((), jnp.float64)}
+    f = dx.host(fwd, adjoint=adjoint, out=out)
+
+    def ref(x):
+        return {"y": jnp.sin(x["a"]) * x["b"], "z": jnp.sum(x["a"]) ** 2}
+
+    def make_loss(g):
+        return lambda x: jnp.sum(jnp.array([1.0, -2.0, 0.5]) * g(x)["y"]) + 3.0 * g(x)["z"]
+
+    x = {"a": X0, "b": jnp.array([1.0, 2.0, 3.0])}
+    got = run(make_loss(f), x)
+    assert dx.explain(make_loss(f), x).sites[0].schedule == "deferred"
+    assert_tree_allclose(got, eqx.filter_value_and_grad(make_loss(ref))(x), rtol=1e-12, atol=1e-12)
+
+
+class CountingExecutor(cf.Executor):
+    """Runs each job at once in the caller's thread: any `concurrent.futures.Executor` works."""
+
+    def __init__(self):
+        self.submitted = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.submitted += 1
+        future = cf.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+
+def test_any_executor():
+    executor = CountingExecutor()
+    got = run(linear_loss(solver(executor=executor)), X0)
+    assert_tree_allclose(got, eqx.filter_value_and_grad(linear_loss(reference))(X0), rtol=1e-12, atol=1e-12)
+    assert executor.submitted == 2  # forward and adjoint, submitted together
+
+    def fails(x):
+        raise ValueError("no convergence")
+
+    f = dx.host(fails, adjoint=lambda x, ct: ct, out=FIELD, executor=executor, name="other")
+    with pytest.raises(dx.HostError, match=re.escape("the host function `fwd` raised ValueError: no convergence (on a CountingExecutor)")):
+        f(X0)
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def failing_solver(runs=None, **kwargs):
+    """Raises when x[0] < 0, in the forward or the adjoint solve."""
+
+    def solve(x):
+        if x[0] < 0 and kwargs.get("fail") == "fwd":
+            raise np.linalg.LinAlgError("Singular matrix")
+        return np.linalg.solve(A0 + np.diag(x), SOURCE)
+
+    def solve_adjoint(x, ct):
+        if x[0] < 0 and kwargs.get("fail") == "adjoint":
+            raise np.linalg.LinAlgError("Singular matrix")
+        return np.linalg.solve((A0 + np.diag(x)).T, ct)
+
+    return dx.host(
+        solve, adjoint=solve_adjoint, combine=lambda x, e, lam: -jnp.real(e * lam), out=FIELD, adjoint_out=FIELD, name="fdfd",
+        executor=kwargs.get("executor"),
+    )  # fmt: skip
+
+
+def caused_by(error, kind):
+    """The exception of type `kind` in the chain of `error` (JAX's backward pass may insert
+    its own stack-trace exception between the two)."""
+    seen = error
+    while seen is not None and not isinstance(seen, kind):
+        seen = seen.__cause__ or seen.__context__
+    assert seen is not None, f"no {kind.__name__} in the chain of {error!r}"
+    return seen
+
+
+def raised(impl, where="a thread of a ThreadPoolExecutor"):
+    return re.escape(
+        f"`ExpensiveFn(name='fdfd')`: the host function `{impl}` raised LinAlgError: Singular matrix (on {where}).\n"
+        "The original exception "
+    )
+
+
+@pytest.mark.parametrize("schedule", ["auto", "standard"])
+@pytest.mark.parametrize("fail", ["fwd", "adjoint"])
+def test_exception_in_host_function_is_a_python_exception(fail, schedule):
+    loss = linear_loss(failing_solver(fail=fail))
+    with pytest.raises(dx.HostError, match=raised(fail)) as info:
+        run(loss, -X0, schedule)
+    original = caused_by(info.value, np.linalg.LinAlgError)
+    assert str(original) == "Singular matrix"
+    # the executor (deferax's thread pool) is still usable
+    assert_tree_allclose(run(loss, X0, schedule), eqx.filter_value_and_grad(linear_loss(reference))(X0), rtol=1e-12, atol=1e-12)
+
+
+def test_exception_under_jit_carries_the_message():
+    loss = linear_loss(failing_solver(fail="adjoint"))
+    fn = eqx.filter_jit(dx.filter_value_and_grad(loss))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=raised("adjoint")):
+        jax.block_until_ready(fn(-X0))
+    assert_tree_allclose(fn(X0), eqx.filter_value_and_grad(linear_loss(reference))(X0), rtol=1e-12, atol=1e-12)
+
+
+def test_timeout():
+    def solve(x):
+        if x[0] < 0:
+            time.sleep(2.0)
+        return np.linalg.solve(A0 + np.diag(x), SOURCE)
+
+    f = dx.host(solve, adjoint=lambda x, ct: np.linalg.solve((A0 + np.diag(x)).T, ct), out=FIELD, adjoint_out=FIELD,
+                combine=lambda x, e, lam: -jnp.real(e * lam), timeout=0.3, name="slow")  # fmt: skip
+    expected = (
+        "`ExpensiveFn(name='slow')`: the host function `fwd` did not finish within timeout=0.3 s (on a thread of a "
+        "ThreadPoolExecutor).\nJobs not yet started were cancelled; a job already running on a thread keeps its thread "
+        "until it returns.\nRaise `timeout=` in `dx.host(...)`, or give `timeout=None` to wait without limit."
+    )
+    t0 = time.perf_counter()
+    with pytest.raises(dx.HostError, match=re.escape(expected)):
+        run(linear_loss(f), -X0)
+    assert time.perf_counter() - t0 < 1.5
+    assert_tree_allclose(run(linear_loss(f), X0), eqx.filter_value_and_grad(linear_loss(reference))(X0), rtol=1e-12, atol=1e-12)
+
+
+def test_executor_that_was_shut_down():
+    pool = cf.ThreadPoolExecutor(1)
+    pool.shutdown()
+    f = solver(executor=pool, name="solver")
+    expected = (
+        "`ExpensiveFn(name='solver')`: the host function `fwd` could not be submitted to a ThreadPoolExecutor: "
+        "RuntimeError: cannot schedule new futures after shutdown.\nGive `dx.host(..., executor=...)` an executor that "
+        "accepts jobs (not one that was shut down)."
+    )
+    with pytest.raises(dx.HostError, match=re.escape(expected)):
+        f(X0)
+
+
+def proc_solve(x):
+    return np.linalg.solve(A0 + np.diag(x), SOURCE)
+
+
+def proc_solve_adjoint(x, ct):
+    if x[0] < 0:
+        raise np.linalg.LinAlgError("Singular matrix")
+    if x[0] > 100:
+        os._exit(1)  # the worker process dies
+    return np.linalg.solve((A0 + np.diag(x)).T, ct)
+
+
+def test_process_pool_faults():
+    pool = cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        f = dx.host(proc_solve, adjoint=proc_solve_adjoint, combine=lambda x, e, lam: -jnp.real(e * lam), out=FIELD,
+                    adjoint_out=FIELD, executor=pool, name="fdfd")  # fmt: skip
+        loss, expected = linear_loss(f), eqx.filter_value_and_grad(linear_loss(reference))(X0)
+        assert_tree_allclose(run(loss, X0), expected, rtol=1e-12, atol=1e-12)
+        where = "a process of a ProcessPoolExecutor"
+        with pytest.raises(dx.HostError, match=raised("adjoint", where) + re.escape("came back from the worker")):
+            run(loss, -X0)
+        assert_tree_allclose(run(loss, X0), expected, rtol=1e-12, atol=1e-12)  # still usable
+        with pytest.raises(dx.HostError) as info:
+            run(loss, X0 + 200.0)
+        assert str(info.value).startswith(
+            "`ExpensiveFn(name='fdfd')`: the host function `adjoint` did not complete: the worker running it was lost "
+            "(BrokenProcessPool: "
+        )
+        assert "A `concurrent.futures.ProcessPoolExecutor` cannot be used once one of its workers has died: make a new one." in str(info.value)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def test_not_picklable_for_a_process_pool():
+    pool = cf.ProcessPoolExecutor(1)
+    try:
+        expected = (
+            "`ExpensiveFn(name='local')`: `adjoint` cannot be sent to the worker processes of a ProcessPoolExecutor: "
+            "pickle failed with "
+        )
+        with pytest.raises(TypeError, match=re.escape(expected)):
+            dx.host(proc_solve, adjoint=lambda x, ct: ct, out=FIELD, executor=pool, name="local")
+    finally:
+        pool.shutdown()
+
+
+# ----------------------------------------------------------------------------- wrong results
+
+
+def test_wrong_dtype_from_fwd():
+    f = dx.host(lambda x: np.zeros(3, np.complex64), out=FIELD, name="sim")
+    expected = (
+        "`ExpensiveFn(name='sim')`: the host function `fwd` returned complex64[3], where complex128[3] was expected "
+        "(declared by `out=`).\nA host function must return NumPy arrays with exactly the declared shapes and dtypes "
+        "(convert with\n`np.asarray(value, dtype=...)`), or the declaration must be corrected."
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        f(X0)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(expected.split("\n")[0])):
+        jax.block_until_ready(jax.jit(f)(X0))
+
+
+def test_wrong_shape_from_adjoint():
+    f = dx.host(lambda x: 2 * x, adjoint=lambda x, ct: ct[:2], out=jax.ShapeDtypeStruct((3,), jnp.float64), name="sim")
+    expected = (
+        "`ExpensiveFn(name='sim')`: the host function `adjoint` returned float64[2], where float64[3] was expected "
+        "(shaped like the input `x`, the default of `adjoint_out=`)."
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        run(lambda x: jnp.sum(f(x)), X0)
+    g = dx.host(lambda x: 2 * x, adjoint=lambda x, ct: ct[:2], combine=lambda x, y, p: p, adjoint_out=jax.ShapeDtypeStruct((3,), jnp.float64),
+                out=jax.ShapeDtypeStruct((3,), jnp.float64), name="sim")  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(expected.replace("shaped like the input `x`, the default of `adjoint_out=`", "declared by `adjoint_out=`"))):
+        jax.grad(lambda x: jnp.sum(g(x)))(X0)
+
+
+def test_wrong_structure_from_fused():
+    f = dx.host(fused=lambda x, ct: 2 * x, out=jax.ShapeDtypeStruct((3,), jnp.float64), name="sim")
+    expected = (
+        "`ExpensiveFn(name='sim')`: the host function `fused` returned float64[3], where (float64[3], float64[3]) was "
+        "expected (a pair `(y, ct_x)`: `y` declared by `out=`, `ct_x` shaped like the input `x`)."
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        run(lambda x: jnp.sum(f(x)), X0)
+
+
+def test_vectorized_result_without_the_batch_axis():
+    f = dx.host(lambda x: x[0], out=jax.ShapeDtypeStruct((3,), jnp.float64), vectorized=True, name="sim")
+    expected = (
+        "`ExpensiveFn(name='sim')`: the host function `fwd` returned float64[3], where float64[1, 3] was expected "
+        "(declared by `out=`, with a leading batch axis of length 1 (`vectorized=True`))."
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        f(X0)
+
+
+# ----------------------------------------------------------------------------- construction
+
+
+def test_construction_errors():
+    out = jax.ShapeDtypeStruct((3,), jnp.float64)
+    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: host functions cannot be traced by JAX, so the output's shape and dtype must be declared with `out=`")):
+        dx.host(lambda x: x, name="sim")
+    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: nothing computes the output. Give the forward host function `fwd(x) -> y`")):
+        dx.host(adjoint=lambda x, ct: ct, out=out, name="sim")
+    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both.")):
+        dx.host(lambda x: x, adjoint=lambda x, ct: ct, bwd=lambda x, y, ct: ct, out=out, name="sim")
+    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: `combine` was given without `adjoint`; `combine` and `adjoint_out` describe what `adjoint` returns.")):
+        dx.host(lambda x: x, combine=lambda x, y, p: p, out=out, name="sim")
+    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: `executor` must be a `concurrent.futures.Executor`")):
+        dx.host(lambda x: x, out=out, executor=4, name="sim")
+    with pytest.raises(ValueError, match=re.escape("`ExpensiveFn(name='sim')`: `timeout` must be a positive number of seconds or None, but got -1.")):
+        dx.host(lambda x: x, out=out, timeout=-1, name="sim")
+    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: `adjoint` must be a callable or None, but got 3.")):
+        dx.host(lambda x: x, adjoint=3, out=out, name="sim")
+
+
+def test_name_defaults_to_the_forward_function():
+    def simulate(x):
+        return x
+
+    assert dx.host(simulate, out=jax.ShapeDtypeStruct((3,), jnp.float64)).name == "simulate"
+
+
+# ----------------------------------------------------------------------------- the FDFD example
+
+
+def load_example():
+    path = pathlib.Path(__file__).parent.parent / "examples" / "fdfd_inverse_design.py"
+    spec = importlib.util.spec_from_file_location("fdfd_inverse_design", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def fdfd():
+    return load_example()
+
+
+def test_fdfd_gradient_matches_finite_differences(fdfd):
+    problem = fdfd.Helmholtz(20)
+    objective = problem.objective(problem.field())
+    x = jnp.asarray(np.random.default_rng(0).uniform(1.5, 3.0, problem.design_shape))
+    assert dx.explain(objective, x).sites[0].schedule == "deferred-basis"
+    value, grad = dx.filter_value_and_grad(objective)(x)
+    assert_tree_allclose((value, grad), dx.filter_value_and_grad(objective, schedule="standard")(x), rtol=1e-10, atol=1e-14)
+    assert_tree_allclose(grad, finite_difference_grad(objective, x, eps=1e-6), rtol=1e-6, atol=1e-8 * float(jnp.max(jnp.abs(grad))))
+
+
+def test_fdfd_design_improves_and_solves_once_each(fdfd):
+    runs = Runs()
+
+    class Counted(fdfd.Helmholtz):
+        def solve(self, x):
+            runs.tick("fwd")
+            return super().solve(x)
+
+        def solve_adjoint(self, x, ct):
+            runs.tick("adjoint")
+            return super().solve_adjoint(x, ct)
+
+    history, _ = fdfd.design(Counted(24), steps=3, verbose=False)
+    assert history[-1] > 1.5 * history[0]
+    assert all(b > a for a, b in zip(history[:-1], history[1:], strict=True))
+    assert runs.as_dict("fwd", "adjoint") == {"fwd": 4, "adjoint": 4}  # one of each per step (linear_adjoint)
+
+
+def test_linear_adjoint_recognises_multiples_and_zeros():
+    from deferax._host_jobs import _multiples
+
+    v, w = np.array([1.0 + 1.0j, 0.5, -1.0j]), np.array([0.0, 1.0, 2.0 + 0j])
+    rows = [v, 2j * v, np.zeros(3, complex), w, -3.0 * w]
+    recipe, unique = _multiples(rows, jax.ShapeDtypeStruct((3,), jnp.complex128))
+    assert unique == [0, 3]
+    assert recipe == [(0, 1.0), (0, 2j), (None, 0.0), (1, 1.0), (1, -3.0)]
+    # a real result cannot be a complex multiple: solved again
+    recipe, unique = _multiples(rows, jax.ShapeDtypeStruct((3,), jnp.float64))
+    assert unique == [0, 1, 3]
