@@ -90,6 +90,19 @@ def check_adjoint(forward, adjoint, x, ct) -> float:
     return float(jnp.max(jnp.abs(mine - ref)) / jnp.max(jnp.abs(ref)))
 
 
+def check_adjoint_both(forward, adjoint, x, ct, n64: int = 64, steps64: int = 100) -> tuple[float, float]:
+    """The adjoint's error against `jax.vjp`: at the benchmark's size in float32, and on a
+    small grid in float64 (where it is exact up to rounding)."""
+    err32 = check_adjoint(forward, adjoint, x, ct)
+    with jax.enable_x64(True):
+        f64, a64 = make_wave(n64, steps64, jnp.float64)
+        k1, k2 = jax.random.split(jax.random.key(1))
+        x64 = jax.random.normal(k1, (n64, n64), jnp.float64)
+        ct64 = jax.random.normal(k2, (n64, n64), jnp.float64)
+        err64 = check_adjoint(f64, a64, x64, ct64)
+    return err32, err64
+
+
 # ---------------------------------------------------------------------------- timing
 
 
@@ -121,17 +134,35 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def fmt(t: float) -> str:
+    return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.1f} ms" if t >= 0.01 else f"{t * 1e3:.3f} ms"
+
+
 def describe(times: list[float]) -> str:
-    return f"median {median(times):.4f} s (min {min(times):.4f}, max {max(times):.4f}, n={len(times)})"
+    return f"median {fmt(median(times))} (min {fmt(min(times))}, max {fmt(max(times))}, n={len(times)})"
 
 
-def result_line(bench: str, case: str, new: float, old: float, target: float, new_name="deferred", old_name="standard"):
+def result_line(
+    bench: str, case: str, new: float, old: float, target: float | None, new_name="deferred", old_name="standard"
+) -> str:
     ratio = new / old
-    status = "met" if ratio <= target else "MISSED"
-    return (
-        f"RESULT {bench} {case}: {new_name} {new:.4f} s, {old_name} {old:.4f} s, "
-        f"ratio {ratio:.2f} (target <= {target}, {status})"
-    )
+    if target is None:
+        goal = "no target"
+    else:
+        goal = f"target <= {target}, {'met' if ratio <= target else 'MISSED'}"
+    return f"RESULT {bench} {case}: {new_name} {fmt(new)}, {old_name} {fmt(old)}, ratio {ratio:.2f} ({goal})"
+
+
+def overlap(times: dict[str, list[float]]) -> str:
+    """How far forward and adjoint overlapped while these timings were taken.
+
+    `times` holds the sides "forward alone" (one jitted forward) and "dx.fuse alone"
+    (forward and adjoint on two threads, timed interleaved with the compared sides). Their
+    ratio is near 1 when the process had two cores to itself, near 2 when another process
+    took one: then no deferred schedule on this machine can beat the standard one.
+    """
+    ratio = median(times["dx.fuse alone"]) / median(times["forward alone"])
+    return f"dx.fuse alone / forward alone = {ratio:.2f} (1.0: forward and adjoint fully overlapped; 2.0: not at all)"
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -139,6 +170,14 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--small", action="store_true", help="tiny sizes and 1-2 repeats: a smoke test")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per side")
     return p
+
+
+def load() -> str:
+    """The 1-minute load average: other processes on a shared machine take cores away."""
+    try:
+        return f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
+    except OSError:
+        return "load average unknown"
 
 
 def machine() -> str:
@@ -151,6 +190,4 @@ def machine() -> str:
                     break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs, jax {jax.__version__}, backend {jax.default_backend()}"
-
-
+    return f"{cpu}, {os.cpu_count()} logical CPUs, jax {jax.__version__}, backend {jax.default_backend()}; {load()}"

@@ -14,10 +14,12 @@ A training step of a plain `eqx.nn.MLP` (no `ExpensiveFn`), both sides inside
 
 from __future__ import annotations
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from _common import block, describe, interleaved, machine, median, parser, result_line, time_once
+from _common import describe, interleaved, load, machine, median, parser, result_line, time_once
 
 import deferax as dx
 
@@ -52,8 +54,8 @@ def main():
         in_size, width, depth, out_size, batch, inner = 8, 16, 2, 4, 16, 2
     else:
         in_size, width, depth, out_size, batch, inner = 64, 256, 3, 16, 512, 50
-    repeats = args.repeats or (2 if args.small else 15)
-    first_repeats = args.repeats or (1 if args.small else 7)
+    repeats = args.repeats or (2 if args.small else 21)
+    first_repeats = args.repeats or (1 if args.small else 11)
     print(
         f"bench_mlp: MLP {in_size}-{width}x{depth}-{out_size}, batch {batch}, float32, {inner} steps per timing; {machine()}"
     )
@@ -95,16 +97,23 @@ def main():
         order = ["dx", "eqx"] if r % 2 == 0 else ["eqx", "dx"]
         for side in order:
             step = make_step(vgs[side])
-            t = time_once(lambda: step(model, x, y))
+            t = time_once(ft.partial(step, model, x, y))
             if r > 0:
                 first[side].append(t)
     for side, ts in first.items():
         print(f"first call {side:3s}: {describe(ts)}")
 
+    print(f"at the end: {load()}")
     print(result_line("bench_mlp", "steady step", *steady, TARGETS["steady"], new_name="dx", old_name="eqx"))
     print(
         result_line(
-            "bench_mlp", "first call", median(first["dx"]), median(first["eqx"]), TARGETS["first call"], new_name="dx", old_name="eqx"
+            "bench_mlp",
+            "first call",
+            median(first["dx"]),
+            median(first["eqx"]),
+            TARGETS["first call"],
+            new_name="dx",
+            old_name="eqx",
         )
     )
 

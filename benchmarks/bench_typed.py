@@ -75,6 +75,12 @@ def main():
     for _ in range(firsts):  # fresh functions: trace + compile each time
         first["plain"].append(timed(make_step(), plain, x, y))
         first["typed"].append(timed(make_step(), typed, x, y))
+    trace = {"typed": [], "plain": []}
+    for _ in range(repeats if args.small else 20):  # trace only (no compile): where the checks run
+        for name, model in (("plain", plain), ("typed", typed)):
+            start = time.perf_counter()
+            eqx.filter_make_jaxpr(lambda m: eqx.filter_value_and_grad(loss)(m, x, y))(model)
+            trace[name].append(time.perf_counter() - start)
     steps = {"typed": make_step(), "plain": make_step()}
     models = {"typed": typed, "plain": plain}
     for name in steps:
@@ -90,6 +96,9 @@ def main():
           f"(extra {1e3 * (med_first['typed'] - med_first['plain']):.1f} ms)")
     print(f"RESULT bench_typed steady: typed {med['typed']:.6f} s, untyped {med['plain']:.6f} s, "
           f"ratio {med['typed'] / med['plain']:.3f} (target <= 1.02)")
+    med_trace = {k: statistics.median(v) for k, v in trace.items()}
+    print(f"RESULT bench_typed trace: typed {med_trace['typed'] * 1e3:.2f} ms, untyped {med_trace['plain'] * 1e3:.2f} ms, "
+          f"extra {1e3 * (med_trace['typed'] - med_trace['plain']):.2f} ms for {depth} checked layer calls")
     print(f"RESULT bench_typed first-call: typed {med_first['typed']:.4f} s, untyped {med_first['plain']:.4f} s, "
           f"extra {med_first['typed'] - med_first['plain']:.4f} s")
 

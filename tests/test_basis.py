@@ -99,7 +99,7 @@ def test_overlap_squared_complex_field():
     counter = Counter()
     f = sim(field_ref, counter, name="fdfd")
     loss = lambda p: jnp.abs(jnp.vdot(M1, f(p))) ** 2  # noqa: E731
-    (site,) = dx.explain(loss, P0).sites
+    (site,) = dx.explain(dx.filter_value_and_grad(loss, max_basis=2), P0).sites
     assert site.schedule == "deferred-basis" and site.k == 2
     # a complex number counts as two real numbers: one primal, two adjoints
     assert run_and_compare(loss, P0, counter) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 2}
@@ -125,10 +125,19 @@ def test_sum_of_two_overlaps_k4():
 def test_k_above_max_basis_stays_standard_and_says_why():
     counter = Counter()
     loss = two_overlaps(sim(field_ref, counter))
-    (site,) = dx.explain(loss, P0).sites
+    (site,) = dx.explain(dx.filter_value_and_grad(loss, max_basis=2), P0).sites
     assert site.schedule == "standard" and site.k == 4
     assert "it is a combination of k=4 fixed cotangents, more than max_basis=2" in site.reason
     assert run_and_compare(loss, P0, counter) == {"fwd": 1, "bwd": 1, "primal": 0, "adjoint": 0}
+
+
+def test_default_max_basis_is_one():
+    f = sim(field_ref, Counter())
+    complex_overlap = dx.explain(lambda p: jnp.abs(jnp.vdot(M1, f(p))) ** 2, P0).sites[0]
+    assert complex_overlap.schedule == "standard" and complex_overlap.k == 2
+    assert "more than max_basis=1" in complex_overlap.reason
+    real_overlap = dx.explain(lambda p: jnp.abs(jnp.sum(jnp.real(f(p)))) ** 2, P0).sites[0]
+    assert real_overlap.schedule == "deferred-basis" and real_overlap.k == 1
 
 
 def test_per_function_max_basis_takes_precedence():
@@ -167,11 +176,11 @@ def test_mixed_with_deferred_and_standard_sites():
     def loss(p):
         return jnp.sum(lin(p) * jnp.arange(3.0)) + jnp.log(jnp.abs(jnp.vdot(M1, basis(p))) ** 2) + jnp.sum(std(p) ** 3)
 
-    plan = dx.explain(loss, P0)
+    plan = dx.explain(dx.filter_value_and_grad(loss, max_basis=2), P0)
     assert [s.schedule for s in plan.sites] == ["deferred", "deferred-basis", "standard"]
     for c in (c_lin, c_basis, c_std):
         c.reset()
-    got = dx.filter_value_and_grad(loss)(P0)
+    got = dx.filter_value_and_grad(loss, max_basis=2)(P0)
     jax.effects_barrier()
     assert counts(c_lin) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 1}
     assert counts(c_basis) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 2}
@@ -200,7 +209,7 @@ def test_fused_batch_is_used():
         y, vjp = jax.vjp(field_ref, x)
         return y, jax.vmap(lambda c: vjp(c)[0])(cts)
 
-    f = dx.ExpensiveFn(fwd=field_ref, fused_batch=fused_batch, name="batched")
+    f = dx.ExpensiveFn(fwd=field_ref, fused_batch=fused_batch, name="batched", max_basis=2)
     loss = lambda p: jnp.abs(jnp.vdot(M1, f(p))) ** 2  # noqa: E731
     assert dx.explain(loss, P0).sites[0].schedule == "deferred-basis"
     got = dx.filter_value_and_grad(loss)(P0)
@@ -218,7 +227,7 @@ def test_fuse_batched_runs_forward_once():
 
 
 def test_error_fused_batch_wrong_shape():
-    f = dx.ExpensiveFn(fwd=field_ref, fused_batch=lambda x, cts: (field_ref(x), jnp.zeros((1, 3))), name="bad")
+    f = dx.ExpensiveFn(fwd=field_ref, fused_batch=lambda x, cts: (field_ref(x), jnp.zeros((1, 3))), name="bad", max_basis=2)
     loss = lambda p: jnp.abs(jnp.vdot(M1, f(p))) ** 2  # noqa: E731
     expected = (
         "`ExpensiveFn(name='bad')`: `fused_batch` returned a batch of cotangents that does not match the input `x` with "
@@ -305,7 +314,7 @@ def test_callback_fused_without_fused_batch_warns_and_is_correct():
         out = (jax.ShapeDtypeStruct((3,), jnp.complex128), jax.ShapeDtypeStruct((3,), jnp.float64))
         return jax.pure_callback(host_fused, out, x, ct, vmap_method="sequential")
 
-    f = dx.ExpensiveFn(fwd=field_ref, fused=fused, name="host")
+    f = dx.ExpensiveFn(fwd=field_ref, fused=fused, name="host", max_basis=2)
     loss = lambda p: jnp.abs(jnp.vdot(M1, f(p))) ** 2  # noqa: E731
     with pytest.warns(UserWarning, match=re.escape("`ExpensiveFn(name='host')`: `fused` could not be batched over the cotangent with the primal computed once")):
         got = dx.filter_value_and_grad(loss)(P0)

@@ -79,6 +79,7 @@ def solver(runs=None, barrier=None, **kwargs):
         return -jnp.real(e * lam)
 
     kwargs.setdefault("name", "solver")
+    kwargs.setdefault("max_basis", 2)  # a complex overlap is k = 2 (the default limit is 1)
     return dx.host(solve, adjoint=solve_adjoint, combine=combine, out=FIELD, adjoint_out=FIELD, **kwargs)
 
 
@@ -207,7 +208,8 @@ def vectorized_solver(runs):
         return np.stack([np.linalg.solve((A0 + np.diag(xi)).T, c) for xi, c in zip(x, ct, strict=True)])
 
     return dx.host(
-        solve, adjoint=solve_adjoint, combine=lambda x, e, lam: -jnp.real(e * lam), out=FIELD, adjoint_out=FIELD, vectorized=True
+        solve, adjoint=solve_adjoint, combine=lambda x, e, lam: -jnp.real(e * lam), out=FIELD, adjoint_out=FIELD, vectorized=True,
+        max_basis=2,
     )
 
 

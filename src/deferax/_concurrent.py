@@ -56,8 +56,8 @@ def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
     fwd = lambda x_: _apply(fwd_fn, x_)  # noqa: E731
     adjoint = lambda x_, ct_: apply_adjoint(adjoint_fn, x_, ct_)  # noqa: E731
     if _is_concrete((x, ct)):
-        y = _POOL.submit(fwd, x)
-        ct_x = _POOL.submit(adjoint, x, ct)
+        y = _POOL.submit(lambda: jax.block_until_ready(fwd(x)))
+        ct_x = _POOL.submit(lambda: jax.block_until_ready(adjoint(x, ct)))
         return y.result(), ct_x.result()
 
     # Traced (inside jit or vmap): leave the program through one host callback, which runs

@@ -383,7 +383,11 @@ class _GradWrapper(eqx.Module):
         return eqx.Partial(self, instance)
 
 
-DEFAULT_MAX_BASIS = 2
+# Measured on a 2-core CPU (benchmarks/bench_basis.py): with k = 1 the forward and one
+# adjoint overlap (ratio 0.52 against the standard schedule); with k = 2 the forward and two
+# batched adjoints cost more than the standard schedule (1.16). Raise it where adjoints
+# batch well (a GPU, a cluster, `dx.host(..., linear_adjoint=True)`).
+DEFAULT_MAX_BASIS = 1
 
 
 def _check_settings(schedule, max_basis):
@@ -412,9 +416,12 @@ def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "a
       raises an error naming each site that cannot be deferred and why.
     - `max_basis`: the most basis cotangents `k` a site may need for the
       `"deferred-basis"` schedule (its cotangent is a combination of `k` fixed cotangents
-      with coefficients that depend on outputs). Default 2: a scalar output, or one
-      complex overlap. A site's own `ExpensiveFn(max_basis=...)` takes precedence. Raise it
-      when the `k` adjoints batch well (a GPU, a cluster); keep it small on a few CPU cores.
+      with coefficients that depend on outputs). Default 1: a function of one real number
+      (a scalar output, a real overlap), which on a CPU costs the forward and one adjoint
+      run together. A site's own `ExpensiveFn(max_basis=...)` takes precedence. Raise it
+      when the `k` adjoints batch well (a GPU, a cluster, a solver that takes several
+      right-hand sides): on a 2-core CPU, `k = 2` batched JAX adjoints made the step 16 %
+      slower than the standard schedule (see the benchmarks page).
 
     **Returns:**
 
