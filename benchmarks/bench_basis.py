@@ -52,7 +52,7 @@ def main():
         print(f"{label}: value {float(v1):.6g} vs {float(v2):.6g}, gradient max relative difference {gerr:.1e}")
         assert gerr < 1e-4, gerr
         vg_std = eqx.filter_value_and_grad(loss_std)
-        times = interleaved({"deferred-basis": lambda: vg_def(params, profile), "standard": lambda: vg_std(params, profile)}, repeats, warmup=2)
+        times = interleaved({"deferred-basis": lambda f=vg_def, p=params: f(p, profile), "standard": lambda f=vg_std, p=params: f(p, profile)}, repeats, warmup=2)
         for side, ts in times.items():
             print(f"{label} {side:15s}: {describe(ts)}")
         results.append(
