@@ -207,7 +207,7 @@ def test_mixed_standard_and_deferred(counter):
 
     plan = dx.explain(loss, P0)
     assert [s.schedule for s in plan.sites] == ["deferred", "standard"]
-    assert plan.stages == (("lin: fused",), ("sq: fwd",), ("sq: bwd",))
+    assert plan.stages == (("lin: fused", "sq: fwd"), ("sq: bwd",))  # sq needs no expensive output
     assert check_against_equinox(loss, P0, counter, deferred=True) == {"fwd": 0, "bwd": 0, "fused": 1}
     sq_counter.reset()
     dx.filter_value_and_grad(loss)(P0)
@@ -485,3 +485,27 @@ def test_rebinding_a_global_expensive_fn_is_not_stale():
         assert_tree_allclose(step(P0), eqx.filter_value_and_grad(loss)(P0))
     finally:
         SIM = saved
+
+
+def test_stage_order_runs_independent_standard_forwards_with_fused(counter):
+    d = make(ref, ("fwd", "bwd", "fused"), counter, name="d")
+    c1, c2 = type(counter)(), type(counter)()
+    s1 = make(jnp.cos, ("fwd", "bwd", "fused"), c1, name="s1")
+    s2 = make(jnp.sin, ("fwd", "bwd"), c2, name="s2")
+
+    def loss(p):
+        return jnp.sum(W * d(p)) + jnp.sum(s2(s1(p) ** 2) ** 2)
+
+    plan = dx.explain(loss, P0)
+    assert [s.schedule for s in plan.sites] == ["deferred", "standard", "standard"]
+    # s1 needs no expensive output: its fwd runs with d's fused; s2 needs s1's output.
+    assert plan.stages == (("d: fused", "s1: fwd"), ("s2: fwd",), ("s2: bwd",), ("s1: bwd",))
+    for jit in (False, True):
+        assert check_against_equinox(loss, P0, counter, deferred=True, jit=jit) == {"fwd": 0, "bwd": 0, "fused": 1}
+        for c in (c1, c2):
+            c.reset()
+        step = eqx.filter_jit(dx.filter_value_and_grad(loss)) if jit else dx.filter_value_and_grad(loss)
+        jax.block_until_ready(step(P0))
+        jax.effects_barrier()
+        assert c1.as_dict() == {"fwd": 1, "bwd": 1, "fused": 0}
+        assert c2.as_dict() == {"fwd": 1, "bwd": 1, "fused": 0}

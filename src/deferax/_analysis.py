@@ -74,6 +74,7 @@ class SiteRecord:
     static: Any  # the non-array part of the ExpensiveFn (its callables and configuration)
     name: str
     has_fused: bool
+    custom_vjp: bool
     max_basis: int | None
     x_struct: Any
     y_struct: Any
@@ -96,6 +97,7 @@ class _Discover:
                 static=static,
                 name=fn.name,
                 has_fused=fn.fused is not None or fn.fused_batch is not None,
+                custom_vjp=fn.has_custom_vjp,
                 max_basis=fn.max_basis,
                 x_struct=jax.eval_shape(lambda v: v, x),
                 y_struct=y_struct,
@@ -163,6 +165,7 @@ class Analysis:
     plan: Plan
     records: list[SiteRecord]
     deferred: tuple[int, ...]  # sites run with one `fused(x, ct)` (plain or basis)
+    early: tuple[int, ...]  # standard sites whose `fwd` runs alongside the deferred `fused` calls
     basis: dict[int, Basis]  # the deferred sites on the basis schedule
     jaxpr: Any  # ClosedJaxpr of (dyn leaves, ys, ts, seed) -> (xs, impls, cts) for direct sites
     direct: tuple[int, ...]  # indices of the direct sites, in the order of the jaxpr's outputs
@@ -316,16 +319,25 @@ class _Check:
                     k=k.k if isinstance(k, Basis) else k,
                 )
             )
+        # A standard site whose input needs no expensive output can run its `fwd` in the
+        # same stage as the deferred sites' `fused` calls (only worth it when there are any).
+        early = [
+            r.index
+            for r in self.records
+            if deferred and r.index not in deferred and r.nested is None and r.custom_vjp
+            and not (self.dependence[r.index]["x"] | self.dependence[r.index]["impl"])
+        ]  # fmt: skip
         if self.schedule == "deferred":
             refused = [s for s in sites if s.schedule == "standard"]
             if refused:
                 lines = "\n".join(f"  site #{s.index} `{s.name}`: {s.reason}" for s in refused)
                 raise ValueError(_errors.CANNOT_DEFER.format(where=self.where, lines=lines))
-        plan = Plan(sites=tuple(sites), stages=_stages(self.records, deferred, basis), requested=self.schedule)
+        plan = Plan(sites=tuple(sites), stages=_stages(self.records, deferred, basis, early), requested=self.schedule)
         return Analysis(
             plan=plan,
             records=self.records,
             deferred=tuple(deferred),
+            early=tuple(early),
             basis=basis,
             jaxpr=self.jaxpr,
             direct=self.direct,
@@ -381,13 +393,17 @@ class _Check:
         return Basis(k=_jaxpr.frontier_size(frontier), frontier=_jaxpr.with_outputs(closed, frontier))
 
 
-def _stages(records: list[SiteRecord], deferred: list[int], basis: dict) -> tuple[tuple[str, ...], ...]:
+def _stages(records: list[SiteRecord], deferred: list[int], basis: dict, early: list[int]) -> tuple[tuple[str, ...], ...]:
+    """The expensive work in order: the deferred sites' `fused` calls together with the
+    `fwd` of every standard site that needs no expensive output; then the other standard
+    sites' `fwd` in program order; then every standard site's `bwd`, in reverse."""
     stages: list[tuple[str, ...]] = []
     if deferred:
         stages.append(
             tuple(f"{records[i].name}: fused" + (f" (k={basis[i].k} cotangents)" if i in basis else "") for i in deferred)
+            + tuple(f"{records[i].name}: fwd" for i in early)
         )
     standard = [r for r in records if r.index not in deferred]
-    stages.extend((f"{r.name}: fwd",) for r in standard)
+    stages.extend((f"{r.name}: fwd",) for r in standard if r.index not in early)
     stages.extend((f"{r.name}: bwd",) for r in reversed(standard))
     return tuple(stages)

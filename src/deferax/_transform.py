@@ -100,6 +100,8 @@ class _Replay:
         if site in self.analysis.basis:
             basis = self.inputs[site][2]
             return _replay_basis(x, self.ys[site], basis, self.ct_xs[site], (site, record.name))
+        if site in self.analysis.early:
+            return fn.standard_from(x, self.ys[site])
         if site in self.ys:
             return _replay(x, self.ys[site], self.ct_xs[site])
         return fn.standard(x)
@@ -244,21 +246,26 @@ def _stage1(analysis: Analysis, leaves: list) -> dict:
             inputs[site] = (xs[i], impls[i], _basis_cotangents(analysis.basis[site].frontier, leaves, ys, ts, site))
         elif site in analysis.deferred:
             inputs[site] = (xs[i], impls[i], cts[i])
+        elif site in analysis.early:
+            inputs[site] = (xs[i], impls[i], None)
     return inputs
 
 
 def _stage2(analysis: Analysis, inputs: dict, eager: bool):
     """The expensive calls: one `fused` per deferred site (batched over the basis cotangents
-    of a basis site); the sites run concurrently on threads when running eagerly."""
+    of a basis site), and the `fwd` of the standard sites that need no expensive output;
+    they run concurrently on threads when running eagerly."""
 
     def one(site):
         x, impl, ct = inputs[site]
         fn = eqx.combine(impl, analysis.records[site].static)
         if site in analysis.basis:
             return fn.run_fused_batch(x, ct)
+        if site in analysis.early:
+            return fn.primal(x), None
         return fn.run_fused(x, ct)
 
-    sites = analysis.deferred
+    sites = analysis.deferred + analysis.early
     if eager and len(sites) > 1:
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(sites)) as pool:
             results = list(pool.map(one, sites))
