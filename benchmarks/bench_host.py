@@ -211,9 +211,6 @@ def bench_service(small: bool, repeats: int) -> list[str]:
             for side, ts in times.items():
                 print(f"    {mode:5s} {side:9s}: {describe(ts)}")
             line = result_line("bench_host", f"service {sites} site(s) {workers} workers {mode}", median(times["deferred"]), median(times["standard"]), TARGETS[target])
-            if sites > 1 and mode == "jit":
-                # Inside one XLA program the sites' callbacks run one after the other.
-                line = line.rsplit(" (target", 1)[0] + " (no target: under jit the sites' callbacks run one after the other)"
             lines.append(line)
         service.shutdown()
     return lines

@@ -154,7 +154,8 @@ def test_forward_and_adjoints_run_at_the_same_time(loss_name, jit):
     assert_tree_allclose(got, eqx.filter_value_and_grad(LOSSES[loss_name][0](reference))(X0), rtol=1e-12, atol=1e-12)
 
 
-def test_several_sites_run_at_the_same_time():
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_several_sites_run_at_the_same_time(jit):
     barrier = threading.Barrier(6, timeout=10)  # 3 sites, forward and adjoint each
     with cf.ThreadPoolExecutor(8) as pool:
         fs = [solver(barrier=barrier, executor=pool, name=f"solver{i}") for i in range(3)]
@@ -162,7 +163,7 @@ def test_several_sites_run_at_the_same_time():
         def loss(x):
             return sum(linear_loss(f)(x * (i + 1)) for i, f in enumerate(fs))
 
-        got = run(loss, X0)
+        got = run(loss, X0, jit=jit)
 
     def ref(x):
         return sum(linear_loss(reference)(x * (i + 1)) for i in range(3))

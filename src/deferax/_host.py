@@ -53,6 +53,10 @@ class _Host(eqx.Module):
     through one `jax.pure_callback` (or calls the host functions directly when its
     arguments are concrete arrays)."""
 
+    # Read by the deferred schedule: under `jit`, the expensive calls of several sites whose
+    # implementations run on the host are gathered into one callback that runs them together.
+    runs_on_host = True
+
     call: str = eqx.field(static=True)
     host_fwd: Callable[..., Any] | None = eqx.field(static=True)
     host_adjoint: Callable[..., Any] | None = eqx.field(static=True)

@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 
 from . import _errors, _jaxpr, _sites
 from ._analysis import Analysis, analyse, fresh_pass, next_record
@@ -253,24 +254,51 @@ def _stage1(analysis: Analysis, leaves: list) -> dict:
 
 def _stage2(analysis: Analysis, inputs: dict, eager: bool):
     """The expensive calls: one `fused` per deferred site (batched over the basis cotangents
-    of a basis site), and the `fwd` of the standard sites that need no expensive output;
-    they run concurrently on threads when running eagerly."""
+    of a basis site), and the `fwd` of the standard sites that need no expensive output.
 
-    def one(site):
-        x, impl, ct = inputs[site]
-        fn = eqx.combine(impl, analysis.records[site].static)
+    Eagerly, they run concurrently on threads. Traced (under `jit` or `vmap`), each is part
+    of the surrounding program, where XLA:CPU runs them one after another; when there are
+    several and all of them run on the host anyway (`dx.host`), they leave the program
+    through one callback that runs them concurrently.
+    """
+    sites = analysis.deferred + analysis.early
+    fns = {site: eqx.combine(inputs[site][1], analysis.records[site].static) for site in sites}
+
+    def impl(site):
+        fn = fns[site]
+        if site in analysis.early:
+            return fn.fwd
+        return fn.fused_batch if site in analysis.basis and fn.fused_batch is not None else fn.fused
+
+    def one(site, inputs_):
+        x, impl_arrays, ct = inputs_[site]
+        fn = eqx.combine(impl_arrays, analysis.records[site].static)
         if site in analysis.basis:
             return fn.run_fused_batch(x, ct)
         if site in analysis.early:
             return fn.primal(x), None
         return fn.run_fused(x, ct)
 
-    sites = analysis.deferred + analysis.early
-    if eager and len(sites) > 1:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(sites)) as pool:
-            results = list(pool.map(one, sites))
+    def run_all(inputs_):
+        if len(sites) > 1:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=len(sites)) as pool:
+                return list(pool.map(lambda site: one(site, inputs_), sites))
+        return [one(site, inputs_) for site in sites]
+
+    on_host = all(getattr(getattr(impl(site), "__self__", None), "runs_on_host", False) for site in sites)
+    if eager:
+        results = run_all(inputs)
+    elif len(sites) > 1 and on_host:
+        mine = {site: inputs[site] for site in sites}
+        # (traced in this thread: JAX's tracing state does not reach the pool's threads)
+        shapes = jax.eval_shape(lambda i: [one(site, i) for site in sites], mine)
+
+        def host(concrete):
+            return jtu.tree_map(np.asarray, run_all(concrete))
+
+        results = jax.pure_callback(host, shapes, mine, vmap_method="sequential")
     else:
-        results = [one(site) for site in sites]
+        results = [one(site, inputs) for site in sites]
     ys = {site: r[0] for site, r in zip(sites, results, strict=True)}
     ct_xs = {site: r[1] for site, r in zip(sites, results, strict=True)}
     return ys, ct_xs
