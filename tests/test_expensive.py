@@ -270,8 +270,13 @@ def test_error_no_out_for_fused_only():
 
 def test_error_no_out_for_untraceable_fwd():
     f = dx.ExpensiveFn(fwd=lambda x: np.sin(np.asarray(x)), bwd=lambda x, y, ct: ct, name="host")
-    with pytest.raises(TypeError, match=match("(`fwd` is not JAX-traceable: TracerArrayConversionError), declare it with `out=`")):
-        jax.grad(lambda x: jnp.sum(f(x)))(jnp.ones(3))
+    text = "(`fwd` is not JAX-traceable: TracerArrayConversionError), declare it with `out=`"
+    with pytest.raises(TypeError, match=match(text)):
+        jax.jit(jax.grad(lambda x: jnp.sum(f(x))))(jnp.ones(3))
+    with pytest.raises(TypeError, match=match(text)):  # the deferred schedule's analysis traces it
+        dx.filter_value_and_grad(lambda x: jnp.sum(f(x)))(jnp.ones(3))
+    # on concrete arrays (eager grad) the host function simply runs
+    assert_tree_allclose(jax.grad(lambda x: jnp.sum(f(x)))(jnp.ones(3)), jnp.ones(3))
 
 
 def test_error_bwd_wrong_shape():

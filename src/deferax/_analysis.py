@@ -57,7 +57,7 @@ def fresh_pass():
 
 def _describe(tree: Any) -> str:
     leaves = jtu.tree_leaves(tree)
-    parts = [f"{jnp.dtype(s.dtype).name}{list(s.shape)}" for s in leaves]
+    parts = [_errors.shape_text(s) for s in leaves]
     text = ", ".join(parts)
     return text if len(leaves) == 1 else f"({text})"
 

@@ -16,7 +16,8 @@ from jaxtyping import PyTree
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="deferax")
 
 
-def _is_concrete(tree: PyTree) -> bool:
+def is_concrete(tree: PyTree) -> bool:
+    """True when no leaf is a tracer: the arrays are values, not part of a trace."""
     return not any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(tree))
 
 
@@ -55,7 +56,7 @@ def _apply_batched(f, x, cts):
 def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
     fwd = lambda x_: _apply(fwd_fn, x_)  # noqa: E731
     adjoint = lambda x_, ct_: apply_adjoint(adjoint_fn, x_, ct_)  # noqa: E731
-    if _is_concrete((x, ct)):
+    if is_concrete((x, ct)):
         y = _POOL.submit(lambda: jax.block_until_ready(fwd(x)))
         ct_x = _POOL.submit(lambda: jax.block_until_ready(adjoint(x, ct)))
         return y.result(), ct_x.result()

@@ -1,6 +1,26 @@
 """User-facing messages. Each one names the call, what was expected, what was found, and
 the fix; each has a test that matches its text."""
 
+from typing import Any
+
+import jax.tree_util as jtu
+import numpy as np
+
+
+def shape_text(a: Any) -> str:
+    """`float64[3, 4]` for an array or a `jax.ShapeDtypeStruct`."""
+    return f"{np.dtype(a.dtype).name}{list(a.shape)}"
+
+
+def tree_text(value: Any) -> str:
+    """How a value is shown in messages: `float64[3, 4]` for an array, a pytree of those."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return shape_text(value)
+    leaves, treedef = jtu.tree_flatten(value)
+    if treedef.num_nodes == 1:
+        return type(value).__name__ if not leaves or leaves[0] is not value else repr(value)[:80]
+    return str(jtu.tree_unflatten(treedef, [tree_text(v) for v in leaves])).replace("'", "")
+
 NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, or `fused(x, ct_y) -> (y, ct_x)`:
 
     dx.ExpensiveFn(fwd=simulate, bwd=adjoint)   # or
@@ -36,7 +56,7 @@ function whose derivative is {how}. Such a derivative is reverse-mode only (JAX 
 both a custom JVP and a custom VJP). Use reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`), or construct the
 `ExpensiveFn` with a JAX-traceable `fwd` only (no `bwd`, no `fused`) so that JAX differentiates `fwd` in both modes."""
 
-NOT_SCALAR = """{where}: the differentiated function must return a real scalar{aux}, but it returned {found}.""".replace("{aux}", "")
+NOT_SCALAR = "{where}: the differentiated function must return a real scalar, but it returned {found}."
 
 CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sites cannot be deferred:
 {lines}

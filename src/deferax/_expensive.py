@@ -20,10 +20,6 @@ def _struct(tree: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
     return jtu.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
 
 
-def _describe(struct: jax.ShapeDtypeStruct) -> str:
-    return f"{jnp.dtype(struct.dtype).name}{list(struct.shape)}"
-
-
 def _zero_cotangent(a: Any) -> Any:
     if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
         return jnp.zeros(jnp.shape(a), jnp.result_type(a))
@@ -167,7 +163,7 @@ class ExpensiveFn(eqx.Module):
                 fs = jax.ShapeDtypeStruct(jnp.shape(f), jnp.result_type(f))
                 if fs.shape != e.shape or fs.dtype != e.dtype:
                     where = f" at {jtu.keystr(path)}" if path else ""
-                    lines.append(f"Expected {_describe(e)}{where}, found {_describe(fs)}.")
+                    lines.append(f"Expected {_errors.shape_text(e)}{where}, found {_errors.shape_text(fs)}.")
             if not lines:
                 return
             detail = "\n".join(lines)
@@ -206,12 +202,18 @@ class ExpensiveFn(eqx.Module):
 
     def primal(self, x: PyTree) -> PyTree:
         """Compute `y = f(x)` with `fwd`, or with `fused` and a zero cotangent."""
-        expected = self.out_struct(x)
         if self.fwd is not None:
-            y = self._invoke("fwd", x)
-            self._check("fwd", "an output", y, expected, "the output structure")
+            try:
+                y = self._invoke("fwd", x)
+            except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError) as e:
+                if self.out is not None:
+                    raise
+                why = f"`fwd` is not JAX-traceable: {type(e).__name__}"
+                raise TypeError(_errors.NO_OUT.format(call=self._call, why=why)) from e
+            if self.out is not None:  # otherwise the output structure *is* fwd's: nothing to check
+                self._check("fwd", "an output", y, self.out_struct(x), "the output structure")
             return y
-        ct0 = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), expected)
+        ct0 = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.out_struct(x))
         return self.run_fused(x, ct0)[0]
 
     def cotangent(self, x: PyTree, y: PyTree, ct_y: PyTree) -> PyTree:

@@ -16,6 +16,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import _errors, _executor
+from ._concurrent import is_concrete
 from ._expensive import ExpensiveFn, _struct
 from ._host_jobs import Runner
 
@@ -37,10 +38,6 @@ BAD_EXECUTOR = """{call}: `executor` must be a `concurrent.futures.Executor` (a 
 `distributed.Client(...).get_executor()`) or None for deferax's thread pool, but got {found!r}."""
 
 BAD_TIMEOUT = "{call}: `timeout` must be a positive number of seconds or None, but got {found!r}."
-
-
-def _concrete(tree: PyTree) -> bool:
-    return not any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(tree))
 
 
 def _identity(x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
@@ -88,7 +85,7 @@ class _Host(eqx.Module):
     def _run(self, kind: str, args: tuple, result: PyTree) -> PyTree:
         runner = self._runner()
         arg_structs = _struct(args)
-        if _concrete(args):
+        if is_concrete(args):
             return jtu.tree_map(jnp.asarray, runner(kind, result, arg_structs, *jtu.tree_map(np.asarray, args)))
         return jax.pure_callback(ft.partial(runner, kind, result, arg_structs), result, *args, vmap_method="broadcast_all")
 

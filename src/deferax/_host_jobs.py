@@ -18,7 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _executor
+from . import _errors, _executor
 
 MISMATCH = """{call}: the host function `{impl}` returned {found}, where {expected} was expected ({why}).
 A host function must return NumPy arrays with exactly the declared shapes and dtypes (convert with
@@ -29,19 +29,6 @@ LIKE_X = "a cotangent shaped like the input `x`"
 PAIR = "a pair `(y, ct_x)`: `y` declared by `out=`, `ct_x` shaped like the input `x`"
 
 _ARRAY_LIKE = (np.ndarray, np.generic, jax.Array, int, float, complex)
-
-
-def _describe(a: Any) -> str:
-    if isinstance(a, np.ndarray | jax.ShapeDtypeStruct):
-        return f"{np.dtype(a.dtype).name}{list(a.shape)}"
-    return repr(a)
-
-
-def _text(tree: PyTree) -> str:
-    """`complex128[3]`, or a pytree of such, for messages."""
-    if isinstance(tree, np.ndarray | jax.ShapeDtypeStruct):
-        return _describe(tree)
-    return str(jtu.tree_map(_describe, tree)).replace("'", "")
 
 
 def _zeros(struct: PyTree) -> PyTree:
@@ -212,5 +199,5 @@ class Runner:
             for a, s in zip(jtu.tree_leaves(r), jtu.tree_leaves(c.expected), strict=True)
         )
         if not ok:
-            raise ValueError(MISMATCH.format(call=self.call, impl=c.impl, found=_text(r), expected=_text(c.expected), why=c.why))
+            raise ValueError(MISMATCH.format(call=self.call, impl=c.impl, found=_errors.tree_text(r), expected=_errors.tree_text(c.expected), why=c.why))
         return r

@@ -184,15 +184,15 @@ def first_culprit(closed, in_labels: Sequence[object], output: int, sources: fro
 _LINEAR_UNARY = {
     "neg", "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "reduce_sum",
     "slice", "rev", "real", "imag", "conj", "convert_element_type", "copy", "copy_p", "fft",
-    "cumsum", "reduce_precision", "complex",
+    "cumsum", "reduce_precision",
 }
 # Sums of data operands (every operand may be linear).
-_ADDITIVE = {"add", "sub", "add_any", "concatenate"}
+_ADDITIVE = {"add", "sub", "add_any", "concatenate", "complex"}
 # Products: linear when exactly one operand depends on the source and the other is free
 # of every source (a coefficient).
 _PRODUCT = {"mul", "dot_general"}
 # Linear in the first operand, with the others as free indices or coefficients.
-_LINEAR_FIRST = {"div", "dynamic_slice", "gather", "pad", "select_n"}
+_LINEAR_FIRST = {"div", "dynamic_slice", "gather", "pad"}
 
 CONST, LINEAR, NONLINEAR = 0, 1, 2
 
@@ -215,10 +215,10 @@ def _classify(eqn, classes: list[int], free: list[bool]) -> list[int]:
     inner = _inner_jaxpr(eqn)
     if inner is not None and len(inner.invars) == len(classes):
         return _linearity(inner, classes, free)[0]
-    if name in _LINEAR_UNARY or name in _ADDITIVE:
-        if name == "complex" or name in _ADDITIVE:
-            return [LINEAR] * n_out
-        return [LINEAR] * n_out if len(classes) == 1 else [NONLINEAR] * n_out
+    if name in _ADDITIVE:
+        return [LINEAR] * n_out
+    if name in _LINEAR_UNARY:
+        return [LINEAR if len(classes) == 1 else NONLINEAR] * n_out
     if name in _PRODUCT and len(classes) == 2:
         ok = (classes[0] == LINEAR and free[1]) or (classes[1] == LINEAR and free[0])
         return [LINEAR if ok else NONLINEAR] * n_out

@@ -20,9 +20,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
-import jax.tree_util as jtu
 import jaxtyping
 from beartype.door import is_bearable
 
@@ -78,16 +75,6 @@ def _bindings() -> str:
     return ", ".join(lines) if lines else "none yet"
 
 
-def describe(value: Any) -> str:
-    """A short description of a value: `float64[3, 4]` for an array, a pytree of those."""
-    if isinstance(value, jax.Array | jax.ShapeDtypeStruct) or hasattr(value, "__array__") and hasattr(value, "shape"):
-        return f"{jnp.dtype(value.dtype).name}{list(value.shape)}"
-    leaves, treedef = jtu.tree_flatten(value)
-    if treedef.num_nodes == 1:
-        return type(value).__name__ if not leaves or leaves[0] is not value else repr(value)[:80]
-    return str(jtu.tree_unflatten(treedef, [describe(v) for v in leaves])).replace("'", "")
-
-
 def _hint_text(hint: Any) -> str:
     """`Float[Array, 'nx ny']` rather than the class's repr."""
     text = getattr(hint, "__name__", None) if isinstance(hint, type) else None
@@ -105,7 +92,7 @@ def check(value: Any, hint: Any, where: str, what: str) -> None:
     if not is_bearable(value, hint):
         raise AnnotationError(
             _errors.ANNOTATION.format(
-                where=where, what=what, expected=_hint_text(hint), found=describe(value), bindings=_bindings()
+                where=where, what=what, expected=_hint_text(hint), found=_errors.tree_text(value), bindings=_bindings()
             )
         )
 
