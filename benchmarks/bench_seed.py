@@ -158,33 +158,23 @@ def main():
     probes = {"forward alone": lambda: fwd_jit(pattern), "dx.fuse alone": lambda: fused(pattern, w)}
 
     results = []
-    vg_def = dx.filter_value_and_grad(loss_def)
-    vg_seed = eqx.filter_value_and_grad(loss_seed)
-    times = interleaved(
-        {"deferred": lambda: vg_def(params, w), "seed": lambda: vg_seed(params, w), **probes}, repeats, warmup=2
-    )
-    for side, ts in times.items():
-        print(f"eager {side:13s}: {describe(ts)}")
-    print(f"eager {overlap(times)}")
-    results.append(
-        result_line(
-            "bench_seed", "eager", median(times["deferred"]), median(times["seed"]), TARGETS["eager"], old_name="seed"
+    # eager: as a user would call it; jit: both sides inside eqx.filter_jit.
+    for case, wrap in (("eager", lambda f: f), ("jit", eqx.filter_jit)):
+        step_def = wrap(dx.filter_value_and_grad(loss_def))
+        step_seed = wrap(eqx.filter_value_and_grad(loss_seed))
+        times = interleaved(
+            {"deferred": lambda s=step_def: s(params, w), "seed": lambda s=step_seed: s(params, w), **probes},
+            repeats,
+            warmup=2,
         )
-    )
-
-    step_def = eqx.filter_jit(dx.filter_value_and_grad(loss_def))
-    step_seed = eqx.filter_jit(eqx.filter_value_and_grad(loss_seed))
-    times = interleaved(
-        {"deferred": lambda: step_def(params, w), "seed": lambda: step_seed(params, w), **probes}, repeats, warmup=2
-    )
-    for side, ts in times.items():
-        print(f"jit   {side:13s}: {describe(ts)}")
-    print(f"jit   {overlap(times)}")
-    results.append(
-        result_line(
-            "bench_seed", "jit", median(times["deferred"]), median(times["seed"]), TARGETS["jit"], old_name="seed"
+        for side, ts in times.items():
+            print(f"{case:5s} {side:13s}: {describe(ts)}")
+        print(f"{case:5s} {overlap(times)}")
+        results.append(
+            result_line(
+                "bench_seed", case, median(times["deferred"]), median(times["seed"]), TARGETS[case], old_name="seed"
+            )
         )
-    )
 
     print(f"at the end: {load()}")
     for line in results:

@@ -150,41 +150,22 @@ def main():
     results = []
 
     # (a) eager: no outer jit. The deferred side jits its cheap stages internally (cached);
-    # fused runs forward and adjoint on two threads.
-    vg_def = dx.filter_value_and_grad(loss_def)
-    vg_std = eqx.filter_value_and_grad(loss_std)
+    # fused runs forward and adjoint on two threads. Also timed there: the ExpensiveFn on the
+    # standard schedule, which should cost what the plain custom_vjp does.
+    # (b) jit: both sides inside eqx.filter_jit.
     vg_lib_std = dx.filter_value_and_grad(loss_def, schedule="standard")
-    times = interleaved(
-        {
-            "deferred": lambda: vg_def(params, w),
-            "standard": lambda: vg_std(params, w),
-            "ExpensiveFn standard": lambda: vg_lib_std(params, w),
-            **probes,
-        },
-        repeats,
-        warmup=2,
-    )
-    for side, ts in times.items():
-        print(f"eager {side:21s}: {describe(ts)}")
-    print(f"eager {overlap(times)}")
-    results.append(
-        result_line("bench_wave", "eager", median(times["deferred"]), median(times["standard"]), TARGETS["eager"])
-    )
-
-    # (b) both sides inside eqx.filter_jit.
-    step_def = eqx.filter_jit(dx.filter_value_and_grad(loss_def))
-    step_std = eqx.filter_jit(eqx.filter_value_and_grad(loss_std))
-    times = interleaved(
-        {"deferred": lambda: step_def(params, w), "standard": lambda: step_std(params, w), **probes},
-        repeats,
-        warmup=2,
-    )
-    for side, ts in times.items():
-        print(f"jit   {side:21s}: {describe(ts)}")
-    print(f"jit   {overlap(times)}")
-    results.append(
-        result_line("bench_wave", "jit", median(times["deferred"]), median(times["standard"]), TARGETS["jit"])
-    )
+    extra = {"eager": {"ExpensiveFn standard": lambda: vg_lib_std(params, w)}, "jit": {}}
+    for case, wrap in (("eager", lambda f: f), ("jit", eqx.filter_jit)):
+        step_def = wrap(dx.filter_value_and_grad(loss_def))
+        step_std = wrap(eqx.filter_value_and_grad(loss_std))
+        sides = {"deferred": lambda s=step_def: s(params, w), "standard": lambda s=step_std: s(params, w)}
+        times = interleaved({**sides, **extra[case], **probes}, repeats, warmup=2)
+        for side, ts in times.items():
+            print(f"{case:5s} {side:21s}: {describe(ts)}")
+        print(f"{case:5s} {overlap(times)}")
+        results.append(
+            result_line("bench_wave", case, median(times["deferred"]), median(times["standard"]), TARGETS[case])
+        )
 
     # For reference: forward + adjoint in one jitted program (XLA:CPU runs them one after
     # the other), against one forward.
