@@ -1,153 +1,44 @@
-"""The static check: which call sites may run on the deferred schedule.
+"""The static check: which expensive calls may run on a deferred schedule.
 
-The user's program is traced twice with every `ExpensiveFn` call replaced by a stand-in:
-
-1. *Discovery* (`jax.eval_shape`): records each call site, its input and output structures,
-   and whether it was called directly in the differentiated function or inside a nested
-   transformation (`vmap`, `scan`, `cond`, `jit`, `checkpoint`, ...).
-2. *Analysis* (`jax.make_jaxpr`): the output of a direct site `k` becomes an input `ys[k]`;
-   a nested site's output becomes `t_k * (1 + sum(x))`, with a scalar input `t_k`, so that
-   anything depending on it, or differentiating through it, depends on `t_k`. The traced
-   function returns, for every direct site, its input, the arrays its implementations carry,
-   and the cotangent of the loss with respect to its output (for a seed cotangent given as
-   an input too).
-
-A direct site `k` is deferred only if all of these hold:
+Its input is the program traced once: a closed jaxpr `J(consts, leaves) -> (value, aux)`
+in which every call of an `ExpensiveFn` is a `deferax_site` equation (a nested `jit` or
+`checkpoint` holding one is inlined first). A site at the top level of `J` (one called
+under `vmap` included: the batching rule keeps it one equation) is deferred only if all of
+these hold:
 
 - it has a `fused` implementation;
-- its input (and its implementations' arrays) depend on no stand-in: they can be computed
-  before any expensive call runs;
-- its output feeds the input of no other site, so its cotangent arrives only through the
-  cheap program and not through another site's derivative;
-- its cotangent depends on no stand-in: the program's backward pass can compute it without
-  any expensive output.
+- its operands (input, and the arrays of its implementations) depend on no expensive
+  output: they can be computed before any expensive call runs;
+- its output feeds no other expensive call, so its cotangent arrives only through the
+  cheap program;
+- its cotangent depends on no expensive output. To see that, the backward pass of `J` with
+  respect to the sites' outputs is traced once, `G(consts, leaves, ys, seed) -> (cts,
+  operands)`, with every top-level site's output an input `ys[i]`; equations that hold
+  expensive calls inside (`scan`, `cond`, custom rules) are sources too.
 
-Under these conditions, evaluating the analysis program with zeros in place of every
-stand-in gives the exact inputs and cotangents of the deferred sites. The dependency
-analysis is syntactic (`_jaxpr.dependencies`), so it can only over-approximate: a site may
-stay standard when it could have been deferred, never the reverse.
+Under these conditions evaluating `G` with zeros for every `ys` gives the exact operands and
+cotangents of the deferred sites. The dependency analysis is syntactic
+(`_jaxpr.dependencies`), so it can only over-approximate: a site may stay standard when it
+could have been deferred, never the reverse.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors, _jaxpr, _sites
-from ._expensive import ExpensiveFn
+from . import _errors, _jaxpr, _site
 from ._plan import Plan, Site
 
-# Part of every jit cache key: each recording pass sets a fresh value, so a `jax.jit` (or
-# `eqx.filter_jit`) inside the user's program is re-traced for each pass and never replays a
-# jaxpr that was recorded with another pass's stand-ins.
-_PASS = jax.make_user_context(default_value=None)
-_pass_counter = iter(range(1, 2**62))
 
-
-def fresh_pass():
-    """A context in which nested jits are traced afresh."""
-    return _PASS(next(_pass_counter))
-
-
-def _describe(tree: Any) -> str:
-    leaves = jtu.tree_leaves(tree)
-    parts = [_errors.shape_text(s) for s in leaves]
+def _describe(structs) -> str:
+    parts = [_errors.shape_text(s) for s in structs]
     text = ", ".join(parts)
-    return text if len(leaves) == 1 else f"({text})"
-
-
-def _zeros(struct: Any) -> Any:
-    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), struct)
-
-
-@dataclasses.dataclass
-class SiteRecord:
-    """What discovery learnt about one call site."""
-
-    index: int
-    static: Any  # the non-array part of the ExpensiveFn (its callables and configuration)
-    name: str
-    has_fused: bool
-    custom_vjp: bool
-    max_basis: int | None
-    x_struct: Any
-    y_struct: Any
-    nested: str | None  # the kind of nested transformation, or None for a direct call
-
-
-class _Discover:
-    def __init__(self):
-        self.top: object | None = None
-        self.records: list[SiteRecord] = []
-
-    def call(self, fn: ExpensiveFn, x: Any) -> Any:
-        trace = _jaxpr.current_trace()
-        nested = None if trace is self.top else _jaxpr.trace_kind(trace)
-        y_struct = fn.out_struct(x)
-        _, static = eqx.partition(fn, eqx.is_array)
-        self.records.append(
-            SiteRecord(
-                index=len(self.records),
-                static=static,
-                name=fn.name,
-                has_fused=fn.fused is not None or fn.fused_batch is not None,
-                custom_vjp=fn.has_custom_vjp,
-                max_basis=fn.max_basis,
-                x_struct=jax.eval_shape(lambda v: v, x),
-                y_struct=y_struct,
-                nested=nested,
-            )
-        )
-        return _zeros(y_struct)
-
-
-class _Analyse:
-    """Direct sites read their output from `ys`; nested sites return a stand-in made of `ts`."""
-
-    def __init__(self, records: list[SiteRecord], ys: list, ts: list):
-        self.records = records
-        self.ys = ys
-        self.ts = ts
-        self.top: object | None = None
-        self.count = 0
-        self.xs: list = []
-        self.impls: list = []
-
-    def call(self, fn: ExpensiveFn, x: Any) -> Any:
-        record = next_record(self.records, self.count, fn, x)
-        self.count += 1
-        if record.nested is None:
-            self.xs.append(x)
-            self.impls.append(eqx.filter(fn, eqx.is_array))
-            return self.ys[record.index]
-        t = self.ts[record.index]
-        total = sum((jnp.sum(jnp.real(leaf)).astype(t.dtype) for leaf in jtu.tree_leaves(x)), start=jnp.zeros((), t.dtype))
-        scale = t * (1 + total)
-        return jtu.tree_map(lambda s: jnp.broadcast_to(scale, s.shape).astype(s.dtype), record.y_struct)
-
-
-def _shapes(tree: Any) -> tuple:
-    """Structure, shapes and dtypes (not weak types, which differ between traces)."""
-    leaves, treedef = jtu.tree_flatten(tree)
-    return treedef, tuple((tuple(jnp.shape(a)), jnp.dtype(a.dtype)) for a in leaves)
-
-
-def next_record(records: list[SiteRecord], count: int, fn: ExpensiveFn, x: Any) -> SiteRecord:
-    """The record for the `count`-th call, checking that the program calls the same sites."""
-    if count >= len(records):
-        raise RuntimeError(_errors.SITES_CHANGED.format(found=f"more than {len(records)} calls", name=fn.name))
-    record = records[count]
-    if record.name != fn.name or _shapes(x) != _shapes(record.x_struct):
-        raise RuntimeError(
-            _errors.SITES_CHANGED.format(found=f"call {count} is `{fn.name}` on {_describe(x)}", name=record.name)
-        )
-    return record
+    return text if len(parts) == 1 else f"({text})"
 
 
 @dataclasses.dataclass
@@ -155,255 +46,259 @@ class Basis:
     """A site on the basis schedule: its cotangent is a combination of `k` fixed cotangents."""
 
     k: int
-    frontier: Any  # ClosedJaxpr of (dyn leaves, ys, ts) -> the frontier variables
+    frontier: Any  # ClosedJaxpr of (consts, leaves, ys, ns) -> the frontier variables
 
 
 @dataclasses.dataclass
 class Analysis:
-    """The outcome of the static check, with what the deferred execution needs."""
+    """The outcome of the static check, with what the stages need."""
 
     plan: Plan
-    records: list[SiteRecord]
-    deferred: tuple[int, ...]  # sites run with one `fused(x, ct)` (plain or basis)
-    early: tuple[int, ...]  # standard sites whose `fwd` runs alongside the deferred `fused` calls
-    basis: dict[int, Basis]  # the deferred sites on the basis schedule
-    jaxpr: Any  # ClosedJaxpr of (dyn leaves, ys, ts, seed) -> (xs, impls, cts) for direct sites
-    direct: tuple[int, ...]  # indices of the direct sites, in the order of the jaxpr's outputs
-    out_tree: Any  # treedef of (xs, impls, cts)
+    program: Any  # J: ClosedJaxpr of (consts, leaves) -> (value, aux arrays), sites inlined
+    sites: tuple[int, ...]  # equation indices of the top-level sites, in program order
+    nested: tuple[int, ...]  # equation indices of equations holding expensive calls inside
+    deferred: tuple[int, ...]  # positions (in `sites`) run with one `fused(x, ct)` (plain or basis)
+    early: tuple[int, ...]  # standard positions whose `fwd` runs alongside the deferred calls
+    basis: dict[int, Basis]
+    backward: Any  # G, pruned to what stage 1 needs: (consts, leaves, ys, seed) -> (cts, operands)
+    backward_out: tuple  # for each output of `backward`: ("ct", position, leaf) or ("op", position, leaf)
+
+    def spec(self, position: int) -> _site.Spec:
+        return _site.spec_of(self.program.jaxpr.eqns[self.sites[position]])
+
+    @property
+    def live(self) -> bool:
+        """Whether stage 3 still runs expensive implementations (standard sites)."""
+        return bool(self.nested) or len(self.deferred) < len(self.sites) or bool(self.early)
 
 
-def _value_of(out: Any, has_aux: bool, where: str) -> Any:
-    value = out[0] if has_aux else out
-    if jnp.shape(value) != () or not jnp.issubdtype(jnp.result_type(value), jnp.floating):
-        raise TypeError(_errors.NOT_SCALAR.format(where=where, found=_describe(jax.eval_shape(lambda v: v, value))))
-    return value
-
-
-class _Tracer:
-    """Traces the user's program with every site replaced by its stand-in."""
-
-    def __init__(self, call, records, has_aux, where):
-        self.call, self.records, self.has_aux, self.where = call, records, has_aux, where
-
-    def loss(self, leaves, ys, ts, rec=None):
-        rec = rec or _Analyse(self.records, ys, ts)
-        rec.ys = ys
-        rec.top = _jaxpr.current_trace()
-        with _sites.recording(rec):
-            out = self.call(leaves)
-        return _value_of(out, self.has_aux, self.where), rec
-
-    def backward(self, direct):
-        """(leaves, ys, ts, seed) -> (inputs, implementation arrays, cotangents) of the direct sites."""
-
-        def analysis(leaves, ys, ts, seed):
-            rec = _Analyse(self.records, ys, ts)
-
-            def program(ys_):
-                value, _ = self.loss(leaves, ys_, ts, rec)
-                return value, (rec.xs, rec.impls)
-
-            _, vjp, (xs, impls) = jax.vjp(program, ys, has_aux=True)
-            (cts,) = vjp(seed)
-            return xs, impls, [cts[i] for i in direct]
-
-        return analysis
-
-    def forward(self, leaves, ys, ts):
-        return self.loss(leaves, ys, ts)[0]
-
-
-def analyse(
-    call: Callable[[list], Any],
-    dyn_structs: list,
-    *,
-    has_aux: bool,
-    schedule: str,
-    max_basis: int,
-    where: str,
-) -> Analysis:
-    """Run the static check on `call(dyn_leaves)`, the user's program on its array leaves."""
-    discover = _Discover()
-
-    def discovery(leaves):
-        discover.top = _jaxpr.current_trace()
-        with _sites.recording(discover):
-            return call(leaves)
-
-    with fresh_pass():
-        out_struct = jax.eval_shape(discovery, dyn_structs)
-    _value_of(out_struct, has_aux, where)
-    records = discover.records
-    direct = tuple(r.index for r in records if r.nested is None)
-    tracer = _Tracer(call, records, has_aux, where)
-    ys_structs = [r.y_struct for r in records]
-    ts_structs = [jax.ShapeDtypeStruct((), jnp.result_type(float)) for _ in records]
-    check = _Check(records, direct, schedule, max_basis, where)
-    if direct and schedule != "standard":
-        seed_struct = jax.ShapeDtypeStruct((), out_struct[0].dtype if has_aux else out_struct.dtype)
-        with fresh_pass():
-            check.jaxpr, shapes = jax.make_jaxpr(tracer.backward(direct), return_shape=True)(
-                dyn_structs, ys_structs, ts_structs, seed_struct
-            )
-        check.out_tree = jtu.tree_structure(shapes)
-        check.labels = _labels(dyn_structs, ys_structs, ts_structs)
-        check.dependence = _dependence(check.jaxpr, check.labels, direct, shapes)
-
-        def forward_jaxpr():
-            with fresh_pass():
-                return jax.make_jaxpr(tracer.forward)(dyn_structs, ys_structs, ts_structs)
-
-        check.forward_jaxpr = forward_jaxpr
+def analyse(program, n_consts: int, *, schedule: str, max_basis: int, where: str) -> Analysis:
+    """Run the static check on `program` (`J`, with its constants as leading inputs)."""
+    jaxpr = program.jaxpr
+    sites = tuple(_jaxpr.top_level(program, _site.SITE))
+    nested = tuple(i for i, e in enumerate(jaxpr.eqns) if str(e.primitive) != _site.SITE and _jaxpr.contains(e, (_site.SITE,)))
+    specs = [_site.spec_of(jaxpr.eqns[i]) for i in sites]
+    check = _Check(program, n_consts, sites, nested, specs, schedule, max_basis, where)
     return check.run()
 
 
-def _labels(dyn_structs, ys_structs, ts_structs):
-    labels: list[object] = [None] * len(jtu.tree_leaves(dyn_structs))
-    for i, y in enumerate(ys_structs):
-        labels += [("y", i)] * len(jtu.tree_leaves(y))
-    labels += [("t", i) for i in range(len(ts_structs))]
-    labels.append("seed")
-    return labels
-
-
-def _dependence(jaxpr, labels, direct, shapes):
-    """For each direct site: which stand-ins its input, its implementations' arrays and its
-    cotangent depend on, and where its cotangent sits among the jaxpr's outputs."""
-    deps = _jaxpr.dependencies(jaxpr, labels)
-    result: dict[int, dict[str, Any]] = {site: {} for site in direct}
-    offset = 0
-    for key, group in zip(("x", "impl", "ct"), shapes, strict=True):
-        for site, value in zip(direct, group, strict=True):
-            n = len(jtu.tree_leaves(value))
-            result[site][key] = frozenset().union(*deps[offset : offset + n]) - {"seed"}
-            if key == "ct":
-                result[site]["ct_outputs"] = range(offset, offset + n)
-            offset += n
-    return result
-
-
-def _site_name(records, label) -> str:
-    return f"#{label[1]} `{records[label[1]].name}`"
-
-
 class _Check:
-    """Decides the schedule of each site from the dependences found by the analysis."""
-
-    def __init__(self, records, direct, schedule, max_basis, where):
-        self.records, self.direct, self.schedule, self.max_basis, self.where = records, direct, schedule, max_basis, where
-        self.jaxpr = self.out_tree = self.labels = self.forward_jaxpr = None
-        self.dependence: dict = {}
+    def __init__(self, program, n_consts, sites, nested, specs, schedule, max_basis, where):
+        self.program, self.n_consts, self.sites, self.nested, self.specs = program, n_consts, sites, nested, specs
+        self.schedule, self.max_basis, self.where = schedule, max_basis, where
+        self.n_in = len(program.jaxpr.invars)
+        self.eqn_labels = {i: ("y", k) for k, i in enumerate(sites)} | {i: ("n", i) for i in nested}
         self._forward = None
 
+    # ------------------------------------------------------------------ the order of the plan
+
+    def _entries(self):
+        """Every expensive call in program order: (position or None, spec, nested kind or None)."""
+        entries = []
+        for i, eqn in enumerate(self.program.jaxpr.eqns):
+            if i in self.sites:
+                entries.append((self.sites.index(i), self.specs[self.sites.index(i)], None))
+            elif i in self.nested:
+                for inner in _jaxpr.nested_in(eqn, _site.SITE):
+                    entries.append((None, _site.spec_of(inner), _jaxpr.kind_of(eqn)))
+        return entries
+
     def run(self) -> Analysis:
-        feeds: dict[int, list[int]] = {}
-        for site in self.direct:
-            for label in self.dependence.get(site, {}).get("x", frozenset()) | self.dependence.get(site, {}).get("impl", frozenset()):
-                feeds.setdefault(label[1], []).append(site)
-        sites, deferred, basis = [], [], {}
-        for r in self.records:
-            schedule, reason, location, k = self._decide(r, feeds)
-            if schedule != "standard":
-                deferred.append(r.index)
-            if schedule == "deferred-basis":
-                basis[r.index] = k
+        n = len(self.sites)
+        marks = _jaxpr.input_marks(self.program, [None] * self.n_in, self.eqn_labels)
+        upstream, feeds = {}, {}
+        for k, i in enumerate(self.sites):
+            upstream[k] = frozenset().union(*marks[i])
+            for lab in upstream[k]:
+                feeds.setdefault(lab, []).append(f"#{k} `{self.specs[k].name}`")
+        for i in self.nested:
+            for lab in frozenset().union(*marks[i]):
+                feeds.setdefault(lab, []).append(f"the expensive call inside {_jaxpr.kind_of(self.program.jaxpr.eqns[i])}")
+        decisions: dict[int, tuple] = {}
+        candidates = []
+        for k in range(n):
+            reason = self._structural(k, upstream, feeds)
+            if reason is None:
+                candidates.append(k)
+            else:
+                decisions[k] = ("standard", reason, None, None)
+        backward, backward_out = None, ()
+        if candidates:
+            ready = [k for k in range(n) if not upstream[k]]  # operands computable in stage 1
+            backward, backward_out, ct_deps, labels = self._backward(candidates, ready)
+            for k in candidates:
+                decisions[k] = self._decide(k, ct_deps[k], backward, labels)
+        deferred = tuple(k for k in range(n) if decisions[k][0] != "standard")
+        basis = {k: decisions[k][3] for k in deferred if decisions[k][0] == "deferred-basis"}
+        early = tuple(
+            k for k in range(n)
+            if deferred and k not in deferred and self.specs[k].static.has_custom_vjp and not upstream[k]
+        )  # fmt: skip
+        if backward is not None:
+            keep = [(kind == "ct" and k in deferred and k not in basis) or (kind == "op" and (k in deferred or k in early)) for kind, k, _ in backward_out]
+            backward = _jaxpr.prune(backward, keep)
+            backward_out = tuple(o for o, u in zip(backward_out, keep, strict=True) if u)
+        plan = self._plan(decisions, deferred, basis, early)
+        return Analysis(plan, self.program, self.sites, self.nested, deferred, early, basis, backward, backward_out)
+
+    def _structural(self, k, upstream, feeds) -> str | None:
+        spec = self.specs[k]
+        if self.schedule == "standard":
+            return "schedule='standard' was requested"
+        if spec.static.fused is None and spec.static.fused_batch is None:
+            return "no `fused` implementation"
+        if upstream[k]:
+            return "its input depends on " + ", ".join(self._source(lab) for lab in sorted(upstream[k], key=str))
+        if ("y", k) in feeds:
+            return "its output feeds the input of " + ", ".join(f"site {f}" if f.startswith("#") else f for f in feeds[("y", k)])
+        return None
+
+    def _source(self, label) -> str:
+        if label[0] == "y":
+            return f"the output of site #{label[1]} `{self.specs[label[1]].name}`"
+        return f"the output of the expensive call inside {_jaxpr.kind_of(self.program.jaxpr.eqns[label[1]])}"
+
+    # ------------------------------------------------------------------ the backward pass, traced once
+
+    def _ys_structs(self):
+        return [[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in spec.y_avals()] for spec in self.specs]
+
+    def _in_structs(self):
+        return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in self.program.jaxpr.invars]
+
+    def _backward(self, candidates, ready):
+        program, sites = self.program, self.sites
+        value_aval = program.jaxpr.outvars[0].aval
+
+        def g(ins, ys, seed):
+            def f(ys_):
+                operands: dict[int, list] = {}
+
+                def handler(k):
+                    def h(eqn, invals):
+                        operands[k] = invals
+                        return ys_[k]
+
+                    return h
+
+                value = _jaxpr.interpret(program, ins, {i: handler(k) for k, i in enumerate(sites)})[0]
+                return value, [operands[k] for k in ready]
+
+            _, vjp, operands = jax.vjp(f, ys, has_aux=True)
+            (cts,) = vjp(seed)
+            return [cts[k] for k in candidates], operands
+
+        seed = jax.ShapeDtypeStruct((), value_aval.dtype)
+        closed, shapes = _jaxpr.trace(g, self._in_structs(), self._ys_structs(), seed)
+        out = []
+        for group, kind, positions in zip(shapes, ("ct", "op"), (candidates, ready), strict=True):
+            for k, leaves in zip(positions, group, strict=True):
+                out += [(kind, k, j) for j in range(len(leaves))]
+        labels = [None] * self.n_in + [("y", k) for k, spec in enumerate(self.specs) for _ in spec.y_structs] + ["seed"]
+        inner = {i: ("n", i) for i, e in enumerate(closed.jaxpr.eqns) if _jaxpr.contains(e, (_site.SITE, _site.LINEAR))}
+        deps = _jaxpr.dependencies(closed, labels, inner)
+        ct_deps: dict[int, tuple[frozenset, list[int]]] = {}
+        for index, ((kind, k, _), d) in enumerate(zip(out, deps, strict=True)):
+            if kind == "ct":
+                prev, outputs = ct_deps.get(k, (frozenset(), []))
+                ct_deps[k] = (prev | (d - {"seed"}), [*outputs, index])
+        return closed, tuple(out), ct_deps, (labels, inner)
+
+    def _decide(self, k, ct_dep, backward, labels):
+        sources, outputs = ct_dep
+        if not sources:
+            return ("deferred", None, None, None)
+        location = None
+        for index in outputs:
+            loc = _jaxpr.first_culprit(backward, labels[0], index, frozenset(sources), "seed", labels[1])
+            if loc is not None:
+                location = str(loc)
+                break
+        if ("y", k) in sources:
+            reason = "its cotangent depends on its own output"
+        else:
+            reason = "its cotangent depends on " + ", ".join(self._source(lab) for lab in sorted(sources, key=str))
+        if location is not None:
+            reason += f", through {location}"
+        if self.specs[k].axes:
+            return ("standard", reason + "; the basis schedule is not used for a site under `vmap`", location, None)
+        basis = self._basis(k)
+        limit = self.specs[k].static.max_basis
+        limit = limit if limit is not None else self.max_basis
+        if basis.k <= limit:
+            return ("deferred-basis", None, location, basis)
+        reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
+        return ("standard", reason, location, basis.k)
+
+    def _basis(self, k) -> Basis:
+        """The linear frontier of the value in site `k`'s output, with every expensive output
+        (top-level sites and the equations holding nested ones) an input."""
+        program, sites, nested = self.program, self.sites, self.nested
+        if self._forward is None:
+            n_structs = [[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in program.jaxpr.eqns[i].outvars] for i in nested]
+
+            def f(ins, ys, ns):
+                handlers = {i: (lambda eqn, invals, k=k: ys[k]) for k, i in enumerate(sites)}
+                handlers |= {i: (lambda eqn, invals, j=j: ns[j]) for j, i in enumerate(nested)}
+                return _jaxpr.interpret(program, ins, handlers)[0]
+
+            self._forward = _jaxpr.trace(f, self._in_structs(), self._ys_structs(), n_structs)[0]
+        closed = self._forward
+        n_ys = [len(spec.y_structs) for spec in self.specs]
+        source = [False] * self.n_in + [j == k for j, m in enumerate(n_ys) for _ in range(m)]
+        stand_ins = [False] * self.n_in + [True] * sum(n_ys)
+        stand_ins += [True] * (len(closed.jaxpr.invars) - len(stand_ins))
+        source += [False] * (len(closed.jaxpr.invars) - len(source))
+        frontier = _jaxpr.linear_frontier(closed, source, stand_ins)
+        return Basis(k=_jaxpr.frontier_size(frontier), frontier=_jaxpr.with_outputs(closed, frontier))
+
+    # ------------------------------------------------------------------ the plan
+
+    def _plan(self, decisions, deferred, basis, early) -> Plan:
+        sites = []
+        for index, (k, spec, kind) in enumerate(self._entries()):
+            if k is None:
+                schedule, reason, location, kk = "standard", f"called inside {kind}; sites there stay standard", None, None
+            else:
+                schedule, reason, location, kk = decisions[k]
             sites.append(
                 Site(
-                    index=r.index,
-                    name=r.name,
-                    in_shapes=_describe(r.x_struct),
-                    out_shapes=_describe(r.y_struct),
-                    schedule=schedule,
-                    reason=reason,
-                    location=location,
-                    k=k.k if isinstance(k, Basis) else k,
+                    index=index, name=spec.name, in_shapes=_describe(spec.x_structs), out_shapes=_describe(spec.y_structs),
+                    schedule=schedule, reason=reason, location=location,
+                    k=kk.k if isinstance(kk, Basis) else kk, batch=spec.sizes,
                 )
-            )
-        # A standard site whose input needs no expensive output can run its `fwd` in the
-        # same stage as the deferred sites' `fused` calls (only worth it when there are any).
-        early = [
-            r.index
-            for r in self.records
-            if deferred and r.index not in deferred and r.nested is None and r.custom_vjp
-            and not (self.dependence[r.index]["x"] | self.dependence[r.index]["impl"])
-        ]  # fmt: skip
+            )  # fmt: skip
         if self.schedule == "deferred":
             refused = [s for s in sites if s.schedule == "standard"]
             if refused:
                 lines = "\n".join(f"  site #{s.index} `{s.name}`: {s.reason}" for s in refused)
                 raise ValueError(_errors.CANNOT_DEFER.format(where=self.where, lines=lines))
-        plan = Plan(sites=tuple(sites), stages=_stages(self.records, deferred, basis, early), requested=self.schedule)
-        return Analysis(
-            plan=plan,
-            records=self.records,
-            deferred=tuple(deferred),
-            early=tuple(early),
-            basis=basis,
-            jaxpr=self.jaxpr,
-            direct=self.direct,
-            out_tree=self.out_tree,
-        )
+        return Plan(sites=tuple(sites), stages=self._stages(sites, deferred, basis, early), requested=self.schedule)
 
-    def _decide(self, r: SiteRecord, feeds):
-        """(schedule, reason, location, basis or k) for one site."""
-        if self.schedule == "standard":
-            return "standard", "schedule='standard' was requested", None, None
-        if r.nested is not None:
-            return "standard", f"called inside {r.nested}; only sites called directly in the differentiated function are deferred", None, None
-        if not r.has_fused:
-            return "standard", "no `fused` implementation", None, None
-        dep = self.dependence[r.index]
-        upstream = sorted(dep["x"] | dep["impl"])
-        if upstream:
-            return "standard", "its input depends on the output of site " + ", ".join(_site_name(self.records, lab) for lab in upstream), None, None
-        if r.index in feeds:
-            return "standard", "its output feeds the input of site " + ", ".join(f"#{j} `{self.records[j].name}`" for j in feeds[r.index]), None, None
-        if not dep["ct"]:
-            return "deferred", None, None, None
-        # The cotangent depends on expensive outputs: say where, then try the basis schedule.
-        sources = dep["ct"]
-        location = None
-        for k in dep["ct_outputs"]:
-            loc = _jaxpr.first_culprit(self.jaxpr, self.labels, k, frozenset(sources), "seed")
-            if loc is not None:
-                location = str(loc)
-                break
-        others = sorted(lab for lab in sources if lab != ("y", r.index))
-        if ("y", r.index) in sources:
-            reason = "its cotangent depends on its own output"
-        else:
-            reason = "its cotangent depends on the output of site " + ", ".join(_site_name(self.records, lab) for lab in others)
-        if location is not None:
-            reason += f", through {location}"
-        basis = self._basis(r)
-        limit = r.max_basis if r.max_basis is not None else self.max_basis
-        if basis.k <= limit:
-            return "deferred-basis", None, location, basis
-        reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
-        return "standard", reason, location, basis.k
+    def _stages(self, sites, deferred, basis, early):
+        """The expensive work in order: the deferred sites' `fused` calls together with the
+        `fwd` of every standard site that needs no expensive output; then the other standard
+        sites' `fwd` in program order; then every standard site' `bwd`, in reverse."""
+        position = {}  # plan index -> position among the top-level sites
+        for index, (k, _, _) in enumerate(self._entries()):
+            if k is not None:
+                position[index] = k
 
-    def _basis(self, r: SiteRecord) -> Basis:
-        if self._forward is None:
-            self._forward = self.forward_jaxpr()
-        closed = self._forward
-        labels = self.labels[:-1]  # the forward program has no seed input
-        source = [lab == ("y", r.index) for lab in labels]
-        stand_ins = [lab is not None for lab in labels]
-        frontier = _jaxpr.linear_frontier(closed, source, stand_ins)
-        return Basis(k=_jaxpr.frontier_size(frontier), frontier=_jaxpr.with_outputs(closed, frontier))
+        def label(s, impl):
+            batch = f" x{'x'.join(map(str, s.batch))}" if s.batch else ""
+            return f"{s.name}: {impl}{batch}"
+
+        stages: list[tuple[str, ...]] = []
+        if deferred:
+            first = [label(s, "fused") + (f" (k={basis[position[s.index]].k} cotangents)" if position.get(s.index) in basis else "")
+                     for s in sites if position.get(s.index) in deferred]  # fmt: skip
+            first += [label(s, "fwd") for s in sites if position.get(s.index) in early]
+            stages.append(tuple(first))
+        standard = [s for s in sites if position.get(s.index) not in deferred]
+        stages.extend((label(s, "fwd"),) for s in standard if position.get(s.index) not in early)
+        stages.extend((label(s, "bwd"),) for s in reversed(standard))
+        return tuple(stages)
 
 
-def _stages(records: list[SiteRecord], deferred: list[int], basis: dict, early: list[int]) -> tuple[tuple[str, ...], ...]:
-    """The expensive work in order: the deferred sites' `fused` calls together with the
-    `fwd` of every standard site that needs no expensive output; then the other standard
-    sites' `fwd` in program order; then every standard site's `bwd`, in reverse."""
-    stages: list[tuple[str, ...]] = []
-    if deferred:
-        stages.append(
-            tuple(f"{records[i].name}: fused" + (f" (k={basis[i].k} cotangents)" if i in basis else "") for i in deferred)
-            + tuple(f"{records[i].name}: fwd" for i in early)
-        )
-    standard = [r for r in records if r.index not in deferred]
-    stages.extend((f"{r.name}: fwd",) for r in standard if r.index not in early)
-    stages.extend((f"{r.name}: bwd",) for r in reversed(standard))
-    return tuple(stages)
+def zeros(structs) -> Any:
+    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), structs)

@@ -63,9 +63,7 @@ CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sit
 Use schedule='auto' to defer what can be and keep the rest standard, or restructure the loss so that the
 cotangent reaching each expensive output does not depend on an expensive output (see "How the deferred VJP works")."""
 
-SITES_CHANGED = """deferax: the program called its `ExpensiveFn` sites differently between two traces of the same inputs:
-expected the sites recorded at analysis, found {found} (expected `{name}`). The differentiated function must call
-the same expensive functions in the same order each time it is traced (no randomness or global state in Python)."""
+NOT_PAIR = "{where}: with `has_aux=True` the differentiated function must return a pair `(value, aux)`, but it returned a {found}."
 
 BAD_SCHEDULE = "{where}: `schedule` must be one of 'auto', 'standard' or 'deferred', but got {found!r}."
 

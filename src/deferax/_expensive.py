@@ -13,7 +13,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _errors, _jaxpr, _sites, _typed
+from . import _errors, _site, _typed
 
 
 def _struct(tree: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
@@ -274,59 +274,4 @@ class ExpensiveFn(eqx.Module):
 
     def __call__(self, x: PyTree) -> PyTree:
         x = jtu.tree_map(jnp.asarray, x)
-        recorder = _sites.active()
-        if recorder is not None:
-            return recorder.call(self, x)
-        return self.standard(x)
-
-    def standard(self, x: PyTree) -> PyTree:
-        """`self(x)` on the standard schedule, whatever transform is recording call sites."""
-        if not self.has_custom_vjp:
-            return self.primal(x)
-        if _jaxpr.in_forward_mode():
-            how = "given by `bwd`" if self.bwd is not None else "derived from `fused`"
-            raise TypeError(_errors.FORWARD_MODE.format(call=self._call, how=how))
-        dynamic, static = eqx.partition(self, eqx.is_array)
-        return _standard_vjp(dynamic, static, x)
-
-    def standard_from(self, x: PyTree, y: PyTree) -> PyTree:
-        """The standard schedule with the output `y = self(x)` already computed: returns `y`,
-        and the backward pass runs `bwd` (or `fused`) as `self.standard(x)` would."""
-        dynamic, static = eqx.partition(self, eqx.is_array)
-        return _given_vjp(dynamic, static, x, y)
-
-
-def _given_primal(dynamic, static, x, y):
-    return y
-
-
-def _given_fwd(dynamic, static, x, y):
-    return y, (dynamic, x, y)
-
-
-def _given_bwd(static, residuals, ct_y):
-    zero_dynamic, ct_x = _standard_bwd(static, residuals, ct_y)
-    return zero_dynamic, ct_x, jtu.tree_map(_zero_cotangent, residuals[2])
-
-
-_given_vjp = jax.custom_vjp(_given_primal, nondiff_argnums=(1,))
-_given_vjp.defvjp(_given_fwd, _given_bwd)
-
-
-def _standard_primal(dynamic, static, x):
-    return eqx.combine(dynamic, static).primal(x)
-
-
-def _standard_fwd(dynamic, static, x):
-    y = eqx.combine(dynamic, static).primal(x)
-    return y, (dynamic, x, y)
-
-
-def _standard_bwd(static, residuals, ct_y):
-    dynamic, x, y = residuals
-    ct_x = eqx.combine(dynamic, static).cotangent(x, y, ct_y)
-    return jtu.tree_map(_zero_cotangent, dynamic), ct_x
-
-
-_standard_vjp = jax.custom_vjp(_standard_primal, nondiff_argnums=(1,))
-_standard_vjp.defvjp(_standard_fwd, _standard_bwd)
+        return _site.call(self, x)

@@ -26,6 +26,9 @@ class Site(eqx.Module):
       and the user's `file:line` that make it so; otherwise `None`.
     - `k`: for a site whose cotangent depends on outputs, the number of fixed basis
       cotangents it is a combination of (a complex number counts as two); `None` otherwise.
+    - `batch`: the sizes of the `jax.vmap` levels the call is made under, outermost first
+      (`()` for a call on one example). A deferred site under `vmap` runs one `fused` call
+      for the whole batch; `in_shapes` and `out_shapes` are those of one example.
     """
 
     index: int
@@ -36,6 +39,7 @@ class Site(eqx.Module):
     reason: str | None = None
     location: str | None = None
     k: int | None = None
+    batch: tuple[int, ...] = ()
 
 
 class Plan(eqx.Module):
@@ -62,12 +66,15 @@ class Plan(eqx.Module):
         return tuple(s for s in self.sites if s.schedule != "standard")
 
     def __str__(self) -> str:
-        header = ("#", "site", "input", "output", "schedule", "reason")
+        header = ("#", "site", "input", "output", "vmap", "schedule", "reason")
         rows = [
-            (str(s.index), s.name, s.in_shapes, s.out_shapes,
+            (str(s.index), s.name, s.in_shapes, s.out_shapes, "x".join(map(str, s.batch)) or "-",
              s.schedule + (f" (k={s.k})" if s.schedule == "deferred-basis" else ""), s.reason or "")
             for s in self.sites
         ]
+        if not any(s.batch for s in self.sites):  # no column for what no site has
+            header = header[:4] + header[5:]
+            rows = [r[:4] + r[5:] for r in rows]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
         out = [f"deferax plan (schedule={self.requested!r}): {len(self.sites)} site(s), "

@@ -1,0 +1,299 @@
+"""Each call of an `ExpensiveFn` is one equation of the program: the `deferax_site` primitive.
+
+`site_p` computes `y = f(x)` (its implementation calls `fwd`, or `fused` with a zero
+cotangent); its JVP rule binds `site_p` for `y` and the linear primitive `lin_p` for the
+tangent, whose transpose calls `bwd(x, y, ct_y)`. So `jax.grad` runs one `fwd` and one
+`bwd` with `x` and `y` as residuals: the standard schedule. Under `jax.vmap` the batching
+rule rebinds the same primitive with one more batch level, so a site under `vmap` is still
+one equation, which [`deferax.filter_value_and_grad`][] can find and defer.
+
+The operands of `site_p` are the arrays of the `ExpensiveFn` (configuration held by an
+`eqx.Module` implementation; constants to the derivative) followed by the leaves of `x`.
+Everything else (the implementations, the structures) is the static `Spec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from . import _errors, _jaxpr
+
+SITE = "deferax_site"
+LINEAR = "deferax_site_linear"
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class Spec:
+    """What a site equation knows statically: the function and the structures.
+
+    `axes` lists the `vmap` levels applied to the equation, outermost first; each level is
+    `(in_axes, size)` with `in_axes` holding `0` or `None` for each operand of the
+    primitive it belongs to. Every output is batched at axis 0 of every level.
+    """
+
+    static: Any  # the ExpensiveFn with its arrays partitioned out
+    fn_tree: Any
+    x_tree: Any
+    x_structs: tuple
+    y_tree: Any
+    y_structs: tuple
+    axes: tuple = ()
+
+    def __hash__(self) -> int:  # the implementations' structure may hold unhashable containers
+        return hash((self.name, self.fn_tree, self.x_tree, self.x_structs, self.y_tree, self.y_structs, self.axes))
+
+    def __repr__(self) -> str:  # how the equation's parameter prints in a jaxpr
+        batch = f", vmap={list(self.sizes)}" if self.axes else ""
+        return f"{self.name}{batch}"
+
+    @property
+    def name(self) -> str:
+        return self.static.name
+
+    @property
+    def n_fn(self) -> int:
+        return self.fn_tree.num_leaves
+
+    @property
+    def n_x(self) -> int:
+        return len(self.x_structs)
+
+    @property
+    def diff(self) -> tuple[bool, ...]:
+        """Which leaves of `x` are differentiable (inexact)."""
+        return tuple(bool(jnp.issubdtype(s.dtype, jnp.inexact)) for s in self.x_structs)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(size for _, size in self.axes)
+
+    def fn(self, fn_leaves) -> Any:
+        return eqx.combine(jtu.tree_unflatten(self.fn_tree, list(fn_leaves)), self.static)
+
+    def x(self, x_leaves) -> Any:
+        return jtu.tree_unflatten(self.x_tree, list(x_leaves))
+
+    def y_avals(self) -> list:
+        return [_jaxpr.shaped(jax.ShapeDtypeStruct((*self.sizes, *s.shape), s.dtype)) for s in self.y_structs]
+
+    def site_axes(self) -> tuple:
+        """The batch levels as `in_axes` over `(fn_leaves, x_leaves)`."""
+        return self.axes
+
+    def with_level(self, in_axes: tuple, size: int) -> Spec:
+        return dataclasses.replace(self, axes=((in_axes, size), *self.axes))
+
+    def vmapped(self, f, axes_of):
+        """`f(*operands)` vmapped over every batch level (`axes_of(level_in_axes)` gives
+        the `in_axes` of `f`'s operands at that level), outputs batched at 0."""
+        for in_axes, _ in reversed(self.axes):
+            f = jax.vmap(f, in_axes=axes_of(in_axes), out_axes=0)
+        return f
+
+    def unbatch(self, cts: list, axes_per_level: list) -> list:
+        """Sum each cotangent over the levels where its operand was not batched (the
+        cotangents come out batched at every level)."""
+        out = []
+        for j, c in enumerate(cts):
+            dropped = tuple(level for level, axes in enumerate(axes_per_level) if axes[j] is None)
+            out.append(jnp.sum(c, axis=dropped) if dropped else c)
+        return out
+
+
+def spec_of(eqn) -> Spec:
+    return eqn.params["spec"]
+
+
+# ----------------------------------------------------------------------------- site_p
+
+
+def primal(spec: Spec, *operands):
+    fn_leaves, x_leaves = operands[: spec.n_fn], operands[spec.n_fn :]
+
+    def one(fn_leaves, x_leaves):
+        y = spec.fn(fn_leaves).primal(spec.x(x_leaves))
+        return jtu.tree_leaves(y)
+
+    return spec.vmapped(one, lambda a: (list(a[: spec.n_fn]), list(a[spec.n_fn :])))(list(fn_leaves), list(x_leaves))
+
+
+def _site_impl(*operands, spec: Spec):
+    return primal(spec, *operands)
+
+
+def _site_abstract(*avals, spec: Spec):
+    return spec.y_avals()
+
+
+def _batch(p, args, dims, spec: Spec):
+    moved, in_axes = [], []
+    size = None
+    for a, d in zip(args, dims, strict=True):
+        if _jaxpr.is_not_mapped(d):
+            moved.append(a)
+            in_axes.append(None)
+        else:
+            moved.append(_jaxpr.move_to_front(a, d))
+            in_axes.append(0)
+            size = a.shape[d]
+    outs = p.bind(*moved, spec=spec.with_level(tuple(in_axes), size))
+    return outs, [0] * len(outs)
+
+
+def _site_batch(args, dims, spec: Spec):
+    return _batch(site_p, args, dims, spec)
+
+
+def _site_jvp(primals, tangents, spec: Spec):
+    fn_leaves, x_leaves = primals[: spec.n_fn], primals[spec.n_fn :]
+    x_tangents = tangents[spec.n_fn :]
+    diff = spec.diff
+    if not spec.static.has_custom_vjp:
+        # `fwd` only: JAX differentiates it, in both modes. The arrays of the implementations
+        # are constants to the derivative.
+        def of_diff(d_leaves):
+            it = iter(d_leaves)
+            xs = [next(it) if dj else xj for xj, dj in zip(x_leaves, diff, strict=True)]
+            return primal(spec, *fn_leaves, *xs)
+
+        d_primals = [x for x, d in zip(x_leaves, diff, strict=True) if d]
+        d_tangents = [_jaxpr.instantiate(t, jax.typeof(x)) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d]
+        return jax.jvp(of_diff, (d_primals,), (d_tangents,))
+    y = site_p.bind(*primals, spec=spec)
+    d_tangents = [(x, t) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d]
+    if all(_jaxpr.is_zero(t) for _, t in d_tangents):
+        return y, [_jaxpr.zero_tangent(a) for a in spec.y_avals()]
+    ts = [_jaxpr.instantiate(t, jax.typeof(x)) for x, t in d_tangents]
+    lin_spec = dataclasses.replace(spec, axes=tuple((_linear_axes(spec, in_axes), size) for in_axes, size in spec.axes))
+    t_y = lin_p.bind(*fn_leaves, *x_leaves, *y, *ts, spec=lin_spec)
+    return y, t_y
+
+
+def _linear_axes(spec: Spec, in_axes: tuple) -> tuple:
+    """A site level's `in_axes` extended to `lin_p`'s operands `(fn, x, y, t_x)`."""
+    x_axes = in_axes[spec.n_fn :]
+    t_axes = tuple(a for a, d in zip(x_axes, spec.diff, strict=True) if d)
+    return (*in_axes, *([0] * len(spec.y_structs)), *t_axes)
+
+
+site_p = _jaxpr.define_primitive(
+    SITE, impl=_site_impl, abstract_eval=_site_abstract, jvp=_site_jvp, batch=_site_batch
+)
+
+
+# ----------------------------------------------------------------------------- lin_p: t_y = J t_x, transposed to bwd
+
+
+def _split_linear(spec: Spec, operands):
+    n_fn, n_x, n_y = spec.n_fn, spec.n_x, len(spec.y_structs)
+    fn_leaves = operands[:n_fn]
+    x_leaves = operands[n_fn : n_fn + n_x]
+    y_leaves = operands[n_fn + n_x : n_fn + n_x + n_y]
+    t_leaves = operands[n_fn + n_x + n_y :]
+    return fn_leaves, x_leaves, y_leaves, t_leaves
+
+
+def _linear_impl(*operands, spec: Spec):
+    call = f"`ExpensiveFn(name={spec.name!r})`"
+    how = "given by `bwd`" if spec.static.bwd is not None else "derived from `fused`"
+    raise TypeError(_errors.FORWARD_MODE.format(call=call, how=how))
+
+
+def _linear_abstract(*avals, spec: Spec):
+    return spec.y_avals()
+
+
+def _linear_batch(args, dims, spec: Spec):
+    return _batch(lin_p, args, dims, spec)
+
+
+def cotangents(spec: Spec, fn_leaves, x_leaves, y_leaves, cts) -> list:
+    """`bwd` (or `fused`) over every batch level: the cotangents of the differentiable
+    leaves of `x`, each shaped like its operand (summed over the levels where it is not
+    batched)."""
+    diff = spec.diff
+    n_fn, n_x, n_y = spec.n_fn, spec.n_x, len(spec.y_structs)
+
+    def one(fn_leaves, x_leaves, y_leaves, ct_leaves):
+        fn = spec.fn(fn_leaves)
+        y = jtu.tree_unflatten(spec.y_tree, list(y_leaves))
+        ct = jtu.tree_unflatten(spec.y_tree, list(ct_leaves))
+        ct_x = jtu.tree_leaves(fn.cotangent(spec.x(x_leaves), y, ct))
+        return [c for c, d in zip(ct_x, diff, strict=True) if d]
+
+    def axes_of(level):
+        return (list(level[:n_fn]), list(level[n_fn : n_fn + n_x]), [0] * n_y, [0] * n_y)
+
+    out = spec.vmapped(one, axes_of)(list(fn_leaves), list(x_leaves), list(y_leaves), list(cts))
+    return unbatch(spec, out)
+
+
+def unbatch(spec: Spec, diff_cts: list) -> list:
+    """Cotangents of the differentiable leaves of `x`, computed batched at every level,
+    summed over the levels where their operand is not batched."""
+    x_axes = [[a for a, d in zip(level[spec.n_fn : spec.n_fn + spec.n_x], spec.diff, strict=True) if d] for level, _ in spec.axes]
+    return spec.unbatch(diff_cts, x_axes)
+
+
+def operand_cotangents(spec: Spec, operands, diff_cts) -> list:
+    """Cotangents for every operand `(fn_leaves, x_leaves)`: zero for the implementations'
+    arrays and the integer leaves of `x`, `diff_cts` for the others."""
+    it = iter(diff_cts)
+    x_leaves = operands[spec.n_fn :]
+    cts = [zero_cotangent(a) for a in operands[: spec.n_fn]]
+    cts += [next(it) if d else zero_cotangent(a) for a, d in zip(x_leaves, spec.diff, strict=True)]
+    return cts
+
+
+def _linear_transpose(cts, *operands, spec: Spec):
+    fn_leaves, x_leaves, y_leaves, t_leaves = _split_linear(spec, operands)
+    nones = [None] * (len(operands) - len(t_leaves))
+    if all(_jaxpr.is_zero(c) for c in cts):
+        return [*nones, *[None] * len(t_leaves)]
+    cts = [_jaxpr.instantiate(c, a) for c, a in zip(cts, spec.y_avals(), strict=True)]
+    return [*nones, *cotangents(spec, fn_leaves, x_leaves, y_leaves, cts)]
+
+
+lin_p = _jaxpr.define_primitive(
+    LINEAR,
+    impl=_linear_impl,
+    abstract_eval=_linear_abstract,
+    batch=_linear_batch,
+    transpose=_linear_transpose,
+)
+
+
+# ----------------------------------------------------------------------------- binding
+
+
+def _struct(a) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+
+
+def call(fn: Any, x: Any) -> Any:
+    """`fn(x)` as one `site_p` equation (on concrete arrays outside any transformation,
+    simply `fwd(x)`: no output structure is needed to run it)."""
+    if _jaxpr.is_eager() and not any(isinstance(a, jax.core.Tracer) for a in jtu.tree_leaves((fn, x))):
+        return fn.primal(x)
+    fn_dynamic, static = eqx.partition(fn, eqx.is_array)
+    fn_leaves, fn_tree = jtu.tree_flatten(fn_dynamic)
+    x_leaves, x_tree = jtu.tree_flatten(x)
+    x_structs = tuple(_struct(a) for a in x_leaves)
+    y_struct = fn.out_struct(jtu.tree_unflatten(x_tree, list(x_structs)))
+    y_leaves, y_tree = jtu.tree_flatten(y_struct)
+    spec = Spec(static, fn_tree, x_tree, x_structs, y_tree, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in y_leaves))
+    y = site_p.bind(*fn_leaves, *x_leaves, spec=spec)
+    return jtu.tree_unflatten(y_tree, y)
+
+
+def zero_cotangent(a: Any) -> Any:
+    if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+        return jnp.zeros(jnp.shape(a), jnp.result_type(a))
+    return np.zeros(jnp.shape(a), jax.dtypes.float0)

@@ -1,0 +1,275 @@
+"""The three stages of a deferred schedule, as interpreters over the one traced program.
+
+1. `stage1`: the deferred sites' operands and cotangents, from the backward program the
+   analysis traced, with zeros standing in for every expensive output (the static check
+   proved them unused) and nothing else of the program run (no user effects);
+2. `stage2`: the expensive calls: one `fused` per deferred site (batched over its `vmap`
+   levels, or over its basis cotangents), and the `fwd` of the standard sites that need no
+   expensive output, concurrently;
+3. `stage3`: value, aux and gradients: the program evaluated under `jax.vjp`, the deferred
+   sites replaying their results and every other site on the standard schedule.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextvars
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from . import _errors, _jaxpr, _site
+from ._analysis import Analysis, zeros
+
+# ----------------------------------------------------------------------------- stage 1
+
+
+def stage1(analysis: Analysis, ins: list) -> tuple[dict, dict]:
+    """`(operands, cts)` of the sites that stage 2 runs, by position; for a basis site the
+    cotangents are its `k` basis cotangents stacked on a leading axis."""
+    ys = [zeros(_structs(analysis.spec(k).y_avals())) for k in range(len(analysis.sites))]
+    operands: dict = {}
+    cts: dict = {}
+    if analysis.backward is not None:
+        seed = jnp.ones((), analysis.program.jaxpr.outvars[0].aval.dtype)
+        outs = _jaxpr.interpret(analysis.backward, [*ins, *jtu.tree_leaves(ys), seed])
+        for (kind, k, _), value in zip(analysis.backward_out, outs, strict=True):
+            (cts if kind == "ct" else operands).setdefault(k, []).append(value)
+    for k, basis in analysis.basis.items():
+        cts[k] = _basis_cotangents(basis.frontier, ins, ys, k, analysis)
+    return operands, cts
+
+
+def _structs(avals):
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+
+
+def _basis_cotangents(frontier, ins, ys, k, analysis):
+    """The rows of the Jacobian of the frontier with respect to `ys[k]` (exact: the frontier
+    is linear in it), one per real number of the frontier, stacked."""
+    n_in = len(ins) + len(jtu.tree_leaves(ys))
+    ns = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in frontier.jaxpr.invars[n_in:]]
+
+    def frontier_of(y_k):
+        ys_ = list(ys)
+        ys_[k] = y_k
+        return _jaxpr.interpret(frontier, [*ins, *jtu.tree_leaves(ys_), *ns])
+
+    values, vjp = jax.vjp(frontier_of, ys[k])
+    seeds = []
+    for i, v in enumerate(values):
+        units = [jnp.eye(v.size, dtype=v.dtype)]
+        if jnp.iscomplexobj(v):
+            units.append(1j * units[0])
+        for unit in units:
+            rows = unit.shape[0]
+            seeds.append(
+                [jnp.reshape(unit, (rows, *v.shape)) if j == i else jnp.zeros((rows, *w.shape), w.dtype) for j, w in enumerate(values)]
+            )
+    batch = [jnp.concatenate([s[j] for s in seeds]) for j in range(len(values))]
+    (basis,) = jax.vmap(vjp)(batch)
+    return basis
+
+
+# ----------------------------------------------------------------------------- stage 2
+
+
+def carry_context(fn):
+    """`fn` to run on another thread with the caller's context: its context variables (the
+    typechecking switch) and its thread-local JAX configuration (`jax.numpy_dtype_promotion`,
+    `jax.enable_x64`, ... set with context managers)."""
+    context = contextvars.copy_context()
+    config = _jaxpr.local_config()
+
+    def run(*args):
+        with _jaxpr.apply_config(config):
+            return context.copy().run(fn, *args)
+
+    return run
+
+
+def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[dict, dict]:
+    """`(ys, diff_cts)` by position: each site's output leaves and, for a deferred site, the
+    cotangents of the differentiable leaves of its input (stacked for a basis site).
+
+    Eagerly, the calls run concurrently on threads. Traced (under `jit` or `vmap`), each is
+    part of the surrounding program, where XLA:CPU runs them one after another; when there
+    are several and all of them run on the host anyway (`dx.host`), they leave the program
+    through one callback that runs them concurrently.
+    """
+    positions = analysis.deferred + analysis.early
+
+    def one(k, operands_, cts_):
+        spec = analysis.spec(k)
+        if k in analysis.early:
+            return _site.primal(spec, *operands_[k]), None
+        if k in analysis.basis:
+            fn = spec.fn(operands_[k][: spec.n_fn])
+            cts_tree = jtu.tree_unflatten(spec.y_tree, cts_[k])
+            y, ct_xs = fn.run_fused_batch(spec.x(operands_[k][spec.n_fn :]), cts_tree)
+            return jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_xs), spec.diff, strict=True) if d]
+        return fused(spec, operands_[k], cts_[k])
+
+    def run_all(operands_, cts_):
+        if len(positions) > 1:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=len(positions)) as pool:
+                futures = [pool.submit(carry_context(one), k, operands_, cts_) for k in positions]
+                return [f.result() for f in futures]
+        return [one(k, operands_, cts_) for k in positions]
+
+    def runs_on_host(k):
+        static = analysis.spec(k).static
+        impl = static.fwd if k in analysis.early else static.fused_batch if k in analysis.basis and static.fused_batch is not None else static.fused
+        return getattr(getattr(impl, "__self__", None), "runs_on_host", False)
+
+    on_host = all(runs_on_host(k) for k in positions)
+    if eager:
+        results = run_all(operands, cts)
+    elif len(positions) > 1 and on_host:
+        mine = ({k: operands[k] for k in positions}, {k: cts.get(k) for k in positions})
+        # (traced in this thread: JAX's tracing state does not reach the pool's threads)
+        shapes = jax.eval_shape(lambda m: [one(k, *m) for k in positions], mine)
+
+        def host(concrete):
+            return jtu.tree_map(np.asarray, run_all(*concrete))
+
+        results = jax.pure_callback(host, shapes, mine, vmap_method="sequential")
+    else:
+        results = [one(k, operands, cts) for k in positions]
+    ys = {k: r[0] for k, r in zip(positions, results, strict=True)}
+    diff_cts = {k: r[1] for k, r in zip(positions, results, strict=True)}
+    return ys, diff_cts
+
+
+def fused(spec: _site.Spec, operands: list, ct: list) -> tuple[list, list]:
+    """`fused(x, ct_y)` over every batch level: output leaves, and the cotangents of the
+    differentiable leaves of `x` shaped like their operands."""
+    n_fn = spec.n_fn
+    diff = spec.diff
+
+    def one(fn_leaves, x_leaves, ct_leaves):
+        fn = spec.fn(fn_leaves)
+        y, ct_x = fn.run_fused(spec.x(x_leaves), jtu.tree_unflatten(spec.y_tree, list(ct_leaves)))
+        return jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_x), diff, strict=True) if d]
+
+    def axes_of(level):
+        return (list(level[:n_fn]), list(level[n_fn:]), [0] * len(spec.y_structs))
+
+    y, ct_x = spec.vmapped(one, axes_of)(list(operands[:n_fn]), list(operands[n_fn:]), list(ct))
+    return y, _site.unbatch(spec, ct_x)
+
+
+# ----------------------------------------------------------------------------- stage 3
+
+
+def _replay(operands, y, ct_operands):
+    return y
+
+
+def _replay_fwd(operands, y, ct_operands):
+    return y, (y, ct_operands)
+
+
+def _replay_bwd(residuals, ct_y):
+    y, ct_operands = residuals
+    # The static check proved that `ct_y` equals the cotangent `fused` was given.
+    return ct_operands, jtu.tree_map(_site.zero_cotangent, y), jtu.tree_map(_site.zero_cotangent, ct_operands)
+
+
+replay = jax.custom_vjp(_replay)
+replay.defvjp(_replay_fwd, _replay_bwd)
+
+
+def given(spec: _site.Spec):
+    """The standard schedule of a site whose output `y` was computed in stage 2: returns
+    `y`; the backward pass runs `bwd` (or `fused`) as the site's own rules would."""
+
+    @jax.custom_vjp
+    def call(operands, y):
+        return y
+
+    def fwd(operands, y):
+        return y, (operands, y)
+
+    def bwd(residuals, ct_y):
+        operands, y = residuals
+        ct_y = [jnp.zeros(a.shape, a.dtype) if c is None else c for c, a in zip(ct_y, y, strict=True)]
+        diff_cts = _site.cotangents(spec, operands[: spec.n_fn], operands[spec.n_fn :], y, ct_y)
+        return _site.operand_cotangents(spec, operands, diff_cts), jtu.tree_map(_site.zero_cotangent, y)
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
+def _realify(tree, batch_dims: int = 0):
+    """Flatten a pytree into one real vector (complex leaves count twice), per batch row."""
+    parts = []
+    for leaf in jtu.tree_leaves(tree):
+        flat = jnp.reshape(leaf, (*leaf.shape[:batch_dims], -1))
+        if jnp.iscomplexobj(flat):
+            parts += [jnp.real(flat), jnp.imag(flat)]
+        else:
+            parts.append(flat)
+    return jnp.concatenate(parts, axis=-1)
+
+
+def replay_basis(spec: _site.Spec, index: int):
+    """A basis site's output, whose backward pass finds `ct_y = sum_j a_j basis_j` and
+    combines the precomputed input cotangents with the `a_j`."""
+
+    @jax.custom_vjp
+    def call(operands, y, basis, ct_xs):
+        return y
+
+    def fwd(operands, y, basis, ct_xs):
+        return y, (operands, y, basis, ct_xs)
+
+    def bwd(residuals, ct_y):
+        operands, y, basis, ct_xs = residuals
+        matrix = _realify(basis, batch_dims=1)  # (k, m)
+        target = _realify(ct_y)  # (m,)
+        coefficients = jnp.linalg.lstsq(matrix.T, target)[0]
+        residual = jnp.linalg.norm(matrix.T @ coefficients - target)
+        scale = jnp.linalg.norm(target) + jnp.finfo(target.dtype).tiny
+        tol = 1e-6 if target.dtype == jnp.float64 else 1e-3
+        coefficients = eqx.error_if(
+            coefficients, residual > tol * scale, _errors.PROJECTION.format(index=index, name=spec.name, k=matrix.shape[0], tol=tol)
+        )
+        diff_cts = [jnp.tensordot(coefficients.astype(c.dtype), c, axes=1) for c in ct_xs]
+        zeros_ = jtu.tree_map(_site.zero_cotangent, (y, basis, ct_xs))
+        return (_site.operand_cotangents(spec, operands, diff_cts), *zeros_)
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
+def stage3(analysis: Analysis, has_diff: list[bool], ins: list, results) -> tuple:
+    """`(outputs, grads)`: the program's outputs (value first) and the gradient of the value
+    with respect to the inputs flagged in `has_diff`."""
+    handlers = {}
+    if results is not None:
+        cts, ys, diff_cts = results
+        for k in analysis.deferred + analysis.early:
+            spec = analysis.spec(k)
+            if k in analysis.early:
+                handlers[analysis.sites[k]] = lambda eqn, ops, spec=spec, k=k: given(spec)(ops, ys[k])
+            elif k in analysis.basis:
+                handlers[analysis.sites[k]] = lambda eqn, ops, spec=spec, k=k: replay_basis(spec, k)(ops, ys[k], cts[k], diff_cts[k])
+            else:
+                handlers[analysis.sites[k]] = lambda eqn, ops, spec=spec, k=k: replay(
+                    ops, ys[k], _site.operand_cotangents(spec, ops, diff_cts[k])
+                )
+    diff = [a for a, d in zip(ins, has_diff, strict=True) if d]
+
+    def program(diff_):
+        it = iter(diff_)
+        full = [next(it) if d else a for a, d in zip(ins, has_diff, strict=True)]
+        outs = _jaxpr.interpret(analysis.program, full, handlers)
+        return outs[0], outs[1:]
+
+    value, vjp, aux = jax.vjp(program, diff, has_aux=True)
+    (grads,) = vjp(jnp.ones((), value.dtype))
+    return [value, *aux], grads
