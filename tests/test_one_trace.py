@@ -1,0 +1,427 @@
+"""One trace per call: the failure classes of the multi-pass design, each against
+`eqx.filter_value_and_grad` of the same program (float64), eagerly and under
+`eqx.filter_jit`, with execution counts."""
+
+import functools as ft
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deferax as dx
+
+from .helpers import assert_tree_allclose, make
+
+
+def ref(x):
+    return jnp.sin(x) * jnp.exp(0.3 * x)
+
+
+W = jnp.array([1.0, -2.0, 0.5, 3.0])
+P0 = jnp.array([0.3, -0.2, 0.8, 0.1])
+
+
+def plain(p):
+    """The same function as `make(ref, ...)`, in plain JAX: the independent reference."""
+    return ref(p)
+
+
+def check(loss, reference, *args, counter=None, fused=1, jit=(False, True)):
+    """dx on `loss` equals Equinox on `reference` (the same program in plain JAX), eagerly
+    and under `eqx.filter_jit`; with a counter, one `fused` and no `fwd`/`bwd` per call."""
+    for use_jit in jit:
+        got_fn = dx.filter_value_and_grad(loss)
+        want_fn = eqx.filter_value_and_grad(reference)
+        if use_jit:
+            got_fn, want_fn = eqx.filter_jit(got_fn), eqx.filter_jit(want_fn)
+        if counter is not None:
+            jax.effects_barrier()
+            counter.reset()
+        got = jax.block_until_ready(got_fn(*args))
+        if counter is not None:
+            jax.effects_barrier()
+            assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": fused}, use_jit
+        assert_tree_allclose(got, want_fn(*args))
+    return got
+
+
+# ----------------------------------------------------------------------------- eager calls read afresh
+
+
+def test_list_element_changed_between_calls(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    weights = [W]
+    loss = lambda p: jnp.sum(weights[0] * f(p))  # noqa: E731
+    reference = lambda p: jnp.sum(weights[0] * plain(p))  # noqa: E731
+    step = dx.filter_value_and_grad(loss)
+    first = step(P0)
+    weights[0] = 2.0 * W
+    second = step(P0)  # the same function object, called again after the change
+    assert_tree_allclose(second, eqx.filter_value_and_grad(reference)(P0))
+    assert not np.allclose(first[0], second[0])
+    check(loss, reference, P0, counter=counter)
+
+
+def test_attribute_changed_between_calls(counter):
+    class Config:
+        scale = 1.0
+
+    config = Config()
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    step = dx.filter_value_and_grad(lambda p: config.scale * jnp.sum(W * f(p)))
+    step(P0)
+    config.scale = -3.0
+    assert_tree_allclose(step(P0), eqx.filter_value_and_grad(lambda p: -3.0 * jnp.sum(W * plain(p)))(P0))
+
+
+def test_expensive_fn_in_a_dict_replaced(counter):
+    fns = {"sim": make(ref, ("fwd", "bwd", "fused"), counter)}
+    step = dx.filter_value_and_grad(lambda p: jnp.sum(W * fns["sim"](p)))
+    step(P0)
+    fns["sim"] = make(jnp.cos, ("fwd", "bwd", "fused"), counter)
+    counter.reset()
+    got = step(P0)
+    jax.effects_barrier()
+    assert_tree_allclose(got, eqx.filter_value_and_grad(lambda p: jnp.sum(W * jnp.cos(p)))(P0))
+    assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}
+
+
+@pytest.mark.parametrize("where", ["loss", "fwd"])
+def test_numpy_array_changed_in_place(where, counter):
+    weights = np.array([1.0, -2.0, 0.5, 3.0])
+    if where == "loss":
+        f = make(ref, ("fwd", "bwd", "fused"), counter)
+        loss = lambda p: jnp.sum(weights * f(p))  # noqa: E731
+    else:  # read by the implementations (the standard schedule, run eagerly)
+        f = dx.ExpensiveFn(fwd=lambda x: x * weights, bwd=lambda x, y, ct: ct * weights, name="scale")
+        loss = lambda p: jnp.sum(f(p) ** 2)  # noqa: E731
+    step = dx.filter_value_and_grad(loss)
+    step(P0)
+    weights[:] = [4.0, 3.0, 2.0, 1.0]
+    if where == "loss":
+        expected = eqx.filter_value_and_grad(lambda p: jnp.sum(jnp.asarray(weights) * plain(p)))(P0)
+    else:
+        expected = eqx.filter_value_and_grad(lambda p: jnp.sum((p * jnp.asarray(weights)) ** 2))(P0)
+    assert_tree_allclose(step(P0), expected)
+
+
+SCALE = 1.0
+
+
+def _module_level_loss(p, f):
+    return SCALE * jnp.sum(W * f(p))
+
+
+class _Callable:
+    def __init__(self, f):
+        self.f = f
+
+    def __call__(self, p):
+        return SCALE * jnp.sum(W * self.f(p))
+
+
+class _Plain:
+    def __init__(self, f):
+        self.f = f
+
+    def loss(self, p):
+        return SCALE * jnp.sum(W * self.f(p))
+
+
+@pytest.mark.parametrize("kind", ["partial", "callable_object", "bound_method"])
+def test_rebound_global_read_through_a_wrapper(kind, counter):
+    global SCALE
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    loss = {"partial": ft.partial(_module_level_loss, f=f), "callable_object": _Callable(f), "bound_method": _Plain(f).loss}[kind]
+    step = dx.filter_value_and_grad(loss)
+    try:
+        SCALE = 1.0
+        step(P0)
+        SCALE = 5.0
+        assert_tree_allclose(step(P0), eqx.filter_value_and_grad(lambda p: 5.0 * jnp.sum(W * plain(p)))(P0))
+    finally:
+        SCALE = 1.0
+
+
+FWD_SCALE = 1.0
+
+
+def test_site_fwd_reads_a_rebound_global(counter):
+    """A standard site's implementation runs eagerly on every eager call, as in Equinox."""
+    global FWD_SCALE
+    f = dx.ExpensiveFn(fwd=lambda x: FWD_SCALE * jnp.sin(x), bwd=lambda x, y, ct: FWD_SCALE * ct * jnp.cos(x), name="g")
+    step = dx.filter_value_and_grad(lambda p: jnp.sum(f(p) ** 2))
+    try:
+        step(P0)
+        FWD_SCALE = 2.0
+        assert_tree_allclose(step(P0), eqx.filter_value_and_grad(lambda p: jnp.sum((2.0 * jnp.sin(p)) ** 2))(P0))
+    finally:
+        FWD_SCALE = 1.0
+
+
+@pytest.mark.parametrize("first, second", [(0.0, -0.0), (1, True)])
+def test_static_arguments_equal_but_not_identical(first, second, counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+
+    def program(y, p, s):
+        angle = jnp.arctan2(jnp.float64(s), -1.0)  # pi for 0.0, -pi for -0.0
+        return jnp.sum(W * y) * angle * (2.0 if s is True else 1.0)
+
+    step = dx.filter_value_and_grad(lambda p, s: program(f(p), p, s))
+    for s in (first, second, first):
+        got = step(P0, s)
+        assert_tree_allclose(got, eqx.filter_value_and_grad(lambda p, s: program(plain(p), p, s))(P0, s))
+    assert first == second and hash(first) == hash(second)
+
+
+def test_typechecking_switched_on_after_a_first_call_with_it_off():
+    from jaxtyping import Array, Float
+
+    def fused(x: Float[Array, " 4"], ct: Float[Array, " 4"]):
+        return jnp.sin(x), ct * jnp.cos(x)
+
+    f = dx.ExpensiveFn(fwd=jnp.sin, fused=fused, name="typed")
+    step = dx.filter_value_and_grad(lambda p: jnp.sum(W[:3] * f(p)))
+    with dx.typechecking(False):
+        step(P0[:3])  # a shape the annotation refuses, unchecked
+    with dx.typechecking(True), pytest.raises(dx.AnnotationError, match="typed"):
+        step(P0[:3])
+
+
+# ----------------------------------------------------------------------------- Python runs once per call
+
+
+def test_python_function_runs_once_per_eager_call(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    runs = []
+
+    def loss(p):
+        runs.append(1)
+        return jnp.sum(W * f(p))
+
+    step = dx.filter_value_and_grad(loss)
+    for n in range(1, 4):
+        step(P0)
+        assert len(runs) == n
+
+
+def test_python_randomness_value_and_gradient_from_one_draw(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    rng = np.random.default_rng(0)
+
+    def loss(p):
+        idx = rng.choice(4, size=2, replace=False)  # a NumPy-drawn subsample
+        return jnp.sum(W[idx] * f(p)[idx]), idx
+
+    for _ in range(5):
+        (value, idx), grad = dx.filter_value_and_grad(loss, has_aux=True)(P0)
+        expected = eqx.filter_value_and_grad(lambda p: jnp.sum(W[idx] * plain(p)[idx]))(P0)
+        assert_tree_allclose((value, grad), expected)
+
+
+def test_debug_print_fires_once_with_real_values(counter, capfd):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    seen = []
+
+    def loss(p):
+        y = f(p)
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), y)
+        jax.debug.print("loss sees {}", jnp.sum(y))
+        return jnp.sum(W * y)
+
+    for jit in (False, True):
+        seen.clear()
+        step = dx.filter_value_and_grad(loss)
+        step = eqx.filter_jit(step) if jit else step
+        jax.block_until_ready(step(P0))
+        jax.effects_barrier()
+        assert len(seen) == 1, jit
+        np.testing.assert_allclose(seen[0], plain(P0))
+    out = capfd.readouterr().out
+    assert out.count("loss sees") == 2 and "loss sees 0.0" not in out
+
+
+# ----------------------------------------------------------------------------- aux as Equinox returns it
+
+
+def test_non_array_aux_returned_as_it_was(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    marker = object()
+    table = np.arange(3.0)
+
+    def loss(p):
+        y = f(p)
+        return jnp.sum(W * y), {"label": "run-1", "fn": jnp.sin, "obj": marker, "table": table, "y": y, "n": 3}
+
+    (value, aux), grad = dx.filter_value_and_grad(loss, has_aux=True)(P0)
+    (value_e, aux_e), grad_e = eqx.filter_value_and_grad(loss, has_aux=True)(P0)
+    assert aux["label"] == "run-1" and aux["fn"] is jnp.sin and aux["obj"] is marker and aux["n"] == 3
+    assert type(aux["table"]) is type(aux_e["table"]) and type(aux["table"]) is np.ndarray
+    assert_tree_allclose((value, aux["y"], grad), (value_e, plain(P0), grad_e))
+    # a string as the whole aux, under jit too
+    got = eqx.filter_jit(dx.filter_value_and_grad(lambda p: (jnp.sum(W * f(p)), "label"), has_aux=True))(P0)
+    assert got[0][1] == "label"
+
+
+# ----------------------------------------------------------------------------- concrete arguments stay concrete
+
+
+def test_python_values_from_data_arguments(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+
+    def loss(p, n, flag, data):
+        total = jnp.zeros(())
+        for i in range(int(n)):  # `int` of a data argument
+            total = total + float(i + 1) * jnp.sum(W * f(p))
+        if flag:  # a Python branch on a data argument
+            total = total + jnp.sum(p**2)
+        scaled = np.asarray(data) * 2.0  # NumPy preprocessing of a data argument
+        return total + jnp.sum(jnp.asarray(scaled) * p)
+
+    def reference(p, n, flag, data):
+        return loss(p, n, flag, data)
+
+    data = jnp.array([1.0, 2.0, 3.0, 4.0])
+    for n, flag in [(jnp.asarray(2), True), (jnp.asarray(1), False)]:
+        got = dx.filter_value_and_grad(loss)(P0, n, flag, data)
+        assert_tree_allclose(got, eqx.filter_value_and_grad(reference)(P0, n, flag, data))
+    # and in a program with no expensive function at all
+    no_site = lambda p, n: jnp.sum(p ** int(n))  # noqa: E731
+    assert_tree_allclose(dx.filter_value_and_grad(no_site)(P0, jnp.asarray(3)), eqx.filter_value_and_grad(no_site)(P0, jnp.asarray(3)))
+
+
+# ----------------------------------------------------------------------------- user custom rules that call sites
+
+
+def test_user_custom_rules_that_call_a_site(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter, name="inside_rule")
+
+    @jax.custom_vjp
+    def g(p):
+        return f(p)
+
+    def g_fwd(p):
+        return f(p), p
+
+    def g_bwd(p, ct):
+        return (jax.vjp(f, p)[1](ct)[0],)
+
+    g.defvjp(g_fwd, g_bwd)
+
+    @jax.custom_jvp
+    def h(p):
+        return f(p)
+
+    @h.defjvp
+    def h_jvp(primals, tangents):
+        (p,), (t,) = primals, tangents
+        return f(p), jnp.cos(p) * jnp.exp(0.3 * p) * t + 0.3 * ref(p) * t
+
+    for wrapped in (g, h):
+        loss = lambda p, w=wrapped: jnp.sum(W * w(p))  # noqa: E731
+        plan = dx.explain(loss, P0)
+        assert plan.sites[0].schedule == "standard" and plan.sites[0].reason.startswith("called inside a custom_")
+        for jit in (False, True):
+            step = dx.filter_value_and_grad(loss)
+            step = eqx.filter_jit(step) if jit else step
+            assert_tree_allclose(step(P0), eqx.filter_value_and_grad(lambda p: jnp.sum(W * plain(p)))(P0))
+
+
+# ----------------------------------------------------------------------------- the caller's switches hold in every thread
+
+
+def test_typechecking_off_holds_in_the_threads_of_several_sites():
+    from jaxtyping import Array, Float
+
+    def fused(x: Float[Array, " 4"], ct: Float[Array, " 4"]):
+        return jnp.sin(x), ct * jnp.cos(x)
+
+    fs = [dx.ExpensiveFn(fwd=jnp.sin, fused=fused, name=f"typed{i}") for i in range(3)]
+
+    def loss(p):
+        return sum(jnp.sum(f(p * (i + 1))) for i, f in enumerate(fs))
+
+    reference = lambda p: sum(jnp.sum(jnp.sin(p * (i + 1))) for i in range(3))  # noqa: E731
+    p = P0[:3]  # the annotation says 4: refused when checked
+    with dx.typechecking(False):
+        assert_tree_allclose(dx.filter_value_and_grad(loss)(p), eqx.filter_value_and_grad(reference)(p))
+    with pytest.raises(dx.AnnotationError):
+        dx.filter_value_and_grad(loss)(p)
+
+
+def test_jax_config_context_holds_in_the_threads_of_several_sites():
+    promotions = []
+
+    def fused(x, ct):
+        promotions.append(jax.config.jax_numpy_dtype_promotion)
+        return jnp.sin(x), ct * jnp.cos(x)
+
+    fs = [dx.ExpensiveFn(fwd=jnp.sin, fused=fused, name=f"s{i}") for i in range(3)]
+    loss = lambda p: sum(jnp.sum(f(p * (i + 1))) for i, f in enumerate(fs))  # noqa: E731
+    with jax.numpy_dtype_promotion("standard"):
+        dx.filter_value_and_grad(loss)(P0)
+    assert promotions == ["standard"] * 3
+
+
+# ----------------------------------------------------------------------------- several host sites under vmap
+
+
+def test_host_sites_under_vmap_submit_the_whole_batch_at_once():
+    """Two host sites under `vmap` over 3 examples: every forward and adjoint (12 jobs)
+    waits at one barrier, so the call finishes only if the whole batch is submitted at once."""
+    import concurrent.futures as cf
+
+    A = np.array([[2.0, 1.0, 0.0, 0.0], [1.0, 3.0, 0.5, 0.0], [0.0, 0.5, 4.0, 1.0], [0.0, 0.0, 1.0, 5.0]])
+    barrier = threading.Barrier(12, timeout=20)
+
+    def solve(b):
+        barrier.wait()
+        return np.linalg.solve(A, b)
+
+    def adjoint(b, ct):
+        barrier.wait()
+        return np.linalg.solve(A.T, ct)
+
+    out = jax.ShapeDtypeStruct((4,), jnp.float64)
+    with cf.ThreadPoolExecutor(12) as pool:
+        fs = [dx.host(solve, adjoint=adjoint, out=out, executor=pool, name=f"solve{i}") for i in range(2)]
+
+        def loss(p):
+            batch = jnp.stack([p, 2 * p, p + 1])
+            return sum(jnp.sum(W * jax.vmap(f)(batch * (i + 1))) for i, f in enumerate(fs))
+
+        plan = dx.explain(loss, P0)
+        assert [s.schedule for s in plan.sites] == ["deferred", "deferred"] and plan.sites[0].batch == (3,)
+        got = dx.filter_value_and_grad(loss)(P0)
+
+    Ainv = jnp.asarray(np.linalg.inv(A))
+
+    def reference(p):
+        batch = jnp.stack([p, 2 * p, p + 1])
+        return sum(jnp.sum(W * ((batch * (i + 1)) @ Ainv.T)) for i in range(2))
+
+    assert_tree_allclose(got, eqx.filter_value_and_grad(reference)(P0))
+
+
+def test_vectorized_host_site_gets_the_whole_batch():
+    sizes = []
+
+    def solve(b):
+        sizes.append(b.shape[0])
+        return 2.0 * b
+
+    def adjoint(b, ct):
+        sizes.append(ct.shape[0])
+        return 2.0 * ct
+
+    f = dx.host(solve, adjoint=adjoint, out=jax.ShapeDtypeStruct((4,), jnp.float64), vectorized=True, name="vec")
+
+    def loss(p):
+        return jnp.sum(W * jax.vmap(f)(jnp.stack([p, 2 * p, 3 * p, p - 1])))
+
+    got = dx.filter_value_and_grad(loss)(P0)
+    assert sizes == [4, 4]  # one forward and one adjoint call, each on the batch of 4
+    assert_tree_allclose(got, eqx.filter_value_and_grad(lambda p: jnp.sum(W * 2.0 * jnp.stack([p, 2 * p, 3 * p, p - 1])))(P0))
