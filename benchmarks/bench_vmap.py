@@ -12,7 +12,7 @@ pass, the batched adjoint on the backward pass. Also timed (no RESULT line): the
 Case (a) `eager`: called as a user would, without an outer jit.
 Case (b) `jit`: both sides inside `eqx.filter_jit`.
 
-    python benchmarks/bench_vmap.py            # full size: 4 x 256 x 256 grids, 200 steps
+    python benchmarks/bench_vmap.py            # full size: 4 x 256 x 256 grids, 400 steps (as bench_wave)
     python benchmarks/bench_vmap.py --small    # smoke test
 """
 
@@ -106,7 +106,7 @@ def rel(a, b) -> float:
 
 def main():
     args = parser(__doc__.split("\n\n")[0]).parse_args()
-    n, steps = (32, 20) if args.small else (256, 200)
+    n, steps = (32, 20) if args.small else (256, 400)
     repeats = args.repeats or (2 if args.small else 15)
     print(f"bench_vmap: jax.vmap over {BATCH} inputs, {n}x{n} grid, {steps} steps, float32; {machine()}")
 

@@ -218,7 +218,7 @@ def test_python_randomness_value_and_gradient_from_one_draw(counter):
 
     for _ in range(5):
         (value, idx), grad = dx.filter_value_and_grad(loss, has_aux=True)(P0)
-        expected = eqx.filter_value_and_grad(lambda p: jnp.sum(W[idx] * plain(p)[idx]))(P0)
+        expected = eqx.filter_value_and_grad(lambda p, idx=idx: jnp.sum(W[idx] * plain(p)[idx]))(P0)
         assert_tree_allclose((value, grad), expected)
 
 

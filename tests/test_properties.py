@@ -1,4 +1,5 @@
-"""Property-based tests: random downstream programs, gradients checked against Equinox."""
+"""Property-based tests: random downstream programs, gradients checked against the same
+program in plain JAX (and against Equinox running the same `ExpensiveFn`s)."""
 
 import equinox as eqx
 import jax
@@ -58,6 +59,9 @@ def programs(draw):
                 "chain_from": draw(st.one_of(st.none(), st.integers(0, k - 1))) if k > 0 else None,
                 "scale_in": draw(st.sampled_from([1.0, -0.5, 2.0])),
                 "cond": draw(st.booleans()),
+                # how the site is called: directly, under `vmap` over two inputs, in a
+                # nested `jit`, or under `checkpoint`
+                "wrap": draw(st.sampled_from([None, "vmap", "jit", "checkpoint"])),
             }
         )
     product = draw(st.booleans()) if n_sites > 1 else False
@@ -65,9 +69,21 @@ def programs(draw):
     return {"sites": sites, "product": product, "pytree_input": pytree_input}
 
 
-def build(spec, counters):
+def _wrapped(fn, wrap):
+    if wrap == "vmap":
+        return lambda x: (lambda ys: ys[0] - 0.5 * ys[1])(jax.vmap(fn)(jnp.stack([x, 0.5 * x + 0.1])))
+    if wrap == "jit":
+        return jax.jit(fn)
+    if wrap == "checkpoint":
+        return jax.checkpoint(fn)
+    return fn
+
+
+def build(spec, counters, plain=False):
+    """The program; with `plain=True` each `ExpensiveFn` is replaced by the function it
+    stands for (the independent reference)."""
     fns = [
-        make(REFS[s["ref"]], ("fwd", "bwd", "fused"), counters[k], name=f"site{k}")
+        _wrapped(REFS[s["ref"]] if plain else make(REFS[s["ref"]], ("fwd", "bwd", "fused"), counters[k], name=f"site{k}"), s["wrap"])
         for k, s in enumerate(spec["sites"])
     ]
 
@@ -115,10 +131,14 @@ def test_random_programs_match_equinox(spec, sign):
     got = dx.filter_value_and_grad(loss)(params)
     jax.effects_barrier()
     for site, c in zip(plan.sites, counters, strict=True):
+        # a site under vmap runs batched: one call for the batch
         if site.schedule == "deferred":
             assert c.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}, str(plan)
         else:
             assert c.as_dict() == {"fwd": 1, "bwd": 1, "fused": 0}, str(plan)
-    expected = eqx.filter_value_and_grad(loss)(params)
+    for s, site in zip(spec["sites"], plan.sites, strict=True):
+        assert site.batch == ((2,) if s["wrap"] == "vmap" else ())
+    expected = eqx.filter_value_and_grad(build(spec, counters, plain=True))(params)
     assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-9)
+    assert_tree_allclose(eqx.filter_value_and_grad(loss)(params), expected, rtol=1e-9, atol=1e-9)
     assert_tree_allclose(eqx.filter_jit(dx.filter_value_and_grad(loss))(params), expected, rtol=1e-9, atol=1e-9)
