@@ -9,8 +9,9 @@ import contextlib, difflib, io, os, re, subprocess, sys, traceback
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 SCRIPT_DIR = "/tmp/deferax-docs"
 bad = 0
-fill = "--fill" in sys.argv
-for path in [a for a in sys.argv[1:] if a != "--fill"]:
+fill = "--fill" in sys.argv  # write the outputs into empty ```text blocks
+update = "--update" in sys.argv  # ... and over differing ones (review the diff before committing)
+for path in [a for a in sys.argv[1:] if a not in ("--fill", "--update")]:
     fills = []
     text = open(path).read()
     blocks = [(m.group(1), m.group(2), m.group(3), m.start(), m.end()) for m in FENCE.finditer(text)]
@@ -41,7 +42,7 @@ for path in [a for a in sys.argv[1:] if a != "--fill"]:
         if nxt and nxt[0] == "text" and text[end:nxt[3]].strip() == "":
             want = [l.rstrip() for l in nxt[2].rstrip("\n").split("\n")]
             got = [l.rstrip() for l in out.rstrip("\n").split("\n")]
-            if fill and nxt[2].strip() == "":
+            if (fill and nxt[2].strip() == "") or (update and want != got):
                 fills.append((nxt[3], nxt[4], "```text\n" + "\n".join(got) + "\n```"))
             elif want != got:
                 bad += 1
@@ -51,7 +52,7 @@ for path in [a for a in sys.argv[1:] if a != "--fill"]:
                 print(f"ok {path} block {i}: output matches")
         else:
             print(f"ok {path} block {i}: ran" + (f"\n--- output:\n{out}" if out.strip() else ""))
-    if fill and fills:
+    if fills:
         for s0, e0, rep in reversed(fills):
             text = text[:s0] + rep + text[e0:]
         open(path, "w").write(text)
