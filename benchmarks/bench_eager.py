@@ -15,6 +15,8 @@ Case `ops`: a few operations on 192 x 192 arrays (a matrix product, `tanh`, sums
 
 from __future__ import annotations
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -58,53 +60,54 @@ def repeat(fn, args, k):
     return out
 
 
+def run_case(case, what, loss, call_args, repeats, inner) -> str:
+    vg_dx = dx.filter_value_and_grad(loss)
+    vg_eqx = eqx.filter_value_and_grad(loss)
+    print(f"{case}: {what}")
+
+    # The first call of each (one measurement, for information): trace + compile of the
+    # stages for deferax, op-by-op dispatch (compiling each primitive the first time) for Equinox.
+    t_dx = time_once(ft.partial(vg_dx, *call_args))
+    t_eqx = time_once(ft.partial(vg_eqx, *call_args))
+    print(f"{case} first call (one measurement): dx {t_dx * 1e3:.1f} ms, eqx {t_eqx * 1e3:.1f} ms")
+
+    (v1, g1), (v2, g2) = vg_dx(*call_args), vg_eqx(*call_args)
+    close = bool(jnp.allclose(v1, v2, rtol=1e-5)) and all(
+        bool(jnp.allclose(a, b, rtol=1e-4, atol=1e-6))
+        for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2), strict=True)
+    )
+    same_tree = jax.tree_util.tree_structure(g1) == jax.tree_util.tree_structure(g2)
+    print(
+        f"{case} dx vs eqx: value {float(v1):.6g} vs {float(v2):.6g}, gradients allclose: {close}, same structure: {same_tree}"
+    )
+    assert close and same_tree, (v1, v2)
+
+    times = interleaved(
+        {"dx": ft.partial(repeat, vg_dx, call_args, inner), "eqx": ft.partial(repeat, vg_eqx, call_args, inner)},
+        repeats,
+        warmup=2,
+    )
+    for side, ts in times.items():
+        print(f"{case} steady {side:3s} ({inner} calls): {describe(ts)}")
+    return result_line(
+        "bench_eager",
+        f"{case} steady call",
+        median(times["dx"]) / inner,
+        median(times["eqx"]) / inner,
+        TARGETS[case],
+        new_name="dx",
+        old_name="eqx",
+    )
+
+
 def main():
     args = parser(__doc__.split("\n\n")[0]).parse_args()
     repeats = args.repeats or (2 if args.small else 21)
     inner = 2 if args.small else 20
     print(f"bench_eager: no outer jit, no ExpensiveFn, float32, {inner} calls per timing; {machine()}")
-
-    results = []
-    for case, make in (("mlp", mlp_case), ("ops", ops_case)):
-        what, loss, call_args = make(args.small)
-        vg_dx = dx.filter_value_and_grad(loss)
-        vg_eqx = eqx.filter_value_and_grad(loss)
-        print(f"{case}: {what}")
-
-        # The first call of each (untimed by the harness): trace + compile for deferax,
-        # op-by-op dispatch (compiling each primitive the first time) for Equinox.
-        t_dx = time_once(lambda: vg_dx(*call_args))
-        t_eqx = time_once(lambda: vg_eqx(*call_args))
-        print(f"{case} first call (one measurement): dx {t_dx * 1e3:.1f} ms, eqx {t_eqx * 1e3:.1f} ms")
-
-        (v1, g1), (v2, g2) = vg_dx(*call_args), vg_eqx(*call_args)
-        close = bool(jnp.allclose(v1, v2, rtol=1e-5)) and all(
-            bool(jnp.allclose(a, b, rtol=1e-4, atol=1e-6))
-            for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2), strict=True)
-        )
-        same_tree = jax.tree_util.tree_structure(g1) == jax.tree_util.tree_structure(g2)
-        print(f"{case} dx vs eqx: value {float(v1):.6g} vs {float(v2):.6g}, gradients allclose: {close}, same structure: {same_tree}")
-        assert close and same_tree, (v1, v2)
-
-        times = interleaved(
-            {"dx": lambda: repeat(vg_dx, call_args, inner), "eqx": lambda: repeat(vg_eqx, call_args, inner)},
-            repeats,
-            warmup=2,
-        )
-        for side, ts in times.items():
-            print(f"{case} steady {side:3s} ({inner} calls): {describe(ts)}")
-        results.append(
-            result_line(
-                "bench_eager",
-                f"{case} steady call",
-                median(times["dx"]) / inner,
-                median(times["eqx"]) / inner,
-                TARGETS[case],
-                new_name="dx",
-                old_name="eqx",
-            )
-        )
-
+    results = [
+        run_case(case, *make(args.small), repeats, inner) for case, make in (("mlp", mlp_case), ("ops", ops_case))
+    ]
     print(f"at the end: {load()}")
     for line in results:
         print(line)

@@ -425,3 +425,14 @@ def test_vectorized_host_site_gets_the_whole_batch():
     got = dx.filter_value_and_grad(loss)(P0)
     assert sizes == [4, 4]  # one forward and one adjoint call, each on the batch of 4
     assert_tree_allclose(got, eqx.filter_value_and_grad(lambda p: jnp.sum(W * 2.0 * jnp.stack([p, 2 * p, 3 * p, p - 1])))(P0))
+
+
+def test_same_equations_with_other_inputs_differentiated():
+    """Two programs with the same equations: one multiplies by a captured constant, the
+    other by a second differentiated input. The cache must tell them apart."""
+    w = jnp.array([1.0, 2.0, 3.0, 4.0])
+    captured = lambda p: jnp.sum(p * w)  # noqa: E731
+    both = lambda pw: jnp.sum(pw[0] * pw[1])  # noqa: E731
+    for _ in range(2):
+        assert_tree_allclose(dx.filter_value_and_grad(captured)(P0), eqx.filter_value_and_grad(captured)(P0))
+        assert_tree_allclose(dx.filter_value_and_grad(both)((P0, w)), eqx.filter_value_and_grad(both)((P0, w)))

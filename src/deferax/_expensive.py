@@ -10,7 +10,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 from jaxtyping import PyTree
 
 from . import _errors, _site, _typed
@@ -18,12 +17,6 @@ from . import _errors, _site, _typed
 
 def _struct(tree: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
     return jtu.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
-
-
-def _zero_cotangent(a: Any) -> Any:
-    if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
-        return jnp.zeros(jnp.shape(a), jnp.result_type(a))
-    return np.zeros(jnp.shape(a), jax.dtypes.float0)
 
 
 def _differentiable(a: Any) -> bool:
@@ -183,7 +176,7 @@ class ExpensiveFn(eqx.Module):
                 expected,
             )
         self._check(impl, "a cotangent", ct_x, expected, "the input `x`")
-        return jtu.tree_map(lambda c, a: c if _differentiable(a) else _zero_cotangent(a), ct_x, x)
+        return jtu.tree_map(lambda c, a: c if _differentiable(a) else _site.zero_cotangent(a), ct_x, x)
 
     # ------------------------------------------------------------------ implementations, derived where needed
 

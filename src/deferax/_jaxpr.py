@@ -18,44 +18,9 @@ from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import ad as _ad
 
 
-def current_trace() -> object:
-    """The innermost trace that JAX is recording into right now."""
-    return _core.trace_ctx.trace
-
-
 def is_eager() -> bool:
     """True when no transformation is active: operations run at once on concrete values."""
     return isinstance(_core.trace_ctx.trace, _core.EvalTrace)
-
-
-def trace_kind(trace: object) -> str:
-    """A short human name for a trace, for `explain`."""
-    name = type(trace).__name__
-    return {
-        "BatchTrace": "vmap",
-        "DynamicJaxprTrace": "a nested jit, scan, cond, while_loop or checkpoint",
-        "JVPTrace": "jvp",
-        "LinearizeTrace": "a nested grad",
-    }.get(name, name)
-
-
-def in_forward_mode() -> bool:
-    """True when a forward-mode derivative (`jax.jvp`, `jax.jacfwd`) is being traced.
-
-    With direct linearisation (the default in the tested JAX range) reverse mode uses a
-    `LinearizeTrace`, so a `JVPTrace` anywhere in the stack means forward mode.
-    """
-    trace = _core.trace_ctx.trace
-    while trace is not None:
-        if isinstance(trace, _ad.JVPTrace):
-            return True
-        trace = getattr(trace, "parent_trace", None)
-    return False
-
-
-def eval_jaxpr(closed: jax.extend.core.ClosedJaxpr, *args):
-    """Evaluate a closed jaxpr on flat arguments (under whatever trace is current)."""
-    return _core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,10 +356,6 @@ def trace(fun, *structs):
     return jax.make_jaxpr(lambda *a: fun(*a), return_shape=True)(*structs)
 
 
-def is_tracer_of_current_trace(x) -> bool:
-    return isinstance(x, _core.Tracer) and x._trace is _core.trace_ctx.trace
-
-
 def bind_equation(eqn, args):
     """Evaluate one equation on `args` under the current trace, as `core.eval_jaxpr` does."""
     bind_params = eqn.primitive.get_bind_params(eqn.params)
@@ -446,8 +407,6 @@ def inline(closed, primitives):
     """`closed` with every nested jit/checkpoint that contains one of `primitives` inlined
     (recursively), so that those primitives' equations sit at the top level. Returns the
     closed jaxpr and, for explain, the kinds of call that were inlined."""
-    from jax._src.interpreters import partial_eval as pe
-
     inlined: list[str] = []
 
     def body(eqn):
@@ -484,7 +443,6 @@ def inline(closed, primitives):
 
     avals = [v.aval for v in closed.jaxpr.invars]
     new = jax.make_jaxpr(flat)(*[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
-    del pe
     return new, inlined
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools as ft
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +48,7 @@ class _Traced:
 
     def result(self, outs: list, grads: list, has_aux: bool):
         value = outs[0]
-        grads = jtu.tree_unflatten(self.diff_tree, list(grads[len(self.consts) :]) if len(grads) > len(self.leaves) else list(grads))
+        grads = jtu.tree_unflatten(self.diff_tree, list(grads))
         if not has_aux:
             return value, grads
         treedef, static = self.aux
@@ -111,6 +112,7 @@ class _Compiled:
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 256
+_CACHE_LOCK = threading.Lock()
 
 
 def _analysis(traced: _Traced, schedule, max_basis, eager: bool):
@@ -120,19 +122,23 @@ def _analysis(traced: _Traced, schedule, max_basis, eager: bool):
     if eager:
         key = _jaxpr.structural_key(traced.program)
         if key is not None:
-            key = (key, schedule, max_basis)
-            compiled = _CACHE.get(key)
+            # which inputs are constants and which are differentiated is not in the equations
+            key = (key, len(traced.consts), schedule, max_basis)
+            with _CACHE_LOCK:
+                compiled = _CACHE.get(key)
+                if compiled is not None:
+                    _CACHE.move_to_end(key)
             if compiled is not None:
-                _CACHE.move_to_end(key)
                 return compiled.analysis, compiled
     analysis = analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE)
     if not eager:
         return analysis, None
     compiled = _Compiled(analysis, traced.has_diff())
     if key is not None:
-        _CACHE[key] = compiled
-        if len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+        with _CACHE_LOCK:
+            _CACHE[key] = compiled
+            if len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
     return analysis, compiled
 
 
