@@ -436,3 +436,40 @@ def test_same_equations_with_other_inputs_differentiated():
     for _ in range(2):
         assert_tree_allclose(dx.filter_value_and_grad(captured)(P0), eqx.filter_value_and_grad(captured)(P0))
         assert_tree_allclose(dx.filter_value_and_grad(both)((P0, w)), eqx.filter_value_and_grad(both)((P0, w)))
+
+
+def test_mixed_leaves_nan_float32_and_aux_only_site(counter):
+    """Integer, complex, float32 and non-array leaves in the differentiated argument; a NaN
+    in the input; a float32 site next to a float64 one; a site seen only by aux."""
+    f = make(ref, ("fwd", "bwd", "fused"), counter, name="f64")
+    g = make(ref, ("fwd", "bwd", "fused"), counter, name="f32")
+    params = {
+        "a": P0, "n": jnp.array([1, 2, 3, 4]), "c": jnp.array([1.0 + 1j, 2.0 - 1j]),
+        "h": jnp.array([0.5, 0.25, 1.0, 2.0], jnp.float32), "s": 3, "name": "x",
+    }  # fmt: skip
+
+    def program(p, f, g):
+        y = f(p["a"] * p["n"].astype(jnp.float64))
+        z = jnp.real(jnp.sum(p["c"] * jnp.conj(p["c"])))
+        return jnp.sum(W * y) + z + jnp.sum(g(p["h"])).astype(jnp.float64) * p["s"], {"seen": f(p["a"]), "tag": p["name"]}
+
+    loss = lambda p: program(p, f, g)  # noqa: E731
+    reference = lambda p: program(p, plain, plain)  # noqa: E731
+    plan = dx.explain(dx.filter_value_and_grad(loss, has_aux=True), params)
+    assert [s.schedule for s in plan.sites] == ["deferred", "deferred", "deferred"]
+    assert [s.in_shapes for s in plan.sites] == ["float64[4]", "float32[4]", "float64[4]"]
+    for p in (params, {**params, "a": P0.at[1].set(jnp.nan)}):
+        for jit in (False, True):
+            got_fn = dx.filter_value_and_grad(loss, has_aux=True)
+            got_fn = eqx.filter_jit(got_fn) if jit else got_fn
+            jax.effects_barrier()
+            counter.reset()
+            (value, aux), grad = got_fn(p)
+            jax.effects_barrier()
+            assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 3}
+            (value_r, aux_r), grad_r = eqx.filter_value_and_grad(reference, has_aux=True)(p)
+            assert aux["tag"] == "x" and grad["n"] is None and grad["name"] is None and grad["h"].dtype == jnp.float32
+            np.testing.assert_allclose(value, value_r, rtol=1e-6)
+            for key in ("a", "c", "h"):
+                np.testing.assert_allclose(grad[key], grad_r[key], rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(aux["seen"], aux_r["seen"], rtol=1e-12)
