@@ -473,3 +473,22 @@ def test_mixed_leaves_nan_float32_and_aux_only_site(counter):
             for key in ("a", "c", "h"):
                 np.testing.assert_allclose(grad[key], grad_r[key], rtol=1e-6, atol=1e-6)
             np.testing.assert_allclose(aux["seen"], aux_r["seen"], rtol=1e-12)
+
+
+def test_jax_config_context_holds_in_the_threads_of_fuse():
+    """`dx.fuse` runs its two halves on threads: they see the caller's dtype promotion."""
+    seen = []
+
+    def fwd(x):
+        seen.append(jax.config.jax_numpy_dtype_promotion)
+        return jnp.sin(x)
+
+    def adjoint(x, ct):
+        seen.append(jax.config.jax_numpy_dtype_promotion)
+        return ct * jnp.cos(x)
+
+    f = dx.ExpensiveFn(fwd=jnp.sin, fused=dx.fuse(fwd, adjoint), name="fused")
+    with jax.numpy_dtype_promotion("standard"):
+        got = dx.filter_value_and_grad(lambda p: jnp.sum(W * f(p)))(P0)
+    assert seen == ["standard", "standard"]  # traced once each, on the pool's threads
+    assert_tree_allclose(got, eqx.filter_value_and_grad(lambda p: jnp.sum(W * jnp.sin(p)))(P0))

@@ -13,6 +13,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
+from . import _jaxpr
+
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="deferax")
 
 
@@ -57,8 +59,8 @@ def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
     fwd = lambda x_: _apply(fwd_fn, x_)  # noqa: E731
     adjoint = lambda x_, ct_: apply_adjoint(adjoint_fn, x_, ct_)  # noqa: E731
     if is_concrete((x, ct)):
-        y = _POOL.submit(lambda: jax.block_until_ready(fwd(x)))
-        ct_x = _POOL.submit(lambda: jax.block_until_ready(adjoint(x, ct)))
+        y = _POOL.submit(_jaxpr.carry_context(lambda: jax.block_until_ready(fwd(x))))
+        ct_x = _POOL.submit(_jaxpr.carry_context(lambda: jax.block_until_ready(adjoint(x, ct))))
         return y.result(), ct_x.result()
 
     # Traced (inside jit or vmap): leave the program through one host callback, which runs
@@ -66,9 +68,18 @@ def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
     y_struct = jax.eval_shape(fwd_fn, x)
     ct_struct = jax.eval_shape(adjoint, x, ct)
 
+    config = _jaxpr.local_config()  # the caller's, read while tracing
+
+    def carry(fn):
+        def run():
+            with _jaxpr.apply_config(config):
+                return fn()
+
+        return run
+
     def host(x_, ct_):
-        y_ = _POOL.submit(lambda: jtu.tree_map(np.asarray, fwd(x_)))
-        c_ = _POOL.submit(lambda: jtu.tree_map(np.asarray, adjoint(x_, ct_)))
+        y_ = _POOL.submit(carry(lambda: jtu.tree_map(np.asarray, fwd(x_))))
+        c_ = _POOL.submit(carry(lambda: jtu.tree_map(np.asarray, adjoint(x_, ct_))))
         return y_.result(), c_.result()
 
     return jax.pure_callback(host, (y_struct, ct_struct), x, ct, vmap_method="sequential")

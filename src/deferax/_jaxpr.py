@@ -598,3 +598,19 @@ def apply_config(values: dict):
             if state.value != value:
                 stack.enter_context(state(value))
         yield
+
+
+def carry_context(fn):
+    """`fn` to run on another thread with the caller's context: its context variables (the
+    typechecking switch) and its thread-local JAX configuration (`jax.numpy_dtype_promotion`,
+    ... set with context managers)."""
+    import contextvars
+
+    context = contextvars.copy_context()
+    config = local_config()
+
+    def run(*args):
+        with apply_config(config):
+            return context.copy().run(fn, *args)
+
+    return run

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextvars
 
 import equinox as eqx
 import jax
@@ -77,20 +76,6 @@ def _basis_cotangents(frontier, ins, ys, k, analysis):
 # ----------------------------------------------------------------------------- stage 2
 
 
-def carry_context(fn):
-    """`fn` to run on another thread with the caller's context: its context variables (the
-    typechecking switch) and its thread-local JAX configuration (`jax.numpy_dtype_promotion`,
-    `jax.enable_x64`, ... set with context managers)."""
-    context = contextvars.copy_context()
-    config = _jaxpr.local_config()
-
-    def run(*args):
-        with _jaxpr.apply_config(config):
-            return context.copy().run(fn, *args)
-
-    return run
-
-
 def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[dict, dict]:
     """`(ys, diff_cts)` by position: each site's output leaves and, for a deferred site, the
     cotangents of the differentiable leaves of its input (stacked for a basis site).
@@ -116,7 +101,7 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
     def run_all(operands_, cts_):
         if len(positions) > 1:
             with concurrent.futures.ThreadPoolExecutor(max_workers=len(positions)) as pool:
-                futures = [pool.submit(carry_context(one), k, operands_, cts_) for k in positions]
+                futures = [pool.submit(_jaxpr.carry_context(one), k, operands_, cts_) for k in positions]
                 return [f.result() for f in futures]
         return [one(k, operands_, cts_) for k in positions]
 
