@@ -269,8 +269,13 @@ def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "a
     A function with the signature of `fun` that returns `(value, grads)`, or
     `((value, aux), grads)` with `has_aux=True`.
 
-    Called outside any JAX transformation, the cheap parts of the program (everything but
-    the expensive calls) are compiled with `jax.jit` once per input structure, and the
+    `fun` runs once per call (once per trace under `jit`): every [`deferax.ExpensiveFn`][]
+    call in it, directly, under `jax.vmap`, in a nested `jit` or under `jax.checkpoint`, is
+    seen in that one trace, and is deferred when sound (a call under `vmap` as one batched
+    `fused` call); calls inside `lax.scan`, `lax.cond` or `while_loop` stay standard.
+    Called outside any JAX transformation, it has eager semantics: what `fun` reads is
+    read afresh on every call. The cheap parts of the program (everything but the expensive
+    calls) are compiled with `jax.jit`, cached on the traced program itself, and the
     deferred sites' `fused` calls run eagerly, concurrently when there are several. Inside
     `jax.jit`, `eqx.filter_jit` or `jax.vmap` the whole schedule is traced into the
     surrounding program.
