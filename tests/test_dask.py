@@ -46,6 +46,12 @@ def client():
         try:
             yield client
         finally:
+            # The last tests kill workers; closing while a nanny restarts one can fail in
+            # Dask's teardown ("can only join a started process"): let them come back first.
+            try:
+                client.wait_for_workers(2, timeout=30)
+            except TimeoutError:
+                pass
             client.close()
             cluster.close()
             cloudpickle.unregister_pickle_by_value(sys.modules[__name__])

@@ -492,3 +492,42 @@ def test_jax_config_context_holds_in_the_threads_of_fuse():
         got = dx.filter_value_and_grad(lambda p: jnp.sum(W * f(p)))(P0)
     assert seen == ["standard", "standard"]  # traced once each, on the pool's threads
     assert_tree_allclose(got, eqx.filter_value_and_grad(lambda p: jnp.sum(W * jnp.sin(p)))(P0))
+
+
+def test_fuse_under_vmap_runs_the_batch_once_and_compiles_once():
+    """A `dx.fuse` site under `vmap`: the whole batch's forward and adjoint run once each
+    (not once per example), and repeated eager calls reuse the compiled halves."""
+    traces, runs = [], []
+
+    def fwd(x):
+        traces.append("fwd")
+        jax.debug.callback(lambda: runs.append("fwd"))
+        return jnp.sin(x["a"]) * x["b"]
+
+    def adjoint(x, ct):
+        traces.append("adjoint")
+        jax.debug.callback(lambda: runs.append("adjoint"))
+        return {"a": ct * jnp.cos(x["a"]) * x["b"], "b": ct * jnp.sin(x["a"])}
+
+    f = dx.ExpensiveFn(fwd=fwd, fused=dx.fuse(fwd, adjoint), name="fused")
+
+    def loss(p):  # batched over `a`, `b` shared by the whole batch
+        batch = jnp.stack([p["a"], 2 * p["a"], p["a"] - 1])
+        return jnp.sum(jax.vmap(lambda a: f({"a": a, "b": p["b"]}))(batch) * W)
+
+    def reference(p):
+        batch = jnp.stack([p["a"], 2 * p["a"], p["a"] - 1])
+        return jnp.sum(jnp.sin(batch) * p["b"] * W)
+
+    p = {"a": P0, "b": jnp.array([1.0, 0.5, -1.0, 2.0])}
+    step = dx.filter_value_and_grad(loss)
+    step(p)
+    for _ in range(2):
+        jax.effects_barrier()
+        traces.clear()
+        runs.clear()
+        got = step(p)
+        jax.effects_barrier()
+        assert sorted(runs) == ["adjoint", "fwd"] and traces == []
+        assert_tree_allclose(got, eqx.filter_value_and_grad(reference)(p))
+    assert_tree_allclose(eqx.filter_jit(step)(p), eqx.filter_value_and_grad(reference)(p))

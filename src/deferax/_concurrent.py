@@ -37,10 +37,37 @@ class Fused(eqx.Module):
     def __call__(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
         return _concurrently(self.fwd, self.adjoint, _apply, x, ct_y)
 
+    def vmapped(self, x: PyTree, ct_y: PyTree, x_axes: list) -> tuple[PyTree, PyTree]:
+        """The call under `jax.vmap` levels (outermost first; `x_axes` gives each level's
+        `in_axes` for `x`, `ct_y` is batched at 0 at every level): the whole batch's
+        forward and the whole batch's adjoint, each compiled once, on two threads."""
+        fwd = _Vmapped(self.fwd, tuple(_frozen((axes,)) for axes in x_axes))
+        adjoint = _Vmapped(self.adjoint, tuple(_frozen((axes, 0)) for axes in x_axes))
+        return _concurrently(fwd, adjoint, _apply, x, ct_y)
+
     def batched(self, x: PyTree, cts: PyTree) -> tuple[PyTree, PyTree]:
         """`y` once and one `ct_x` per cotangent (leading axis of `cts`): the forward runs
         once, concurrently with the adjoint batched by `jax.vmap` over the cotangents."""
         return _concurrently(self.fwd, self.adjoint, _apply_batched, x, cts)
+
+
+def _frozen(axes: PyTree) -> tuple:
+    leaves, treedef = jtu.tree_flatten(axes, is_leaf=lambda a: a is None)
+    return treedef, tuple(leaves)
+
+
+class _Vmapped(eqx.Module):
+    """`f` under `jax.vmap` levels, as a Module that compares by value (so that the
+    compiled halves of `Fused.vmapped` are reused from call to call)."""
+
+    f: Callable[..., Any]
+    levels: tuple = eqx.field(static=True)  # per level, `in_axes` as (treedef, leaves)
+
+    def __call__(self, *args):
+        g = self.f
+        for treedef, leaves in reversed(self.levels):
+            g = jax.vmap(g, in_axes=jtu.tree_unflatten(treedef, list(leaves)))
+        return g(*args)
 
 
 # Compiled once per implementation and input structure; an `eqx.Module` implementation's
@@ -65,7 +92,7 @@ def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
 
     # Traced (inside jit or vmap): leave the program through one host callback, which runs
     # the two compiled halves on two threads and hands both results back.
-    y_struct = jax.eval_shape(fwd_fn, x)
+    y_struct = jax.eval_shape(fwd, x)
     ct_struct = jax.eval_shape(adjoint, x, ct)
 
     config = _jaxpr.local_config()  # the caller's, read while tracing

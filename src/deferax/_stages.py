@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _errors, _jaxpr, _site
 from ._analysis import Analysis, zeros
+from ._concurrent import Fused
 
 # ----------------------------------------------------------------------------- stage 1
 
@@ -143,7 +144,15 @@ def fused(spec: _site.Spec, operands: list, ct: list) -> tuple[list, list]:
     def axes_of(level):
         return (list(level[:n_fn]), list(level[n_fn:]), [0] * len(spec.y_structs))
 
-    y, ct_x = spec.vmapped(one, axes_of)(list(operands[:n_fn]), list(operands[n_fn:]), list(ct))
+    batched_impl = any(a is not None for level, _ in spec.axes for a in level[:n_fn])
+    if spec.axes and isinstance(spec.static.fused, Fused) and not batched_impl:
+        # `dx.fuse` under vmap: the whole batch's forward and adjoint on two threads
+        fn = spec.fn(operands[:n_fn])
+        x_axes = [jtu.tree_unflatten(spec.x_tree, list(level[n_fn:])) for level, _ in spec.axes]
+        y, ct_x = fn.fused.vmapped(spec.x(operands[n_fn:]), jtu.tree_unflatten(spec.y_tree, list(ct)), x_axes)
+        y, ct_x = jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_x), diff, strict=True) if d]
+    else:
+        y, ct_x = spec.vmapped(one, axes_of)(list(operands[:n_fn]), list(operands[n_fn:]), list(ct))
     return y, _site.unbatch(spec, ct_x)
 
 

@@ -87,7 +87,7 @@ def _trace(fun, x, args, kwargs, has_aux) -> _Traced:
 
     structs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), weak_type=getattr(a, "weak_type", False)) for a in leaves]
     closed, _ = _jaxpr.trace(flat, *structs)
-    closed, _ = _jaxpr.inline(closed, (_site.SITE,))
+    closed = _jaxpr.inline(closed, (_site.SITE,))
     program, consts = _jaxpr.open_consts(closed)
     return _Traced(program, consts, list(leaves), diff_tree, box["aux"] if has_aux else None)
 

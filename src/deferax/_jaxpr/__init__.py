@@ -1,0 +1,41 @@
+"""Everything that reads jaxprs or touches JAX internals lives in this package.
+
+`jax.extend.core` and `jax._src` carry no compatibility promise across JAX releases, so a
+JAX upgrade should have to touch this folder only. The tested JAX range is pinned in
+`pyproject.toml`. One file a concern:
+
+- `_program`: tracing a function once; reading, rewriting and interpreting the program;
+- `_primitives`: defining a primitive and the helpers its rules need;
+- `_dependence`: which values depend on which sources, and the user line that made it so;
+- `_linearity`: where a program stops being linear in an input;
+- `_keys`: cache keys equal for programs that compute the same thing;
+- `_config`: the caller's JAX configuration carried to other threads.
+"""
+
+from ._config import apply_config as apply_config
+from ._config import carry_context as carry_context
+from ._config import local_config as local_config
+from ._dependence import dependencies as dependencies
+from ._dependence import first_culprit as first_culprit
+from ._dependence import input_marks as input_marks
+from ._dependence import is_eager as is_eager
+from ._keys import structural_key as structural_key
+from ._linearity import frontier_size as frontier_size
+from ._linearity import linear_frontier as linear_frontier
+from ._linearity import with_outputs as with_outputs
+from ._primitives import define_primitive as define_primitive
+from ._primitives import instantiate as instantiate
+from ._primitives import is_not_mapped as is_not_mapped
+from ._primitives import is_zero as is_zero
+from ._primitives import move_to_front as move_to_front
+from ._primitives import shaped as shaped
+from ._primitives import zero_tangent as zero_tangent
+from ._program import contains as contains
+from ._program import inline as inline
+from ._program import interpret as interpret
+from ._program import kind_of as kind_of
+from ._program import nested_in as nested_in
+from ._program import open_consts as open_consts
+from ._program import prune as prune
+from ._program import top_level as top_level
+from ._program import trace as trace

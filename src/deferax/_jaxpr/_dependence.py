@@ -1,0 +1,145 @@
+"""Which values depend on which sources, and the user line that made them so."""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+from collections.abc import Sequence
+
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info_util
+
+
+def is_eager() -> bool:
+    """True when no transformation is active: operations run at once on concrete values."""
+    return isinstance(_core.trace_ctx.trace, _core.EvalTrace)
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """The operation that made a value depend on a source, and where the user wrote it."""
+
+    primitive: str
+    file: str | None
+    line: int | None
+    function: str | None
+
+    def __str__(self) -> str:
+        if self.file is None:
+            return f"`{self.primitive}` (no user source line)"
+        code = linecache.getline(self.file, self.line or 0).strip()
+        shown = f" `{code}`" if code else ""
+        return f"`{self.primitive}` at {self.file}:{self.line}{shown}"
+
+
+def _location(eqn) -> Location:
+    frame = _source_info_util.user_frame(eqn.source_info.traceback)
+    name = str(eqn.primitive)
+    if name in ("jit", "pjit") and "name" in eqn.params:
+        name = f"jit({eqn.params['name']})"
+    if frame is None:
+        return Location(name, None, None, None)
+    return Location(name, frame.file_name, frame.start_line, frame.function_name)
+
+
+# Primitives whose body is a plain jaxpr called once with the equation's inputs: the taint
+# analysis looks inside them for precision. Every other primitive with a body (scan, cond,
+# while, custom rules, ...) is treated conservatively: any marked input marks every output.
+_CALL_PARAMS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+
+
+def _inner_jaxpr(eqn):
+    key = _CALL_PARAMS.get(str(eqn.primitive))
+    if key is None or key not in eqn.params:
+        return None
+    inner = eqn.params[key]
+    return getattr(inner, "jaxpr", inner)
+
+
+def _mark(jaxpr, in_marks: Sequence[frozenset], eqn_labels=None) -> tuple[list[frozenset], list[list[frozenset]]]:
+    """Forward dependency analysis over `jaxpr`.
+
+    Returns the marks (sets of source labels) of the outputs, and for each equation the
+    marks of its inputs. A call-like equation is analysed inside; any other equation marks
+    every output with the union of its inputs' marks (conservative, so always sound).
+    `eqn_labels` maps the index of a top-level equation to a label that its outputs carry
+    as well (an expensive call: its outputs are sources).
+    """
+    empty: frozenset = frozenset()
+    marks: dict = dict(zip(jaxpr.invars, in_marks, strict=True))
+    eqn_labels = eqn_labels or {}
+
+    def read(v):
+        return empty if isinstance(v, _core.Literal) else marks.get(v, empty)
+
+    eqn_ins = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [read(v) for v in eqn.invars]
+        inner = _inner_jaxpr(eqn)
+        if i in eqn_labels:
+            outs = [frozenset().union(*ins) | {eqn_labels[i]}] * len(eqn.outvars)
+        elif inner is not None and len(inner.invars) == len(ins):
+            outs = _mark(inner, ins)[0]
+        else:
+            outs = [frozenset().union(*ins)] * len(eqn.outvars)
+        marks.update(zip(eqn.outvars, outs, strict=True))
+        eqn_ins.append(ins)
+    return [read(v) for v in jaxpr.outvars], eqn_ins
+
+
+def _in_marks(in_labels: Sequence[object]) -> list[frozenset]:
+    return [frozenset() if lab is None else frozenset([lab]) for lab in in_labels]
+
+
+def dependencies(closed, in_labels: Sequence[object], eqn_labels=None) -> list[frozenset]:
+    """For each output of `closed`, the set of labels of the inputs it depends on.
+
+    `in_labels[i]` labels input `i`; `None` means "not a source". The analysis is
+    syntactic and conservative: an output is reported dependent whenever some chain of
+    operations connects it to the input, whatever the values.
+    """
+    return _mark(closed.jaxpr, _in_marks(in_labels), eqn_labels)[0]
+
+
+def input_marks(closed, in_labels: Sequence[object], eqn_labels=None) -> list[list[frozenset]]:
+    """For each top-level equation, the labels each of its inputs depends on."""
+    return _mark(closed.jaxpr, _in_marks(in_labels), eqn_labels)[1]
+
+
+def _relevant_eqns(jaxpr, output: int) -> list[bool]:
+    target = jaxpr.outvars[output]
+    relevant = set() if isinstance(target, _core.Literal) else {target}
+    flags = [False] * len(jaxpr.eqns)
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        if any(v in relevant for v in eqn.outvars):
+            flags[i] = True
+            relevant.update(v for v in eqn.invars if not isinstance(v, _core.Literal))
+    return flags
+
+
+def first_culprit(closed, in_labels: Sequence[object], output: int, sources: frozenset, seed: object, eqn_labels=None) -> Location | None:
+    """The operation that makes `output` (a cotangent) depend on one of `sources`.
+
+    `seed` labels the cotangent fed into the backward pass. The culprit is the first
+    equation that flows into `output` and combines a value derived from a source (a
+    residual of the forward pass) with a value derived from the seed: in the transposed
+    program that is where, say, `y**2` multiplies the incoming cotangent by `2*y`. Its
+    source information points at the user's line that did the nonlinear operation. If no
+    such equation exists, the first equation that touches a source and flows into the
+    output is named instead.
+    """
+    jaxpr = closed.jaxpr
+    eqn_ins = _mark(jaxpr, _in_marks(in_labels), eqn_labels)[1]
+    relevant = _relevant_eqns(jaxpr, output)
+    fallback = None
+    for eqn, ins, rel in zip(jaxpr.eqns, eqn_ins, relevant, strict=True):
+        if not rel:
+            continue
+        from_source = [bool(m & sources) and seed not in m for m in ins]
+        from_seed = [seed in m for m in ins]
+        if any(from_source) and any(from_seed):
+            return _location(eqn)
+        if fallback is None and any(m & sources for m in ins):
+            fallback = _location(eqn)
+    return fallback

@@ -1,0 +1,133 @@
+"""Where a program stops being linear in an input: the linear frontier."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from jax._src import core as _core
+
+from ._dependence import _inner_jaxpr
+
+# Operations that are linear in their (single) data operand and need no coefficient.
+_LINEAR_UNARY = {
+    "neg", "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "reduce_sum",
+    "slice", "rev", "real", "imag", "conj", "convert_element_type", "copy", "copy_p", "fft",
+    "cumsum", "reduce_precision",
+}
+# Sums of data operands (every operand may be linear).
+_ADDITIVE = {"add", "sub", "add_any", "concatenate", "complex"}
+# Products: linear when exactly one operand depends on the source and the other is free
+# of every source (a coefficient).
+_PRODUCT = {"mul", "dot_general"}
+# Linear in the first operand, with the others as free indices or coefficients.
+_LINEAR_FIRST = {"div", "dynamic_slice", "gather", "pad"}
+
+CONST, LINEAR, NONLINEAR = 0, 1, 2
+
+
+def _classify(eqn, classes: list[int], free: list[bool]) -> list[int]:
+    """Linearity class of each output of `eqn`, from its inputs' classes.
+
+    `classes[i]` says how input `i` depends on the source (not at all, linearly with a
+    coefficient free of every source, or otherwise); `free[i]` whether it depends on no
+    source at all (the chosen one or any other).
+    """
+    name = str(eqn.primitive)
+    n_out = len(eqn.outvars)
+    if max(classes, default=CONST) == CONST:
+        return [CONST] * n_out
+    if NONLINEAR in classes:
+        return [NONLINEAR] * n_out
+    if not all(jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact) for v in eqn.outvars):
+        return [NONLINEAR] * n_out
+    inner = _inner_jaxpr(eqn)
+    if inner is not None and len(inner.invars) == len(classes):
+        return _linearity(inner, classes, free)[0]
+    if name in _ADDITIVE:
+        return [LINEAR] * n_out
+    if name in _LINEAR_UNARY:
+        return [LINEAR if len(classes) == 1 else NONLINEAR] * n_out
+    if name in _PRODUCT and len(classes) == 2:
+        ok = (classes[0] == LINEAR and free[1]) or (classes[1] == LINEAR and free[0])
+        return [LINEAR if ok else NONLINEAR] * n_out
+    if name == "select_n":
+        ok = free[0] and all(c in (CONST, LINEAR) for c in classes[1:])
+        return [LINEAR if ok else NONLINEAR] * n_out
+    if name in _LINEAR_FIRST:
+        ok = classes[0] == LINEAR and all(f for f in free[1:])
+        return [LINEAR if ok else NONLINEAR] * n_out
+    return [NONLINEAR] * n_out
+
+
+def _linearity(jaxpr, in_classes, in_free):
+    cls: dict = dict(zip(jaxpr.invars, in_classes, strict=True))
+    fr: dict = dict(zip(jaxpr.invars, in_free, strict=True))
+    frontier: list = []
+
+    def read(v, table, default):
+        return default if isinstance(v, _core.Literal) else table.get(v, default)
+
+    for eqn in jaxpr.eqns:
+        classes = [read(v, cls, CONST) for v in eqn.invars]
+        free = [read(v, fr, True) for v in eqn.invars]
+        outs = _classify(eqn, classes, free)
+        if NONLINEAR in outs:
+            frontier.extend(v for v, c in zip(eqn.invars, classes, strict=True) if c == LINEAR)
+        all_free = all(free)
+        for v, c in zip(eqn.outvars, outs, strict=True):
+            cls[v] = c
+            fr[v] = all_free
+    frontier.extend(v for v in jaxpr.outvars if read(v, cls, CONST) == LINEAR)
+    return [read(v, cls, CONST) for v in jaxpr.outvars], frontier
+
+
+def linear_frontier(closed, source: Sequence[bool], stand_ins: Sequence[bool]):
+    """Where the program stops being linear in a source input.
+
+    Returns the distinct variables of the top-level jaxpr that depend linearly on the inputs
+    flagged in `source`, with coefficients free of every input flagged in `stand_ins`, and
+    that are consumed by an operation that is not linear in them (or are outputs). The
+    program's outputs depend on the source only through these variables, so the cotangent
+    of the source is a combination of the fixed Jacobian rows of these variables.
+    """
+    jaxpr = closed.jaxpr
+    classes = [LINEAR if s else CONST for s in source]
+    free = [not t for t in stand_ins]
+    _, frontier = _linearity(jaxpr, classes, free)
+    distinct = list(dict.fromkeys(frontier))
+    sources = {v for v, s in zip(jaxpr.invars, source, strict=True) if s}
+    # A frontier variable that the source reaches only through other frontier variables is
+    # a linear function of them (say `0.3 * z` next to `z`): it adds no basis cotangent.
+    return [v for v in distinct if _reached_directly(jaxpr, sources, v, set(distinct) - {v})]
+
+
+def _reached_directly(jaxpr, sources, target, blockers) -> bool:
+    reached = set(sources)
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, _core.Literal) and v in reached and v not in blockers for v in eqn.invars):
+            reached.update(eqn.outvars)
+    return target in reached and target not in blockers
+
+
+def frontier_size(variables) -> int:
+    """The number of real numbers the frontier variables hold (a complex number is two)."""
+    total = 0
+    for v in variables:
+        aval = v.aval
+        n = 1
+        for d in aval.shape:
+            n *= d
+        total += 2 * n if jax.numpy.issubdtype(aval.dtype, jax.numpy.complexfloating) else n
+    return total
+
+
+def with_outputs(closed, variables):
+    """A closed jaxpr with the same inputs that returns `variables` instead of its outputs."""
+    from jax._src.interpreters import partial_eval as pe
+
+    jaxpr = closed.jaxpr
+    info = jaxpr.debug_info.with_unknown_names() if jaxpr.debug_info is not None else None
+    narrowed = jaxpr.replace(outvars=list(variables), debug_info=info)
+    pruned, _ = pe.dce_jaxpr(narrowed, [True] * len(variables), instantiate=True)
+    return _core.ClosedJaxpr(pruned, closed.consts)

@@ -1,0 +1,139 @@
+"""Tracing a function once, and reading, rewriting and interpreting the program."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info_util
+
+
+def trace(fun, *structs):
+    """`(closed_jaxpr, out_shape)` of `fun` on abstract arguments, traced afresh every time
+    (`jax.make_jaxpr` caches traces on the function object: a fresh wrapper defeats it)."""
+    return jax.make_jaxpr(lambda *a: fun(*a), return_shape=True)(*structs)
+
+
+def bind_equation(eqn, args):
+    """Evaluate one equation on `args` under the current trace, as `core.eval_jaxpr` does."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*args, **bind_params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def interpret(closed, args, handlers=None):
+    """Evaluate a closed jaxpr on flat `args` under the current trace.
+
+    `handlers` maps an equation index to `handler(eqn, invals) -> outvals`, which replaces
+    the equation.
+    """
+    jaxpr = closed.jaxpr
+    handlers = handlers or {}
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, _core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [read(v) for v in eqn.invars]
+        outs = handlers[i](eqn, ins) if i in handlers else bind_equation(eqn, ins)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def contains(eqn, primitives) -> bool:
+    """Whether `eqn` is, or holds in a nested jaxpr at any depth, a primitive named in `primitives`."""
+    if str(eqn.primitive) in primitives:
+        return True
+    return any(contains(e, primitives) for sub in _core.jaxprs_in_params(eqn.params) for e in sub.eqns)
+
+
+# Call-like primitives whose body can be inlined into the surrounding jaxpr: a nested
+# `jit`/`eqx.filter_jit` and `jax.checkpoint` (whose rematerialisation is then decided at
+# the top level). Their body runs once on the equation's inputs.
+_INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr"}
+
+
+def inline(closed, primitives):
+    """`closed` with every nested jit/checkpoint that contains one of `primitives` inlined
+    (recursively), so that those primitives' equations sit at the top level."""
+
+    def body(eqn):
+        key = _INLINE.get(str(eqn.primitive))
+        if key is None or key not in eqn.params or not contains(eqn, primitives):
+            return None
+        inner = eqn.params[key]
+        return (inner.jaxpr, inner.consts) if hasattr(inner, "jaxpr") else (inner, [])
+
+    if not any(body(e) is not None for e in closed.jaxpr.eqns):
+        return closed
+
+    def flatten(closed_, args):
+        handlers = {}
+        for i, eqn in enumerate(closed_.jaxpr.eqns):
+            found = body(eqn)
+            if found is not None:
+                handlers[i] = lambda eqn, ins, found=found: flatten(_core.ClosedJaxpr(*found), ins)
+        return interpret(closed_, args, handlers)
+
+    avals = [v.aval for v in closed.jaxpr.invars]
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+    return jax.make_jaxpr(lambda *args: flatten(closed, args))(*structs)
+
+
+def open_consts(closed):
+    """The same program with its constants turned into leading inputs, so that programs
+    derived from it take them as arguments (and a compiled one can be reused when only
+    their values change)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    return _core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), []), list(closed.consts)
+
+
+def prune(closed, used_outputs: Sequence[bool]):
+    """Keep only the outputs flagged in `used_outputs` and the top-level equations they
+    need, whatever their effects (a `jax.debug.print` whose result nothing needs is
+    dropped). Inputs are kept."""
+    jaxpr = closed.jaxpr
+    outvars = [v for v, u in zip(jaxpr.outvars, used_outputs, strict=True) if u]
+    needed = {v for v in outvars if not isinstance(v, _core.Literal)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            kept.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, _core.Literal))
+    kept.reverse()
+    effects = _core.join_effects(*(e.effects for e in kept)) if kept else _core.no_effects
+    info = jaxpr.debug_info.with_unknown_names() if jaxpr.debug_info is not None else None
+    pruned = jaxpr.replace(eqns=kept, outvars=outvars, effects=effects, debug_info=info)
+    return _core.ClosedJaxpr(pruned, closed.consts)
+
+
+def top_level(closed, name: str) -> list[int]:
+    """Indices of the top-level equations of primitive `name`."""
+    return [i for i, e in enumerate(closed.jaxpr.eqns) if str(e.primitive) == name]
+
+
+def nested_in(eqn, name: str) -> list:
+    """The equations of primitive `name` inside `eqn`'s nested jaxprs, at any depth."""
+    found = []
+    for sub in _core.jaxprs_in_params(eqn.params):
+        for e in sub.eqns:
+            if str(e.primitive) == name:
+                found.append(e)
+            found.extend(nested_in(e, name))
+    return found
+
+
+def kind_of(eqn) -> str:
+    """A readable name for the construct an equation is (for explain)."""
+    name = str(eqn.primitive)
+    return {
+        "scan": "lax.scan", "cond": "lax.cond", "while": "lax.while_loop", "custom_jvp_call": "a custom_jvp rule",
+        "custom_vjp_call": "a custom_vjp rule", "custom_vjp_call_jaxpr": "a custom_vjp rule",
+    }.get(name, f"`{name}`")  # fmt: skip
