@@ -82,6 +82,49 @@ def make_wave(n: int, steps: int, dtype=jnp.float32):
     return forward, adjoint
 
 
+def wave_sites(forward, adjoint):
+    """`(wave, wave_std)`: the stepper as a deferax `ExpensiveFn` (`fwd`, `bwd`, and
+    `fused=dx.fuse(forward, adjoint)`) and as a plain `jax.custom_vjp` (the jitted forward,
+    the jitted adjoint on the backward pass)."""
+    import deferax as dx
+
+    fwd_jit, adj_jit = jax.jit(forward), jax.jit(adjoint)
+    wave = dx.ExpensiveFn(
+        fwd=fwd_jit,
+        bwd=lambda x, y, ct: adj_jit(x, ct),
+        fused=dx.fuse(forward, adjoint),  # jits both halves itself
+        name="wave",
+    )
+
+    @jax.custom_vjp
+    def wave_std(x):
+        return fwd_jit(x)
+
+    wave_std.defvjp(lambda x: (fwd_jit(x), x), lambda x, ct: (adj_jit(x, ct),))
+    return wave, wave_std
+
+
+def counted(forward, adjoint, counts):
+    """`forward` and `adjoint` that count, on the host, how many times they really run
+    (a `jax.debug.callback`: once per execution, once per batch under `vmap`)."""
+
+    def bump(key):
+        def cb():
+            counts[key] += 1
+
+        return cb
+
+    def fwd_c(x):
+        jax.debug.callback(bump("forward"))
+        return forward(x)
+
+    def adj_c(x, ct):
+        jax.debug.callback(bump("adjoint"))
+        return adjoint(x, ct)
+
+    return fwd_c, adj_c
+
+
 def check_adjoint(forward, adjoint, x, ct) -> float:
     """Max |adjoint - jax.vjp(forward)| relative to max |jax.vjp(forward)|."""
     _, vjp = jax.vjp(forward, x)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from _common import (
     block,
     check_adjoint_both,
+    counted,
     describe,
     interleaved,
     load,
@@ -35,6 +36,7 @@ from _common import (
     overlap,
     parser,
     result_line,
+    wave_sites,
 )
 
 import deferax as dx
@@ -47,25 +49,7 @@ COEFS = (1.0, -0.5, 0.25, 2.0)  # the fixed weights of the 4 outputs in the loss
 def build(forward, adjoint):
     """`(loss, loss_custom_vjp)`: the loss over the `ExpensiveFn` (both deferax sides use
     it) and the same maths over a plain `jax.custom_vjp` (the Equinox reference)."""
-    fwd_jit, adj_jit = jax.jit(forward), jax.jit(adjoint)
-    wave = dx.ExpensiveFn(
-        fwd=fwd_jit,
-        bwd=lambda x, y, ct: adj_jit(x, ct),
-        fused=dx.fuse(forward, adjoint),  # jits both halves itself
-        name="wave",
-    )
-
-    @jax.custom_vjp
-    def wave_std(x):
-        return fwd_jit(x)
-
-    def wave_std_fwd(x):
-        return fwd_jit(x), x
-
-    def wave_std_bwd(x, ct):
-        return (adj_jit(x, ct),)
-
-    wave_std.defvjp(wave_std_fwd, wave_std_bwd)
+    wave, wave_std = wave_sites(forward, adjoint)
     coefs = jnp.asarray(COEFS, jnp.float32)
 
     def make_loss(sim):
@@ -77,27 +61,6 @@ def build(forward, adjoint):
         return loss
 
     return make_loss(wave), make_loss(wave_std)
-
-
-def counted(forward, adjoint, counts):
-    """`forward` and `adjoint` that count, on the host, how many times they really run
-    (under `vmap` the callback runs once per example)."""
-
-    def bump(key):
-        def cb():
-            counts[key] += 1
-
-        return cb
-
-    def fwd_c(x):
-        jax.debug.callback(bump("forward"))
-        return forward(x)
-
-    def adj_c(x, ct):
-        jax.debug.callback(bump("adjoint"))
-        return adjoint(x, ct)
-
-    return fwd_c, adj_c
 
 
 def rel(a, b) -> float:

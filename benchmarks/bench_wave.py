@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from _common import (
     block,
     check_adjoint_both,
+    counted,
     describe,
     interleaved,
     load,
@@ -32,6 +33,7 @@ from _common import (
     overlap,
     parser,
     result_line,
+    wave_sites,
 )
 
 import deferax as dx
@@ -42,25 +44,7 @@ TARGETS = {"eager": 0.6, "jit": 0.8}
 def build(forward, adjoint, objective=None):
     """The two sides: (deferred loss, standard loss), same maths. The loss is
     `sum(w * y)` (linear in the output), or `objective(y)` when given."""
-    fwd_jit, adj_jit = jax.jit(forward), jax.jit(adjoint)
-    wave = dx.ExpensiveFn(
-        fwd=fwd_jit,
-        bwd=lambda x, y, ct: adj_jit(x, ct),
-        fused=dx.fuse(forward, adjoint),  # jits both halves itself
-        name="wave",
-    )
-
-    @jax.custom_vjp
-    def wave_std(x):
-        return fwd_jit(x)
-
-    def wave_std_fwd(x):
-        return fwd_jit(x), x
-
-    def wave_std_bwd(x, ct):
-        return (adj_jit(x, ct),)
-
-    wave_std.defvjp(wave_std_fwd, wave_std_bwd)
+    wave, wave_std = wave_sites(forward, adjoint)
 
     def make_loss(sim):
         def loss(params, w):
@@ -71,26 +55,6 @@ def build(forward, adjoint, objective=None):
         return loss
 
     return make_loss(wave), make_loss(wave_std)
-
-
-def counted(forward, adjoint, counts):
-    """`forward` and `adjoint` that count, on the host, how many times they really run."""
-
-    def bump(key):
-        def cb():
-            counts[key] += 1
-
-        return cb
-
-    def fwd_c(x):
-        jax.debug.callback(bump("forward"))
-        return forward(x)
-
-    def adj_c(x, ct):
-        jax.debug.callback(bump("adjoint"))
-        return adjoint(x, ct)
-
-    return fwd_c, adj_c
 
 
 def main():
