@@ -29,7 +29,7 @@ SITE = "deferax_site"
 LINEAR = "deferax_site_linear"
 
 
-@dataclasses.dataclass(frozen=True, eq=True)
+@dataclasses.dataclass(frozen=True)
 class Spec:
     """What a site equation knows statically: the function and the structures.
 
@@ -82,10 +82,6 @@ class Spec:
 
     def y_avals(self) -> list:
         return [_jaxpr.shaped(jax.ShapeDtypeStruct((*self.sizes, *s.shape), s.dtype)) for s in self.y_structs]
-
-    def site_axes(self) -> tuple:
-        """The batch levels as `in_axes` over `(fn_leaves, x_leaves)`."""
-        return self.axes
 
     def with_level(self, in_axes: tuple, size: int) -> Spec:
         return dataclasses.replace(self, axes=((in_axes, size), *self.axes))
