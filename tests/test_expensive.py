@@ -264,7 +264,7 @@ def test_error_bad_out():
 
 def test_error_no_out_for_fused_only():
     f = dx.ExpensiveFn(fused=lambda x, ct: (x, ct), name="solver")
-    with pytest.raises(TypeError, match=match("`ExpensiveFn(name='solver')`: the output shape is unknown. With no `fwd` to trace (only `fused` was given), declare it with `out=`")):
+    with pytest.raises(TypeError, match=match("`ExpensiveFn(name='solver')`: the output shape is unknown. With no `fwd` to trace (`fwd` was not given), declare it with `out=`")):
         f(jnp.ones(3))
 
 
@@ -333,7 +333,7 @@ def test_error_forward_mode(given):
     text = "`ExpensiveFn(name='sim')`: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`"
     with pytest.raises(TypeError, match=match(text)) as info:
         jax.jvp(f, (jnp.ones(3),), (jnp.ones(3),))
-    assert f"function whose derivative is {how}" in str(info.value)
+    assert f"this function's derivative is {how}, which serves reverse mode only" in str(info.value)
     with pytest.raises(TypeError, match=match(text)):
         jax.jacfwd(lambda x: jnp.sum(f(x)))(jnp.ones(3))
 

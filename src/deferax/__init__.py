@@ -7,6 +7,7 @@ from ._concurrent import fuse as fuse
 from ._executor import HostError as HostError
 from ._expensive import ExpensiveFn as ExpensiveFn
 from ._host import host as host
+from ._jacobian import jacobian as jacobian
 from ._plan import Plan as Plan
 from ._plan import Site as Site
 from ._transform import explain as explain

@@ -128,11 +128,15 @@ class _Check:
             backward, backward_out, ct_deps, labels = self._backward(candidates, ready)
             for k in candidates:
                 decisions[k] = self._decide(k, ct_deps[k], backward, labels)
-        deferred = tuple(k for k in range(n) if decisions[k][0] != "standard")
+        for k in range(n):
+            if decisions[k][0] == "standard" and _site.strategy(self.specs[k]) == "forward-basis":
+                schedule, reason, location, _ = decisions[k]
+                decisions[k] = ("forward-basis", reason, location, _site.n_inputs(self.specs[k]))
+        deferred = tuple(k for k in range(n) if decisions[k][0] in ("deferred", "deferred-basis"))
         basis = {k: decisions[k][3] for k in deferred if decisions[k][0] == "deferred-basis"}
         early = tuple(
             k for k in range(n)
-            if deferred and k not in deferred and self.specs[k].static.has_custom_vjp and not upstream[k]
+            if deferred and k not in deferred and not self.specs[k].static.autodiff and _site.strategy(self.specs[k]) == "standard" and not upstream[k]
         )  # fmt: skip
         if backward is not None:
             keep = [(kind == "ct" and k in deferred and k not in basis) or (kind == "op" and (k in deferred or k in early)) for kind, k, _ in backward_out]
@@ -145,6 +149,8 @@ class _Check:
         spec = self.specs[k]
         if self.schedule == "standard":
             return "schedule='standard' was requested"
+        if spec.static.prefer is not None:
+            return f"prefer={spec.static.prefer!r} was given"
         if spec.static.fused is None and spec.static.fused_batch is None:
             return "no `fused` implementation"
         if upstream[k]:
@@ -259,13 +265,16 @@ class _Check:
         for index, (k, spec, kind) in enumerate(self._entries()):
             if k is None:
                 schedule, reason, location, kk = "standard", f"called inside {kind}; sites there stay standard", None, None
+                if _site.strategy(spec) == "forward-basis":
+                    schedule, kk = "forward-basis", _site.n_inputs(spec)
             else:
                 schedule, reason, location, kk = decisions[k]
             sites.append(
                 Site(
                     index=index, name=spec.name, in_shapes=_describe(spec.x_structs), out_shapes=_describe(spec.y_structs),
                     schedule=schedule, reason=reason, location=location,
-                    k=kk.k if isinstance(kk, Basis) else kk, batch=spec.sizes,
+                    k=kk.k if isinstance(kk, Basis) else None if schedule == "forward-basis" else kk,
+                    n=kk if schedule == "forward-basis" else None, batch=spec.sizes,
                 )
             )  # fmt: skip
         if self.schedule == "deferred":
@@ -294,8 +303,12 @@ class _Check:
                      for s in sites if position.get(s.index) in deferred]  # fmt: skip
             first += [label(s, "fwd") for s in sites if position.get(s.index) in early]
             stages.append(tuple(first))
-        standard = [s for s in sites if position.get(s.index) not in deferred]
-        stages.extend((label(s, "fwd"),) for s in standard if position.get(s.index) not in early)
+        standard = [s for s in sites if position.get(s.index) not in deferred and s.schedule == "standard"]
+        for s in sites:
+            if s.schedule == "forward-basis":
+                stages.append((label(s, "jvp") + f" ({s.n} tangents)",))
+            elif s in standard and position.get(s.index) not in early:
+                stages.append((label(s, "fwd"),))
         stages.extend((label(s, "bwd"),) for s in reversed(standard))
         return tuple(stages)
 

@@ -21,7 +21,7 @@ def tree_text(value: Any) -> str:
         return type(value).__name__ if not leaves or leaves[0] is not value else repr(value)[:80]
     return str(jtu.tree_unflatten(treedef, [tree_text(v) for v in leaves])).replace("'", "")
 
-NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, or `fused(x, ct_y) -> (y, ct_x)`:
+NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, `fused(x, ct_y) -> (y, ct_x)` or `jvp(x, t_x) -> (y, t_y)`:
 
     dx.ExpensiveFn(fwd=simulate, bwd=adjoint)   # or
     dx.ExpensiveFn(fused=simulate_and_adjoint, out=jax.ShapeDtypeStruct((n,), jnp.float64))"""
@@ -43,6 +43,8 @@ RULES = {
     "fwd": "`fwd(x)` must return a pytree shaped like the declared (or inferred) output `y`.",
     "bwd": "`bwd(x, y, ct_y)` must return a cotangent with the structure, shapes and dtypes of `x`.",
     "fused": "`fused(x, ct_y)` must return a pair `(y, ct_x)`: `y` shaped like the output, `ct_x` shaped like `x`.",
+    "jvp": "`jvp(x, t_x)` must return a pair `(y, t_y)`: `y` and `t_y` shaped like the output.",
+    "jvp_batch": "`jvp_batch(x, t_xs)` must return a pair `(y, t_ys)`: `y` shaped like the output, `t_ys` shaped like the output with a leading axis of length `k` (one tangent per row of `t_xs`).",
     "fused_batch": "`fused_batch(x, cts)` must return a pair `(y, ct_xs)`: `y` shaped like the output, `ct_xs` shaped like `x` with a leading axis of length `k` (one cotangent per row of `cts`).",
 }
 
@@ -51,10 +53,30 @@ FUSED_NOT_PAIR = """{call}: `fused` returned {found}, not a pair. `fused(x, ct_y
     def fused(x, ct_y):
         return simulate(x), adjoint(x, ct_y)"""
 
-FORWARD_MODE = """{call}: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`, `jax.linearize` under `jax.jvp`) was asked of a
-function whose derivative is {how}. Such a derivative is reverse-mode only (JAX has no way to give one function
-both a custom JVP and a custom VJP). Use reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`), or construct the
-`ExpensiveFn` with a JAX-traceable `fwd` only (no `bwd`, no `fused`) so that JAX differentiates `fwd` in both modes."""
+FORWARD_MODE = """{call}: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`, `jax.linearize`, `jax.hessian`) needs a
+forward-mode implementation, but this function's derivative is {how}, which serves reverse mode only. Give
+`jvp(x, t_x) -> (y, t_y)` (or `jvp_batch(x, t_xs) -> (y, t_ys)` for several tangents at once):
+
+    dx.ExpensiveFn(fwd=simulate, bwd=adjoint, jvp=simulate_with_tangent)
+
+or use reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`)."""
+
+TOO_MANY_TANGENTS = """{call}: reverse-mode differentiation (`jax.grad`, `jax.vjp`, `jax.jacrev`) needs `bwd` or `fused`, or the
+forward-basis strategy: the primal with one tangent per input number. This input has n={n} numbers, more than
+max_tangents={limit}. Give `bwd(x, y, ct_y) -> ct_x` (an adjoint), or raise `max_tangents`."""
+
+BAD_MAX_TANGENTS = "{call}: `max_tangents` must be a non-negative int or None, but got {found!r}."
+
+BAD_PREFER = "{call}: `prefer` must be None, 'standard' or 'forward-basis', but got {found!r}."
+
+PREFER_WITHOUT = "{call}: prefer={prefer!r} needs {give}, which was not given."
+
+NOT_PAIR_IMPL = """{call}: `{impl}` returned {found}, not a pair.
+{rule}"""
+
+NOT_SEPARABLE_JVP = """{call}: `jvp` could not be batched over the tangent with the primal computed once (its output `y`
+depends on the batch under `jax.vmap`, as a host callback's does), so the primal runs {k} times, once per tangent.
+Give `jvp_batch(x, t_xs) -> (y, t_ys)` to compute it once."""
 
 NOT_SCALAR = "{where}: the differentiated function must return a real scalar, but it returned {found}."
 
@@ -83,3 +105,5 @@ ANNOTATION = """{where}: {what} does not match its annotation.
 NOT_SEPARABLE = """{call}: `fused` could not be batched over the cotangent with the primal computed once (its output `y`
 depends on the batch under `jax.vmap`, as a host callback's does), so the primal runs {k} times, once per basis
 cotangent. Give `fused_batch(x, cts) -> (y, ct_xs)` to compute it once."""
+
+BAD_MODE = "`deferax.jacobian`: `mode` must be 'auto', 'forward' or 'reverse', but got {found!r}."

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from . import _errors, _site, _typed
+from . import _errors, _site, _tangents, _typed
 
 
 def _struct(tree: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
@@ -34,7 +34,13 @@ class ExpensiveFn(eqx.Module):
       given the input, the output and the cotangent of the output;
     - `fused(x, ct_y) -> (y, ct_x)`: both at once. The deferred schedule of
       [`deferax.filter_value_and_grad`][] calls it instead of `fwd` then `bwd`, so that the
-      forward and adjoint solves can run together.
+      forward and adjoint solves can run together;
+    - `jvp(x, t_x) -> (y, t_y)`: the forward-mode derivative (a tangent solve), with the
+      primal; and `jvp_batch(x, t_xs) -> (y, t_ys)` for `k` tangents stacked on a leading
+      axis (a solve that factorises once). They serve `jax.jvp`, `jax.jacfwd`,
+      `jax.linearize`, and reverse mode on the *forward-basis* strategy: the primal and the
+      `n` unit tangents of the input in one call, `ct_x = J^T ct_y` (see
+      [Forward and reverse mode](../forward-reverse.md)).
 
     `x` and `y` are pytrees of arrays, real or complex.
 
@@ -50,6 +56,7 @@ class ExpensiveFn(eqx.Module):
     | `fused` only | `fused(x, 0)[0]`: runs a wasted adjoint with a zero cotangent | `fused(x, ct)[1]`: recomputes the primal |
     | `fwd`, `fused` | `fwd` | `fused(x, ct)[1]`: recomputes the primal |
     | `fused`, `bwd` | `fused(x, 0)[0]` | `bwd` |
+    | `jvp` or `jvp_batch` (with any of the above) | `fwd`, else `jvp(x, 0)[0]` | forward-basis when `n <= max_tangents`, else as above |
 
     **Arguments:**
 
@@ -67,6 +74,13 @@ class ExpensiveFn(eqx.Module):
       implementations that cannot be `vmap`ped that way (host callbacks, remote jobs).
     - `max_basis`: this function's limit on `k` for the `"deferred-basis"` schedule; it
       takes precedence over the `max_basis` of [`deferax.filter_value_and_grad`][].
+    - `jvp`, `jvp_batch`: the forward-mode implementations, each optional.
+    - `max_tangents`: the most input numbers `n` for which reverse mode uses the
+      forward-basis strategy (default 8 when `bwd` or `fused` is given too; no limit for a
+      function with forward-mode implementations only).
+    - `prefer`: `None` (the default rule: fewest sequential expensive stages, then fewest
+      expensive calls), or force a strategy: `"standard"` (`fwd` then `bwd`; never
+      deferred), `"forward-basis"` (the primal with `n` tangents; never deferred).
 
     Arrays held by the implementations (fields of an `eqx.Module` implementation) are
     constants to the derivative: their cotangent is zero.
@@ -95,20 +109,32 @@ class ExpensiveFn(eqx.Module):
     out: Any = None
     fused_batch: Any = None
     max_basis: int | None = eqx.field(default=None, static=True)
+    jvp: Any = None
+    jvp_batch: Any = None
+    max_tangents: int | None = eqx.field(default=None, static=True)
+    prefer: str | None = eqx.field(default=None, static=True)
 
     def __post_init__(self):
         if self.name is None:
-            impl = self.fwd if self.fwd is not None else self.fused
+            impl = next((f for f in (self.fwd, self.fused, self.jvp, self.jvp_batch) if f is not None), None)
             object.__setattr__(self, "name", getattr(impl, "__name__", None) or type(impl).__name__)
 
     def __check_init__(self):
-        for impl in ("fwd", "bwd", "fused", "fused_batch"):
+        for impl in ("fwd", "bwd", "fused", "fused_batch", "jvp", "jvp_batch"):
             value = getattr(self, impl)
             if value is not None and not callable(value):
                 raise TypeError(_errors.NOT_CALLABLE.format(call=self._call, impl=impl, found=value))
         if self.max_basis is not None and (not isinstance(self.max_basis, int) or self.max_basis < 0):
             raise ValueError(_errors.BAD_MAX_BASIS.format(where=self._call, found=self.max_basis))
-        if self.fwd is None and self.fused is None:
+        if self.max_tangents is not None and (not isinstance(self.max_tangents, int) or self.max_tangents < 0):
+            raise ValueError(_errors.BAD_MAX_TANGENTS.format(call=self._call, found=self.max_tangents))
+        if self.prefer is not None and self.prefer not in _tangents.STRATEGIES:
+            raise ValueError(_errors.BAD_PREFER.format(call=self._call, found=self.prefer))
+        if self.prefer == "forward-basis" and self.jvp is None and self.jvp_batch is None:
+            raise TypeError(_errors.PREFER_WITHOUT.format(call=self._call, prefer=self.prefer, give="`jvp` or `jvp_batch`"))
+        if self.prefer == "standard" and self.bwd is None and self.fused is None:
+            raise TypeError(_errors.PREFER_WITHOUT.format(call=self._call, prefer=self.prefer, give="`bwd` or `fused`"))
+        if self.fwd is None and self.fused is None and self.jvp is None and self.jvp_batch is None:
             raise TypeError(_errors.NO_PRIMAL.format(call=self._call))
         if self.out is not None and not callable(self.out):
             leaves = jtu.tree_leaves(self.out)
@@ -120,9 +146,9 @@ class ExpensiveFn(eqx.Module):
         return f"`ExpensiveFn(name={self.name!r})`"
 
     @property
-    def has_custom_vjp(self) -> bool:
-        """Whether reverse mode uses hand-written code (`bwd` or `fused`) rather than JAX autodiff."""
-        return self.bwd is not None or self.fused is not None
+    def autodiff(self) -> bool:
+        """Whether JAX differentiates `fwd` itself: no other implementation is given."""
+        return all(getattr(self, impl) is None for impl in ("bwd", "fused", "jvp", "jvp_batch"))
 
     # ------------------------------------------------------------------ shapes and checks
 
@@ -136,7 +162,7 @@ class ExpensiveFn(eqx.Module):
                 return out
             return self.out
         if self.fwd is None:
-            raise TypeError(_errors.NO_OUT.format(call=self._call, why="only `fused` was given"))
+            raise TypeError(_errors.NO_OUT.format(call=self._call, why="`fwd` was not given"))
         try:
             return jax.eval_shape(self.fwd, x)
         except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError) as e:
@@ -206,6 +232,8 @@ class ExpensiveFn(eqx.Module):
             if self.out is not None:  # otherwise the output structure *is* fwd's: nothing to check
                 self._check("fwd", "an output", y, self.out_struct(x), "the output structure")
             return y
+        if self.fused is None:
+            return _tangents.primal(self, x)
         ct0 = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.out_struct(x))
         return self.run_fused(x, ct0)[0]
 
@@ -213,6 +241,9 @@ class ExpensiveFn(eqx.Module):
         """Compute `ct_x` with `bwd`, or with `fused` (which recomputes the primal)."""
         if self.bwd is not None:
             return self._check_ct_x("bwd", self._invoke("bwd", x, y, ct_y), x)
+        if self.fused is None:
+            n = _tangents.n_inputs(x)
+            raise TypeError(_errors.TOO_MANY_TANGENTS.format(call=self._call, n=n, limit=self.max_tangents))
         return self.run_fused(x, ct_y)[1]
 
     def run_fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:

@@ -59,6 +59,8 @@ class _Host(eqx.Module):
     host_adjoint: Callable[..., Any] | None = eqx.field(static=True)
     host_bwd: Callable[..., Any] | None = eqx.field(static=True)
     host_fused: Callable[..., Any] | None = eqx.field(static=True)
+    host_jvp: Callable[..., Any] | None = eqx.field(static=True)
+    host_jvp_batch: Callable[..., Any] | None = eqx.field(static=True)
     executor: cf.Executor | None = eqx.field(static=True)
     timeout: float | None = eqx.field(static=True)
     vectorized: bool = eqx.field(static=True)
@@ -72,6 +74,7 @@ class _Host(eqx.Module):
         return Runner(
             self.call, self.host_fwd, self.host_adjoint, self.host_bwd, self.host_fused,
             self.executor, self.timeout, self.vectorized, self.linear_adjoint, why,
+            self.host_jvp, self.host_jvp_batch,
         )  # fmt: skip
 
     def _out(self, x: PyTree) -> PyTree:
@@ -103,6 +106,15 @@ class _Host(eqx.Module):
         y, partial = self._run("fwd+adjoint", (x, ct_y), (self._out(x), self._adjoint_out(x)))
         return y, self.combine(x, y, partial)
 
+    def jvp(self, x: PyTree, t_x: PyTree) -> tuple[PyTree, PyTree]:
+        return self._run("jvp", (x, t_x), (self._out(x), self._out(x)))
+
+    def jvp_batch(self, x: PyTree, t_xs: PyTree) -> tuple[PyTree, PyTree]:
+        k = jtu.tree_leaves(t_xs)[0].shape[0]
+        stacked = jtu.tree_map(lambda s: jax.ShapeDtypeStruct((k, *s.shape), s.dtype), self._out(x))
+        kind = "jvp_batch" if self.host_jvp_batch is not None else "jvp*k"
+        return self._run(kind, (x, t_xs), (self._out(x), stacked))
+
     def fused_batch(self, x: PyTree, cts: PyTree) -> tuple[PyTree, PyTree]:
         k = jtu.tree_leaves(cts)[0].shape[0]
         batched = lambda struct: jtu.tree_map(lambda s: jax.ShapeDtypeStruct((k, *s.shape), s.dtype), struct)  # noqa: E731
@@ -120,6 +132,8 @@ def host(
     combine: Any = None,
     bwd: Any = None,
     fused: Any = None,
+    jvp: Any = None,
+    jvp_batch: Any = None,
     out: Any = None,
     adjoint_out: Any = None,
     name: str | None = None,
@@ -152,6 +166,11 @@ def host(
     - `fused`: `fused(x, ct_y) -> (y, ct_x)`, optional: a host function that does both
       (sharing a factorisation, say). Used instead of `fwd` + `adjoint` on the deferred
       schedule.
+    - `jvp`: `jvp(x, t_x) -> (y, t_y)`, optional: the forward-mode derivative with the
+      primal (a tangent solve). `jvp_batch`: `jvp_batch(x, t_xs) -> (y, t_ys)` for `k`
+      tangents stacked on a leading axis (one factorisation for all); without it, the `k`
+      calls of `jvp` are submitted to the executor together. See
+      [Forward and reverse mode](../forward-reverse.md).
     - `out`: the structure of `y`: a pytree of `jax.ShapeDtypeStruct`, or a function from
       the input's structure to one. Required. Host results must match the declared shapes
       and dtypes exactly, as for `jax.pure_callback` (in JAX's default 32-bit mode, return
@@ -201,15 +220,15 @@ def host(
         dx.filter_value_and_grad(lambda b: jnp.sum(solve(b)))(jnp.array([1.0, 2.0]))
         ```
     """
-    impls = {"fwd": fwd, "adjoint": adjoint, "combine": combine, "bwd": bwd, "fused": fused}
+    impls = {"fwd": fwd, "adjoint": adjoint, "combine": combine, "bwd": bwd, "fused": fused, "jvp": jvp, "jvp_batch": jvp_batch}
     if name is None:
-        first = next((f for f in (fwd, fused, adjoint, bwd) if f is not None), None)
+        first = next((f for f in (fwd, fused, jvp, jvp_batch, adjoint, bwd) if f is not None), None)
         name = getattr(first, "__name__", None) or type(first).__name__
     call = f"`ExpensiveFn(name={name!r})`"
     for impl, fn in impls.items():
         if fn is not None and not callable(fn):
             raise TypeError(_errors.NOT_CALLABLE.format(call=call, impl=impl, found=fn))
-    if fwd is None and fused is None:
+    if fwd is None and fused is None and jvp is None and jvp_batch is None:
         raise TypeError(NO_PRIMAL.format(call=call))
     if out is None:
         raise TypeError(NO_OUT.format(call=call))
@@ -232,6 +251,8 @@ def host(
         host_adjoint=adjoint,
         host_bwd=bwd,
         host_fused=fused,
+        host_jvp=jvp,
+        host_jvp_batch=jvp_batch,
         executor=executor,
         timeout=timeout,
         vectorized=vectorized,
@@ -246,6 +267,9 @@ def host(
         bwd=h.bwd if (adjoint is not None or bwd is not None) else None,
         fused=h.fused if deferrable else None,
         fused_batch=h.fused_batch if deferrable else None,
+        jvp=h.jvp if jvp is not None else None,
+        # with `jvp` alone, its calls for several tangents are submitted together
+        jvp_batch=h.jvp_batch if (jvp is not None or jvp_batch is not None) else None,
         name=name,
         out=out,
         # A complex-linear adjoint answers a complex overlap's two basis cotangents with one

@@ -27,6 +27,8 @@ A host function must return NumPy arrays with exactly the declared shapes and dt
 BY_OUT = "declared by `out=`"
 LIKE_X = "a cotangent shaped like the input `x`"
 PAIR = "a pair `(y, ct_x)`: `y` declared by `out=`, `ct_x` shaped like the input `x`"
+PAIR_JVP = "a pair `(y, t_y)`: both declared by `out=`"
+PAIR_JVP_BATCH = "a pair `(y, t_ys)`: `y` declared by `out=`, `t_ys` the same with a leading axis of one tangent each"
 
 _ARRAY_LIKE = (np.ndarray, np.generic, jax.Array, int, float, complex)
 
@@ -104,6 +106,8 @@ class Runner:
     vectorized: bool
     linear_adjoint: bool
     adjoint_why: str
+    jvp: Callable[..., Any] | None = None
+    jvp_batch: Callable[..., Any] | None = None
 
     def __call__(self, kind: str, result: PyTree, arg_structs: PyTree, *args: PyTree) -> PyTree:
         """Run `kind` on NumPy `args`; with leading batch axes (from `vmap`) once per element,
@@ -138,6 +142,10 @@ class Runner:
             return [_Call("bwd", self.bwd, args, result, LIKE_X)], first
         if kind == "fused":
             return [_Call("fused", self.fused, args, result, PAIR)], first
+        if kind == "jvp":
+            return [_Call("jvp", self.jvp, args, result, PAIR_JVP)], first
+        if kind == "jvp_batch":
+            return [_Call("jvp_batch", self.jvp_batch, args, result, PAIR_JVP_BATCH)], first
         x, ct = args
         out_struct, second = result
         if kind == "fwd+adjoint":
@@ -146,6 +154,9 @@ class Runner:
         k = jtu.tree_leaves(ct)[0].shape[0]
         rows = [jtu.tree_map(lambda c, j=j: c[j], ct) for j in range(k)]
         row_struct = _unstack(second)
+        if kind == "jvp*k":  # `jvp` once per tangent, all submitted together; `y` from the first
+            calls = [_Call("jvp", self.jvp, (x, row), (out_struct, row_struct), PAIR_JVP) for row in rows]
+            return calls, lambda r: (r[0][0] if r else _zeros(out_struct), _stack([p[1] for p in r], row_struct))
         if kind == "fused*k":  # `fused` once per cotangent; `y` from the first
             calls = [_Call("fused", self.fused, (x, row), (out_struct, row_struct), PAIR) for row in rows]
             return calls, lambda r: (r[0][0] if r else _zeros(out_struct), _stack([p[1] for p in r], row_struct))

@@ -6,7 +6,7 @@ from typing import Literal
 
 import equinox as eqx
 
-Schedule = Literal["standard", "deferred", "deferred-basis"]
+Schedule = Literal["standard", "deferred", "deferred-basis", "forward-basis"]
 
 
 class Site(eqx.Module):
@@ -20,12 +20,15 @@ class Site(eqx.Module):
     - `schedule`: `"deferred"` (one `fused(x, ct_y)` call, no `fwd` or `bwd`),
       `"deferred-basis"` (the cotangent is a combination of `k` fixed cotangents: the
       primal once and `k` adjoints in one batched `fused` call, combined once the output
-      is known) or `"standard"` (`fwd` on the forward pass, `bwd` on the backward pass).
-    - `reason`: for a standard site, why it could not be deferred; `None` for a deferred one.
+      is known), `"forward-basis"` (the primal and `n` tangents in one `jvp_batch` call,
+      `ct_x = J^T ct_y` after) or `"standard"` (`fwd` on the forward pass, `bwd` on the
+      backward pass).
+    - `reason`: for a site not deferred, why it could not be; `None` for a deferred one.
     - `location`: for a standard site whose cotangent depends on an output, the operation
       and the user's `file:line` that make it so; otherwise `None`.
     - `k`: for a site whose cotangent depends on outputs, the number of fixed basis
       cotangents it is a combination of (a complex number counts as two); `None` otherwise.
+    - `n`: for a forward-basis site, the number of tangents (the input's real numbers).
     - `batch`: the sizes of the `jax.vmap` levels the call is made under, outermost first
       (`()` for a call on one example). A deferred site under `vmap` runs one `fused` call
       for the whole batch; `in_shapes` and `out_shapes` are those of one example.
@@ -39,6 +42,7 @@ class Site(eqx.Module):
     reason: str | None = None
     location: str | None = None
     k: int | None = None
+    n: int | None = None
     batch: tuple[int, ...] = ()
 
 
@@ -63,13 +67,13 @@ class Plan(eqx.Module):
     @property
     def deferred(self) -> tuple[Site, ...]:
         """The sites on a deferred schedule (`"deferred"` or `"deferred-basis"`)."""
-        return tuple(s for s in self.sites if s.schedule != "standard")
+        return tuple(s for s in self.sites if s.schedule in ("deferred", "deferred-basis"))
 
     def __str__(self) -> str:
         header = ("#", "site", "input", "output", "vmap", "schedule", "reason")
         rows = [
             (str(s.index), s.name, s.in_shapes, s.out_shapes, "x".join(map(str, s.batch)) or "-",
-             s.schedule + (f" (k={s.k})" if s.schedule == "deferred-basis" else ""), s.reason or "")
+             s.schedule + (f" (k={s.k})" if s.schedule == "deferred-basis" else f" (n={s.n})" if s.n is not None else ""), s.reason or "")
             for s in self.sites
         ]
         if not any(s.batch for s in self.sites):  # no column for what no site has

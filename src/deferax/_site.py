@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _errors, _jaxpr
+from . import _errors, _jaxpr, _tangents
 
 SITE = "deferax_site"
 LINEAR = "deferax_site_linear"
@@ -151,7 +151,7 @@ def _site_jvp(primals, tangents, spec: Spec):
     fn_leaves, x_leaves = primals[: spec.n_fn], primals[spec.n_fn :]
     x_tangents = tangents[spec.n_fn :]
     diff = spec.diff
-    if not spec.static.has_custom_vjp:
+    if spec.static.autodiff:
         # `fwd` only: JAX differentiates it, in both modes. The arrays of the implementations
         # are constants to the derivative.
         def of_diff(d_leaves):
@@ -162,6 +162,8 @@ def _site_jvp(primals, tangents, spec: Spec):
         d_primals = [x for x, d in zip(x_leaves, diff, strict=True) if d]
         d_tangents = [_jaxpr.instantiate(t, jax.typeof(x)) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d]
         return jax.jvp(of_diff, (d_primals,), (d_tangents,))
+    if strategy(spec) == "forward-basis":
+        return _forward_basis_jvp(spec, fn_leaves, x_leaves, x_tangents)
     y = site_p.bind(*primals, spec=spec)
     d_tangents = [(x, t) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d]
     if all(_jaxpr.is_zero(t) for _, t in d_tangents):
@@ -197,9 +199,38 @@ def _split_linear(spec: Spec, operands):
 
 
 def _linear_impl(*operands, spec: Spec):
-    call = f"`ExpensiveFn(name={spec.name!r})`"
-    how = "given by `bwd`" if spec.static.bwd is not None else "derived from `fused`"
-    raise TypeError(_errors.FORWARD_MODE.format(call=call, how=how))
+    """Forward mode: `t_y = J t_x` with `jvp` (or `jvp_batch`), over every batch level; a
+    level that batches only the tangents (`jax.jacfwd`) is one `jvp_batch` call."""
+    static = spec.static
+    if static.jvp is None and static.jvp_batch is None:
+        call = f"`ExpensiveFn(name={spec.name!r})`"
+        how = "given by `bwd`" if static.bwd is not None else "derived from `fused`"
+        raise TypeError(_errors.FORWARD_MODE.format(call=call, how=how))
+    fn_leaves, x_leaves, _, t_leaves = _split_linear(spec, operands)
+    n_fn, n_x, n_y = spec.n_fn, spec.n_x, len(spec.y_structs)
+    diff = spec.diff
+
+    def full_tangent(x_leaves, t_leaves):
+        it = iter(t_leaves)
+        return [next(it) if d else _tangents._tangent_zero(x) for x, d in zip(x_leaves, diff, strict=True)]
+
+    inner = spec.axes[1:] if spec.axes else ()
+    head = spec.axes[0][0] if spec.axes else None
+    if head is not None and all(a is None for a in head[: n_fn + n_x]) and not inner and static.jvp_batch is not None:
+        fn = spec.fn(fn_leaves)
+        x = spec.x(x_leaves)
+        k = spec.axes[0][1]
+        t_xs = [t if d else np.zeros((k, *jnp.shape(x_)), jax.dtypes.float0) for x_, t, d in zip(x_leaves, full_tangent(x_leaves, t_leaves), diff, strict=True)]
+        return jtu.tree_leaves(_tangents.tangents(fn, x, spec.x(t_xs))[1])
+
+    def one(fn_leaves, x_leaves, t_leaves):
+        fn = spec.fn(fn_leaves)
+        return jtu.tree_leaves(_tangents.tangent(fn, spec.x(x_leaves), spec.x(full_tangent(x_leaves, t_leaves))))
+
+    def axes_of(level):
+        return (list(level[:n_fn]), list(level[n_fn : n_fn + n_x]), list(level[n_fn + n_x + n_y :]))
+
+    return spec.vmapped(one, axes_of)(list(fn_leaves), list(x_leaves), list(t_leaves))
 
 
 def _linear_abstract(*avals, spec: Spec):
@@ -249,6 +280,10 @@ def operand_cotangents(spec: Spec, operands, diff_cts) -> list:
 
 
 def _linear_transpose(cts, *operands, spec: Spec):
+    static = spec.static
+    if static.bwd is None and static.fused is None:  # forward-basis was not possible
+        call = f"`ExpensiveFn(name={spec.name!r})`"
+        raise TypeError(_errors.TOO_MANY_TANGENTS.format(call=call, n=n_inputs(spec), limit=static.max_tangents))
     fn_leaves, x_leaves, y_leaves, t_leaves = _split_linear(spec, operands)
     nones = [None] * (len(operands) - len(t_leaves))
     if all(_jaxpr.is_zero(c) for c in cts):
@@ -264,6 +299,78 @@ lin_p = _jaxpr.define_primitive(
     batch=_linear_batch,
     transpose=_linear_transpose,
 )
+
+
+# ----------------------------------------------------------------------------- forward-basis: y and J in one call
+
+
+def n_inputs(spec: Spec) -> int:
+    """The real numbers of the differentiable leaves of one example's `x`."""
+    return _tangents.n_inputs(spec.x(spec.x_structs))
+
+
+def strategy(spec: Spec) -> str:
+    """How reverse mode differentiates this site: `"standard"` or `"forward-basis"`."""
+    return _tangents.strategy(spec.static, n_inputs(spec))
+
+
+def _basis_avals(spec: Spec) -> list:
+    n = n_inputs(spec)
+    stacked = [_jaxpr.shaped(jax.ShapeDtypeStruct((*spec.sizes, n, *s.shape), s.dtype)) for s in spec.y_structs]
+    return [*spec.y_avals(), *stacked]
+
+
+def _basis_impl(*operands, spec: Spec):
+    """`(y, J)` over every batch level: the output and its `n` unit-tangent directions."""
+
+    def one(fn_leaves, x_leaves):
+        y, jac = _tangents.jacobian(spec.fn(fn_leaves), spec.x(x_leaves))
+        return [*jtu.tree_leaves(y), *jtu.tree_leaves(jac)]
+
+    axes_of = lambda level: (list(level[: spec.n_fn]), list(level[spec.n_fn :]))  # noqa: E731
+    return spec.vmapped(one, axes_of)(list(operands[: spec.n_fn]), list(operands[spec.n_fn :]))
+
+
+def _basis_abstract(*avals, spec: Spec):
+    return _basis_avals(spec)
+
+
+def _basis_batch(args, dims, spec: Spec):
+    return _batch(basis_p, args, dims, spec)
+
+
+def _basis_jvp(primals, tangents, spec: Spec):
+    # Forward over forward-basis (`jax.hessian`): JAX differentiates the forward-mode
+    # implementations themselves, which must then be JAX-traceable.
+    tangents = [_jaxpr.instantiate(t, jax.typeof(p)) if jnp.issubdtype(jax.typeof(p).dtype, jnp.inexact) else t for p, t in zip(primals, tangents, strict=True)]
+    return jax.jvp(lambda *ops: _basis_impl(*ops, spec=spec), tuple(primals), tuple(tangents))
+
+
+basis_p = _jaxpr.define_primitive(
+    "deferax_site_forward_basis", impl=_basis_impl, abstract_eval=_basis_abstract, jvp=_basis_jvp, batch=_basis_batch
+)
+
+
+def _contract(spec: Spec, jac_leaves, x_leaves, t_leaves) -> list:
+    """`t_y = J t_x` for one example, with `J` stacked along the unit tangents."""
+    x = spec.x(x_leaves)
+    t_full = [t if d else _tangents._tangent_zero(a) for a, t, d in zip(x_leaves, t_leaves, spec.diff, strict=True)]
+    flat = _tangents.flatten_tangent(spec.x(t_full), x)
+    return [jnp.tensordot(flat.astype(jnp.real(j).dtype).astype(j.dtype), j, axes=1) for j in jac_leaves]
+
+
+def _forward_basis_jvp(spec: Spec, fn_leaves, x_leaves, x_tangents):
+    outs = basis_p.bind(*fn_leaves, *x_leaves, spec=spec)
+    n_y = len(spec.y_structs)
+    y, jac = outs[:n_y], outs[n_y:]
+    ts = [_jaxpr.instantiate(t, jax.typeof(x)) if d else x for x, t, d in zip(x_leaves, x_tangents, spec.diff, strict=True)]
+    n_fn, n_x = spec.n_fn, spec.n_x
+
+    def axes_of(level):
+        return ([0] * n_y, list(level[n_fn : n_fn + n_x]), list(level[n_fn : n_fn + n_x]))
+
+    t_y = spec.vmapped(lambda j, xs, t: _contract(spec, j, xs, [t_ if d else None for t_, d in zip(t, spec.diff, strict=True)]), axes_of)(list(jac), list(x_leaves), ts)
+    return y, t_y
 
 
 # ----------------------------------------------------------------------------- binding

@@ -1,0 +1,172 @@
+"""Forward mode of an `ExpensiveFn`: its `jvp` and `jvp_batch`, and the Jacobian from `n`
+unit tangents (the forward-basis strategy).
+
+`jvp(x, t_x) -> (y, t_y)` and `jvp_batch(x, t_xs) -> (y, t_ys)` (`t_xs` stacks `k`
+tangents on a leading axis) compute the primal with the tangents, as a tangent solve that
+shares the forward's factorisation does. `n` counts the real numbers of the
+differentiable leaves of `x` (a complex number counts as two).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from . import _errors
+
+# The most tangents the forward-basis strategy takes by default, when the function also has
+# a reverse-mode implementation (`bwd` or `fused`); `ExpensiveFn(max_tangents=...)` changes it.
+DEFAULT_MAX_TANGENTS = 8
+
+STRATEGIES = ("standard", "forward-basis")
+
+
+def n_inputs(x: Any) -> int:
+    """The real numbers of the differentiable leaves of `x` (complex counts twice)."""
+    total = 0
+    for leaf in jtu.tree_leaves(x):
+        dtype = jnp.result_type(leaf)
+        if jnp.issubdtype(dtype, jnp.inexact):
+            size = int(np.prod(jnp.shape(leaf), dtype=int))
+            total += 2 * size if jnp.issubdtype(dtype, jnp.complexfloating) else size
+    return total
+
+
+def _tangent_zero(a: Any) -> Any:
+    if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+        return jnp.zeros(jnp.shape(a), jnp.result_type(a))
+    return np.zeros(jnp.shape(a), jax.dtypes.float0)
+
+
+def unit_tangents(x: Any) -> Any:
+    """The `n` unit tangents of `x`, stacked on a leading axis: for each real number of each
+    differentiable leaf, a one there (a one, then `1j`, for a complex entry) and zeros
+    elsewhere; integer leaves get `float0` zeros."""
+    n = n_inputs(x)
+    out, offset = [], 0
+    for leaf in jtu.tree_leaves(x):
+        dtype, shape = jnp.result_type(leaf), jnp.shape(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            out.append(np.zeros((n, *shape), jax.dtypes.float0))
+            continue
+        size = int(np.prod(shape, dtype=int))
+        eye = jnp.eye(n, size, k=-offset, dtype=dtype)  # rows offset..offset+size-1 hold the identity
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            eye = eye + 1j * jnp.eye(n, size, k=-(offset + size), dtype=dtype)
+            offset += 2 * size
+        else:
+            offset += size
+        out.append(jnp.reshape(eye, (n, *shape)))
+    return jtu.tree_unflatten(jtu.tree_structure(x), out)
+
+
+def flatten_tangent(t_x: Any, x: Any) -> jax.Array:
+    """A tangent of `x` as the real vector of length `n` that `unit_tangents` indexes."""
+    parts = []
+    for t, leaf in zip(jtu.tree_leaves(t_x), jtu.tree_leaves(x), strict=True):
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            continue
+        flat = jnp.ravel(t)
+        parts += [jnp.real(flat), jnp.imag(flat)] if jnp.iscomplexobj(flat) else [flat]
+    if not parts:
+        return jnp.zeros((0,))
+    dtype = jnp.result_type(*[jnp.real(p) for p in parts])
+    return jnp.concatenate([p.astype(dtype) for p in parts])
+
+
+def _pair(fn: Any, impl: str, result: Any) -> tuple[Any, Any]:
+    if not (isinstance(result, tuple | list) and len(result) == 2):
+        found = f"a {type(result).__name__} of length {len(result)}" if isinstance(result, tuple | list) else _errors.tree_text(result)
+        raise ValueError(_errors.NOT_PAIR_IMPL.format(call=fn._call, impl=impl, found=found, rule=_errors.RULES[impl]))
+    return result[0], result[1]
+
+
+def tangent(fn: Any, x: Any, t_x: Any) -> Any:
+    """`t_y = J t_x`: `jvp(x, t_x)[1]`, or `jvp_batch` on one tangent."""
+    y_struct = fn.out_struct(x)
+    if fn.jvp is not None:
+        y, t_y = _pair(fn, "jvp", fn._invoke("jvp", x, t_x))
+        fn._check("jvp", "an output `y`", y, y_struct, "the output structure")
+        fn._check("jvp", "a tangent `t_y`", t_y, y_struct, "the output structure")
+        return t_y
+    _, t_ys = tangents(fn, x, jtu.tree_map(lambda t: jnp.asarray(t)[None] if t.dtype != jax.dtypes.float0 else np.zeros((1, *t.shape), t.dtype), t_x))
+    return jtu.tree_map(lambda t: t[0], t_ys)
+
+
+def tangents(fn: Any, x: Any, t_xs: Any) -> tuple[Any, Any]:
+    """`(y, t_ys)` for `k` tangents stacked on a leading axis: `jvp_batch` once, or `jvp`
+    batched with `jax.vmap` over the tangent (the primal computed once where `vmap` can
+    see that it does not depend on the tangent)."""
+    y_struct = fn.out_struct(x)
+    k = jtu.tree_leaves(t_xs)[0].shape[0]
+    stacked = jtu.tree_map(lambda s: jax.ShapeDtypeStruct((k, *s.shape), s.dtype), y_struct)
+    if fn.jvp_batch is not None:
+        y, t_ys = _pair(fn, "jvp_batch", fn._invoke("jvp_batch", x, t_xs))
+        fn._check("jvp_batch", "an output `y`", y, y_struct, "the output structure")
+        fn._check("jvp_batch", "a batch of tangents", t_ys, stacked, "the output with a leading axis of one tangent each")
+        return y, t_ys
+
+    def one(t):
+        y, t_y = _pair(fn, "jvp", fn._invoke("jvp", x, t))
+        fn._check("jvp", "an output `y`", y, y_struct, "the output structure")
+        fn._check("jvp", "a tangent `t_y`", t_y, y_struct, "the output structure")
+        return y, t_y
+
+    separable = jax.vmap(one, in_axes=0, out_axes=(None, 0))
+    try:
+        jax.eval_shape(separable, t_xs)  # traces only: nothing expensive runs
+    except ValueError as error:
+        if "out_axes" not in str(error):
+            raise
+    else:
+        return separable(t_xs)
+    warnings.warn(_errors.NOT_SEPARABLE_JVP.format(call=fn._call, k=k), stacklevel=2)
+    y, t_ys = jax.vmap(one)(t_xs)
+    return jtu.tree_map(lambda a: a[0], y), t_ys
+
+
+def jacobian(fn: Any, x: Any) -> tuple[Any, Any]:
+    """`(y, J)`: the output and its tangents along the `n` unit tangents of `x` (stacked on
+    a leading axis), in one batched call."""
+    return tangents(fn, x, unit_tangents(x))
+
+
+def primal(fn: Any, x: Any) -> Any:
+    """`y` from the forward-mode implementations alone (a wasted zero tangent)."""
+    zero = jtu.tree_map(_tangent_zero, x)
+    if fn.jvp is not None:
+        y, _ = _pair(fn, "jvp", fn._invoke("jvp", x, zero))
+    else:
+        y, _ = _pair(fn, "jvp_batch", fn._invoke("jvp_batch", x, jtu.tree_map(lambda t: np.asarray(t)[None] if t.dtype == jax.dtypes.float0 else t[None], zero)))
+    fn._check("jvp" if fn.jvp is not None else "jvp_batch", "an output `y`", y, fn.out_struct(x), "the output structure")
+    return y
+
+
+def strategy(fn: Any, n: int) -> str:
+    """The reverse-mode strategy of a site whose input has `n` numbers, by the default rule:
+    fewest sequential expensive stages, then fewest expensive calls.
+
+    - `"forward-basis"`: the primal and `n` tangents in one batched call during the forward
+      pass (one stage), `ct_x = J^T ct_y` after; chosen when the function has `jvp` or
+      `jvp_batch` and `n <= max_tangents` (or has nothing else for reverse mode);
+    - `"standard"`: `fwd` on the forward pass, `bwd` on the backward pass (two stages).
+
+    `ExpensiveFn(prefer=...)` forces either.
+    """
+    has_jvp = fn.jvp is not None or fn.jvp_batch is not None
+    has_vjp = fn.bwd is not None or fn.fused is not None
+    if fn.prefer in STRATEGIES:
+        return fn.prefer
+    if not has_jvp:
+        return "standard"
+    limit = fn.max_tangents if fn.max_tangents is not None else DEFAULT_MAX_TANGENTS
+    if not has_vjp:
+        if fn.max_tangents is None or n <= limit:
+            return "forward-basis"
+        return "standard"  # reverse mode then fails with TOO_MANY_TANGENTS, forward mode works
+    return "forward-basis" if n <= limit else "standard"
