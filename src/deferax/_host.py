@@ -142,6 +142,8 @@ def host(
     vectorized: bool = False,
     linear_adjoint: bool = False,
     max_basis: int | None = None,
+    max_tangents: int | None = None,
+    prefer: str | None = None,
 ) -> ExpensiveFn:
     """Make a [`deferax.ExpensiveFn`][] from host functions: NumPy, SciPy, a C++ solver, a job
     on a cluster.
@@ -194,7 +196,7 @@ def host(
       linear solve with the cotangent as right-hand side). Then, on the deferred-basis
       schedule, a basis cotangent that is a multiple of another (an overlap `|<m, E>|^2`
       gives `m` and `1j * m`) or zero is not solved again.
-    - `max_basis`: as for [`deferax.ExpensiveFn`][].
+    - `max_basis`, `max_tangents`, `prefer`: as for [`deferax.ExpensiveFn`][].
 
     **Returns:**
 
@@ -275,4 +277,6 @@ def host(
         # A complex-linear adjoint answers a complex overlap's two basis cotangents with one
         # solve, so k = 2 costs what k = 1 does: allow it unless told otherwise.
         max_basis=max_basis if max_basis is not None or not linear_adjoint else 2,
+        max_tangents=max_tangents,
+        prefer=prefer,
     )
