@@ -147,6 +147,13 @@ def test_reverse_mode_strategy_and_counts(given, jit):
     loss = loss_of(f)
     site = dx.explain(loss, X).sites[0]
     assert site.schedule == schedule and site.n == (N if schedule == "forward-basis" else None)
+    if schedule == "forward-basis":
+        why = (
+            "forward-basis: the output and n=6 tangents in one call, one stage where `fwd` then `bwd` take two"
+            if "bwd" in given
+            else "reverse mode from its forward-mode implementation: the output and n=6 tangents in one call"
+        )
+        assert site.reason == f"no `fused` implementation; {why}"
     for transform in (lambda g: jax.value_and_grad(g), lambda g: dx.filter_value_and_grad(g)):
         fn = transform(loss)
         fn = jax.jit(fn) if jit else fn

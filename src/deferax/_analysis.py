@@ -130,8 +130,8 @@ class _Check:
                 decisions[k] = self._decide(k, ct_deps[k], backward, labels)
         for k in range(n):
             if decisions[k][0] == "standard" and _site.strategy(self.specs[k]) == "forward-basis":
-                schedule, reason, location, _ = decisions[k]
-                decisions[k] = ("forward-basis", reason, location, _site.n_inputs(self.specs[k]))
+                _, reason, location, _ = decisions[k]
+                decisions[k] = ("forward-basis", reason + _forward_basis_why(self.specs[k]), location, _site.n_inputs(self.specs[k]))
         deferred = tuple(k for k in range(n) if decisions[k][0] in ("deferred", "deferred-basis"))
         basis = {k: decisions[k][3] for k in deferred if decisions[k][0] == "deferred-basis"}
         early = tuple(
@@ -267,6 +267,7 @@ class _Check:
                 schedule, reason, location, kk = "standard", f"called inside {kind}; sites there stay standard", None, None
                 if _site.strategy(spec) == "forward-basis":
                     schedule, kk = "forward-basis", _site.n_inputs(spec)
+                    reason += _forward_basis_why(spec)
             else:
                 schedule, reason, location, kk = decisions[k]
             sites.append(
@@ -311,6 +312,16 @@ class _Check:
                 stages.append((label(s, "fwd"),))
         stages.extend((label(s, "bwd"),) for s in reversed(standard))
         return tuple(stages)
+
+
+def _forward_basis_why(spec) -> str:
+    """Why a site not deferred is differentiated on the forward-basis strategy."""
+    static, n = spec.static, _site.n_inputs(spec)
+    if static.prefer == "forward-basis":
+        return ""
+    if static.bwd is None and static.fused is None:
+        return f"; reverse mode from its forward-mode implementation: the output and n={n} tangents in one call"
+    return f"; forward-basis: the output and n={n} tangents in one call, one stage where `fwd` then `bwd` take two"
 
 
 def zeros(structs) -> Any:
