@@ -66,10 +66,11 @@ class Counter:
 
 
 def reference_impls(ref, counter=None):
-    """`fwd`, `bwd` and `fused` for a JAX-traceable reference function `ref`.
+    """`fwd`, `bwd`, `fused`, `jvp` and `jvp_batch` for a JAX-traceable reference function
+    `ref`, by name.
 
-    `bwd` and `fused` use `jax.vjp` of `ref`, so the tests check the machinery of
-    `ExpensiveFn` and the schedules against plain JAX autodiff of the same function.
+    The derivatives use `jax.vjp` and `jax.jvp` of `ref`, so the tests check the machinery
+    of `ExpensiveFn` and the schedules against plain JAX autodiff of the same function.
     """
 
     def tick(key):
@@ -89,13 +90,20 @@ def reference_impls(ref, counter=None):
         y, vjp = jax.vjp(ref, x)
         return y, vjp(ct)[0]
 
-    return fwd, bwd, fused
+    def jvp(x, t):
+        tick("jvp")
+        return jax.jvp(ref, (x,), (t,))
+
+    def jvp_batch(x, ts):
+        tick("jvp_batch")
+        return ref(x), jax.vmap(lambda t: jax.jvp(ref, (x,), (t,))[1])(ts)
+
+    return {"fwd": fwd, "bwd": bwd, "fused": fused, "jvp": jvp, "jvp_batch": jvp_batch}
 
 
 def make(ref, given, counter=None, **kwargs):
     """An `ExpensiveFn` for `ref` with only the implementations named in `given`."""
-    fwd, bwd, fused = reference_impls(ref, counter)
-    impls = {"fwd": fwd, "bwd": bwd, "fused": fused}
+    impls = reference_impls(ref, counter)
     chosen = {k: (impls[k] if k in given else None) for k in impls}
     if "fwd" not in given and "out" not in kwargs:
         kwargs["out"] = lambda x: jax.eval_shape(ref, x)

@@ -11,7 +11,7 @@ import pytest
 
 import deferax as dx
 
-from .helpers import Counter, assert_tree_allclose
+from .helpers import Counter, assert_tree_allclose, reference_impls
 
 
 def ref(x):
@@ -26,39 +26,11 @@ T = {"u": jnp.array([1.0, 2.0, -1.0]), "v": jnp.array([0.5, -0.3, 2.0])}
 N = 6  # input numbers
 
 
-def impls(counter):
-    def tick(key):
-        counter.tick(key)
-
-    def fwd(x):
-        tick("fwd")
-        return ref(x)
-
-    def bwd(x, y, ct):
-        tick("bwd")
-        return jax.vjp(ref, x)[1](ct)[0]
-
-    def fused(x, ct):
-        tick("fused")
-        y, vjp = jax.vjp(ref, x)
-        return y, vjp(ct)[0]
-
-    def jvp(x, t):
-        tick("jvp")
-        return jax.jvp(ref, (x,), (t,))
-
-    def jvp_batch(x, ts):
-        tick("jvp_batch")
-        return ref(x), jax.vmap(lambda t: jax.jvp(ref, (x,), (t,))[1])(ts)
-
-    return {"fwd": fwd, "bwd": bwd, "fused": fused, "jvp": jvp, "jvp_batch": jvp_batch}
-
-
 OUT = jax.eval_shape(ref, X)
 
 
 def make(given, counter, **kwargs):
-    chosen = {k: v for k, v in impls(counter).items() if k in given}
+    chosen = {k: v for k, v in reference_impls(ref, counter).items() if k in given}
     if "fwd" not in given:
         kwargs["out"] = OUT
     return dx.ExpensiveFn(**chosen, name="sim", **kwargs)
