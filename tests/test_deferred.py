@@ -420,6 +420,13 @@ def test_error_no_positional_argument():
         dx.filter_value_and_grad(lambda p: jnp.sum(p))(p=P0)
 
 
+def test_error_has_aux_without_a_pair():
+    with pytest.raises(TypeError, match=re.escape("`deferax.filter_value_and_grad`: with `has_aux=True` the differentiated function must return a pair `(value, aux)`, but it returned float64[].")):
+        dx.filter_value_and_grad(lambda p: jnp.sum(p), has_aux=True)(P0)
+    with pytest.raises(TypeError, match=re.escape("must return a pair `(value, aux)`, but it returned (float64[], float64[], float64[]).")):
+        dx.filter_value_and_grad(lambda p: (jnp.sum(p), p[0], p[1]), has_aux=True)(P0)
+
+
 def test_error_non_scalar_loss():
     f = make(ref, ("fwd", "bwd", "fused"))
     with pytest.raises(TypeError, match=re.escape("`deferax.filter_value_and_grad`: the differentiated function must return a real scalar, but it returned float64[4].")):

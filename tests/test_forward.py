@@ -303,3 +303,19 @@ def test_error_jvp_returns_wrong_things():
     g = dx.ExpensiveFn(fwd=jnp.sin, jvp_batch=lambda x, ts: (jnp.sin(x), ts[:, :2]), name="bad_batch")
     with pytest.raises(ValueError, match=match("`ExpensiveFn(name='bad_batch')`: `jvp_batch` returned a batch of tangents that does not match the output with a leading axis of one tangent each.\nExpected float64[3, 3], found float64[3, 2].")):
         jax.jacfwd(g)(jnp.ones(3))
+
+
+def test_warning_jvp_that_vmap_cannot_separate():
+    """A `jvp` whose primal comes from a host callback: the forward-basis strategy warns that
+    the primal runs once per tangent, and is still right."""
+
+    def jvp(x, t):
+        # a host function that takes the tangent too (as `dx.host`'s do): `y` looks batched
+        y = jax.pure_callback(lambda x, t: np.sin(x), jax.ShapeDtypeStruct(x.shape, x.dtype), x, t, vmap_method="sequential")
+        return y, jnp.cos(x) * t
+
+    f = dx.ExpensiveFn(jvp=jvp, out=lambda s: s, name="callback_jvp")
+    x = jnp.array([0.1, 0.2, 0.3])
+    with pytest.warns(UserWarning, match=match("`ExpensiveFn(name='callback_jvp')`: `jvp` could not be batched over the tangent with the primal computed once")):
+        got = jax.grad(lambda x: jnp.sum(f(x) ** 2))(x)
+    assert_tree_allclose(got, jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(x))

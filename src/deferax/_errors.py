@@ -85,7 +85,7 @@ CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sit
 Use schedule='auto' to defer what can be and keep the rest standard, or restructure the loss so that the
 cotangent reaching each expensive output does not depend on an expensive output (see "How the deferred VJP works")."""
 
-NOT_PAIR = "{where}: with `has_aux=True` the differentiated function must return a pair `(value, aux)`, but it returned a {found}."
+NOT_PAIR = "{where}: with `has_aux=True` the differentiated function must return a pair `(value, aux)`, but it returned {found}."
 
 BAD_SCHEDULE = "{where}: `schedule` must be one of 'auto', 'standard' or 'deferred', but got {found!r}."
 

@@ -61,7 +61,7 @@ _TRACED = object()
 
 
 def _is_traced(leaf) -> bool:
-    return isinstance(leaf, jax.Array | jax.core.Tracer) and not isinstance(leaf, jax.ShapeDtypeStruct)
+    return isinstance(leaf, jax.Array | jax.core.Tracer)
 
 
 def _trace(fun, x, args, kwargs, has_aux) -> _Traced:
@@ -76,7 +76,7 @@ def _trace(fun, x, args, kwargs, has_aux) -> _Traced:
         out = fun(eqx.combine(jtu.tree_unflatten(diff_tree, list(leaves_)), nondiff), *args, **kwargs)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError(_errors.NOT_PAIR.format(where=_WHERE, found=type(out).__name__))
+                raise TypeError(_errors.NOT_PAIR.format(where=_WHERE, found=_errors.tree_text(out)))
             value, aux = out
         else:
             value, aux = out, None
