@@ -156,12 +156,17 @@ def test_schedule_standard_is_equinox(counter):
     assert plan.sites[0].schedule == "standard" and "schedule='standard'" in plan.sites[0].reason
 
 
-def test_site_without_fused_stays_standard(counter):
+def test_site_without_fused(counter):
+    """With `fwd` and a `bwd` that does not read `y` (the reference `bwd` recomputes what it
+    needs from `x`), the deferred schedule runs them together; without `bwd` it cannot."""
     f = make(ref, ("fwd", "bwd"), counter, name="nofused")
     loss = lambda p: jnp.sum(W * f(p))  # noqa: E731
     plan = dx.explain(loss, P0)
+    assert plan.sites[0].schedule == "deferred" and plan.stages == (("nofused: fwd + bwd",),)
+    assert check_against_equinox(loss, P0, counter, deferred=True) == {"fwd": 1, "bwd": 1, "fused": 0}
+    g = make(ref, ("fwd",), counter, name="fwd_only")
+    plan = dx.explain(lambda p: jnp.sum(W * g(p)), P0)
     assert plan.sites[0].schedule == "standard" and plan.sites[0].reason == "no `fused` implementation"
-    assert check_against_equinox(loss, P0, counter, deferred=False) == {"fwd": 1, "bwd": 1, "fused": 0}
 
 
 # ----------------------------------------------------------------------------- several sites

@@ -125,7 +125,9 @@ def test_reverse_mode_strategy_and_counts(given, jit):
             if "bwd" in given
             else "reverse mode from its forward-mode implementation: the output and n=6 tangents in one call"
         )
-        assert site.reason == f"no `fused` implementation; {why}"
+        # with `bwd` (which does not read `y`) the site could be deferred, but the loss is nonlinear
+        first = "its cotangent depends on its own output" if "bwd" in given else "no `fused` implementation"
+        assert site.reason.startswith(first) and site.reason.endswith(f"; {why}")
     for transform in (lambda g: jax.value_and_grad(g), lambda g: dx.filter_value_and_grad(g)):
         fn = transform(loss)
         fn = jax.jit(fn) if jit else fn

@@ -242,7 +242,8 @@ def test_bwd_that_needs_the_output_stays_standard():
     f = dx.host(solve, bwd=bwd, out=FIELD, name="needs_y")
     loss = linear_loss(f)
     site = dx.explain(loss, X0).sites[0]
-    assert site.schedule == "standard" and site.reason == "no `fused` implementation"
+    assert site.schedule == "standard"
+    assert site.reason == "no `fused` implementation, and its `bwd` reads `y` (give `adjoint` and `combine`, or `fused`)"
     for jit in (False, True):
         runs.counts.clear()
         got = run(loss, X0, jit=jit)

@@ -63,6 +63,12 @@ class Analysis:
     backward: Any  # G, pruned to what stage 1 needs: (consts, leaves, ys, seed) -> (cts, operands)
     backward_out: tuple  # for each output of `backward`: ("ct", position, leaf) or ("op", position, leaf)
 
+    def derived(self, position: int) -> bool:
+        """Whether a deferred site's `fused` is made from its `fwd` and its `adjoint` or
+        `y`-free `bwd` (it has none of its own)."""
+        static = self.spec(position).static
+        return static.fused is None and static.fused_batch is None
+
     def spec(self, position: int) -> _site.Spec:
         return _site.spec_of(self.program.jaxpr.eqns[self.sites[position]])
 
@@ -152,11 +158,24 @@ class _Check:
         if spec.static.prefer is not None:
             return f"prefer={spec.static.prefer!r} was given"
         if spec.static.fused is None and spec.static.fused_batch is None:
-            return "no `fused` implementation"
+            return self._underivable(k)
         if upstream[k]:
             return "its input depends on " + ", ".join(self._source(lab) for lab in sorted(upstream[k], key=str))
         if ("y", k) in feeds:
             return "its output feeds the input of " + ", ".join(f"site {f}" if f.startswith("#") else f for f in feeds[("y", k)])
+        return None
+
+    def _underivable(self, k) -> str | None:
+        """Why no `fused` can be made from the other implementations (None when one can:
+        `fwd` with `adjoint`, or `fwd` with a `bwd` that does not read `y`)."""
+        static = self.specs[k].static
+        if static.fwd is None or (static.adjoint is None and static.bwd is None):
+            return "no `fused` implementation"
+        if static.adjoint is not None:
+            return None
+        eqn = self.program.jaxpr.eqns[self.sites[k]]
+        if _site.bwd_reads_y(self.specs[k], [v.aval for v in eqn.invars[: self.specs[k].n_fn]]):
+            return "no `fused` implementation, and its `bwd` reads `y` (give `adjoint` and `combine`, or `fused`)"
         return None
 
     def _source(self, label) -> str:
@@ -299,8 +318,14 @@ class _Check:
             return f"{s.name}: {impl}{batch}"
 
         stages: list[tuple[str, ...]] = []
+        def fused_label(s):
+            static = self.specs[position[s.index]].static
+            if static.fused is None and static.fused_batch is None:
+                return label(s, "fwd + " + ("adjoint" if static.adjoint is not None else "bwd"))
+            return label(s, "fused")
+
         if deferred:
-            first = [label(s, "fused") + (f" (k={basis[position[s.index]].k} cotangents)" if position.get(s.index) in basis else "")
+            first = [fused_label(s) + (f" (k={basis[position[s.index]].k} cotangents)" if position.get(s.index) in basis else "")
                      for s in sites if position.get(s.index) in deferred]  # fmt: skip
             first += [label(s, "fwd") for s in sites if position.get(s.index) in early]
             stages.append(tuple(first))
@@ -319,7 +344,7 @@ def _forward_basis_why(spec) -> str:
     static, n = spec.static, _site.n_inputs(spec)
     if static.prefer == "forward-basis":
         return ""
-    if static.bwd is None and static.fused is None:
+    if not static.has_vjp:
         return f"; reverse mode from its forward-mode implementation: the output and n={n} tangents in one call"
     return f"; forward-basis: the output and n={n} tangents in one call, one stage where `fwd` then `bwd` take two"
 

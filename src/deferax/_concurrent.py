@@ -15,7 +15,8 @@ from jaxtyping import PyTree
 
 from . import _jaxpr
 
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="deferax")
+# The threads mostly wait for compiled programs; several sites each need two at once.
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(16, 2 * (os.cpu_count() or 2)), thread_name_prefix="deferax")
 
 
 def is_concrete(tree: PyTree) -> bool:
@@ -24,18 +25,22 @@ def is_concrete(tree: PyTree) -> bool:
 
 
 class Fused(eqx.Module):
-    """`fused(x, ct_y) -> (y, ct_x)` built from `fwd(x) -> y` and `adjoint(x, ct_y) -> ct_x`.
+    """`fused(x, ct_y) -> (y, ct_x)` built from `fwd(x) -> y` and `adjoint(x, ct_y)`, with
+    `ct_x = combine(x, y, adjoint(x, ct_y))` (the adjoint's result itself without `combine`).
 
     Made by [`deferax.fuse`][]. The two halves are compiled separately with `jax.jit` and
     run on two threads, so that on a CPU they use two cores (XLA:CPU runs independent
-    work inside one program one piece after the other).
+    work inside one program one piece after the other); `combine`, the cheap step that
+    needs `y`, runs after both.
     """
 
     fwd: Callable[..., Any]
     adjoint: Callable[..., Any]
+    combine: Callable[..., Any] | None = None
 
     def __call__(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
-        return _concurrently(self.fwd, self.adjoint, _apply, x, ct_y)
+        y, partial = _concurrently(self.fwd, self.adjoint, _apply, x, ct_y)
+        return y, (partial if self.combine is None else self.combine(x, y, partial))
 
     def vmapped(self, x: PyTree, ct_y: PyTree, x_axes: list) -> tuple[PyTree, PyTree]:
         """The call under `jax.vmap` levels (outermost first; `x_axes` gives each level's
@@ -43,12 +48,18 @@ class Fused(eqx.Module):
         forward and the whole batch's adjoint, each compiled once, on two threads."""
         fwd = _Vmapped(self.fwd, tuple(_frozen((axes,)) for axes in x_axes))
         adjoint = _Vmapped(self.adjoint, tuple(_frozen((axes, 0)) for axes in x_axes))
-        return _concurrently(fwd, adjoint, _apply, x, ct_y)
+        y, partial = _concurrently(fwd, adjoint, _apply, x, ct_y)
+        if self.combine is None:
+            return y, partial
+        return y, _Vmapped(self.combine, tuple(_frozen((axes, 0, 0)) for axes in x_axes))(x, y, partial)
 
     def batched(self, x: PyTree, cts: PyTree) -> tuple[PyTree, PyTree]:
         """`y` once and one `ct_x` per cotangent (leading axis of `cts`): the forward runs
         once, concurrently with the adjoint batched by `jax.vmap` over the cotangents."""
-        return _concurrently(self.fwd, self.adjoint, _apply_batched, x, cts)
+        y, partials = _concurrently(self.fwd, self.adjoint, _apply_batched, x, cts)
+        if self.combine is None:
+            return y, partials
+        return y, jax.vmap(lambda p: self.combine(x, y, p))(partials)
 
 
 def _frozen(axes: PyTree) -> tuple:
@@ -112,7 +123,7 @@ def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
     return jax.pure_callback(host, (y_struct, ct_struct), x, ct, vmap_method="sequential")
 
 
-def fuse(fwd: Callable[..., Any], adjoint: Callable[..., Any]) -> Fused:
+def fuse(fwd: Callable[..., Any], adjoint: Callable[..., Any], combine: Callable[..., Any] | None = None) -> Fused:
     """Make a `fused` implementation that runs `fwd` and `adjoint` concurrently.
 
     Use it when the adjoint does not need the primal output (a linear solve with the
@@ -122,7 +133,11 @@ def fuse(fwd: Callable[..., Any], adjoint: Callable[..., Any]) -> Fused:
     **Arguments:**
 
     - `fwd`: `fwd(x) -> y`, JAX-traceable.
-    - `adjoint`: `adjoint(x, ct_y) -> ct_x`, JAX-traceable; it must not need `y`.
+    - `adjoint`: `adjoint(x, ct_y) -> ct_x` (or the part of it that `combine` finishes),
+      JAX-traceable; it must not need `y`.
+    - `combine`: optional `combine(x, y, partial) -> ct_x`, the cheap step that needs `y`
+      (for a PDE, `ct_eps = Re(E_fwd * E_adj)`), run after both halves; the same meaning
+      as in [`deferax.host`][] and [`deferax.ExpensiveFn`][].
 
     **Returns:**
 
@@ -141,4 +156,4 @@ def fuse(fwd: Callable[..., Any], adjoint: Callable[..., Any]) -> Fused:
         )
         ```
     """
-    return Fused(fwd, adjoint)
+    return Fused(fwd, adjoint, combine)

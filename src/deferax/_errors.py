@@ -43,6 +43,8 @@ RULES = {
     "fwd": "`fwd(x)` must return a pytree shaped like the declared (or inferred) output `y`.",
     "bwd": "`bwd(x, y, ct_y)` must return a cotangent with the structure, shapes and dtypes of `x`.",
     "fused": "`fused(x, ct_y)` must return a pair `(y, ct_x)`: `y` shaped like the output, `ct_x` shaped like `x`.",
+    "combine": "`combine(x, y, partial)` must return a cotangent with the structure, shapes and dtypes of `x`.",
+    "adjoint": "`adjoint(x, ct_y)` (without `combine`) must return a cotangent with the structure, shapes and dtypes of `x`.",
     "jvp": "`jvp(x, t_x)` must return a pair `(y, t_y)`: `y` and `t_y` shaped like the output.",
     "jvp_batch": "`jvp_batch(x, t_xs)` must return a pair `(y, t_ys)`: `y` shaped like the output, `t_ys` shaped like the output with a leading axis of length `k` (one tangent per row of `t_xs`).",
     "fused_batch": "`fused_batch(x, cts)` must return a pair `(y, ct_xs)`: `y` shaped like the output, `ct_xs` shaped like `x` with a leading axis of length `k` (one cotangent per row of `cts`).",
@@ -107,3 +109,8 @@ depends on the batch under `jax.vmap`, as a host callback's does), so the primal
 cotangent. Give `fused_batch(x, cts) -> (y, ct_xs)` to compute it once."""
 
 BAD_MODE = "`deferax.jacobian`: `mode` must be 'auto', 'forward' or 'reverse', but got {found!r}."
+
+BOTH_ADJOINTS = """{call}: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both. Prefer `adjoint` (with `combine` if the
+cotangent needs `y`): it does not need the output, so forward and adjoint can run at the same time."""
+
+ONLY_WITH_ADJOINT = "{call}: `{what}` was given without `adjoint`; `combine` and `adjoint_out` describe what `adjoint` returns."

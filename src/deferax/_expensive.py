@@ -52,7 +52,8 @@ class ExpensiveFn(eqx.Module):
     | given | primal | reverse mode |
     | --- | --- | --- |
     | `fwd` only | `fwd` | JAX autodiff of `fwd` (forward mode works too) |
-    | `fwd`, `bwd` | `fwd` | `bwd` |
+    | `fwd`, `bwd` | `fwd` | `bwd` (deferred: `fwd` and `bwd` together when `bwd` does not read `y`) |
+    | `fwd`, `adjoint` (`combine`) | `fwd` | `combine(x, y, adjoint(x, ct))` (deferred: `fwd` and `adjoint` together) |
     | `fused` only | `fused(x, 0)[0]`: runs a wasted adjoint with a zero cotangent | `fused(x, ct)[1]`: recomputes the primal |
     | `fwd`, `fused` | `fwd` | `fused(x, ct)[1]`: recomputes the primal |
     | `fused`, `bwd` | `fused(x, 0)[0]` | `bwd` |
@@ -75,6 +76,12 @@ class ExpensiveFn(eqx.Module):
     - `max_basis`: this function's limit on `k` for the `"deferred-basis"` schedule; it
       takes precedence over the `max_basis` of [`deferax.filter_value_and_grad`][].
     - `jvp`, `jvp_batch`: the forward-mode implementations, each optional.
+    - `adjoint`, `combine`: the reverse-mode derivative split as in [`deferax.host`][]:
+      `adjoint(x, ct_y) -> partial` does not get `y`, `combine(x, y, partial) -> ct_x` is
+      the cheap step that does (default: `partial` is `ct_x`). Instead of `bwd`. With
+      `fwd`, the deferred schedules run `fwd` and `adjoint` at the same time, as
+      [`deferax.fuse`][] does; so they do with a `bwd` whose jaxpr shows that it does not
+      read `y`.
     - `max_tangents`: the most input numbers `n` for which reverse mode uses the
       forward-basis strategy (default 8 when `bwd` or `fused` is given too; no limit for a
       function with forward-mode implementations only).
@@ -111,6 +118,8 @@ class ExpensiveFn(eqx.Module):
     max_basis: int | None = eqx.field(default=None, static=True)
     jvp: Any = None
     jvp_batch: Any = None
+    adjoint: Any = None
+    combine: Any = None
     max_tangents: int | None = eqx.field(default=None, static=True)
     prefer: str | None = eqx.field(default=None, static=True)
 
@@ -120,19 +129,23 @@ class ExpensiveFn(eqx.Module):
             object.__setattr__(self, "name", getattr(impl, "__name__", None) or type(impl).__name__)
 
     def __check_init__(self):
-        for impl in ("fwd", "bwd", "fused", "fused_batch", "jvp", "jvp_batch"):
+        for impl in ("fwd", "bwd", "fused", "fused_batch", "jvp", "jvp_batch", "adjoint", "combine"):
             value = getattr(self, impl)
             if value is not None and not callable(value):
                 raise TypeError(_errors.NOT_CALLABLE.format(call=self._call, impl=impl, found=value))
         if self.max_basis is not None and (not isinstance(self.max_basis, int) or self.max_basis < 0):
             raise ValueError(_errors.BAD_MAX_BASIS.format(where=self._call, found=self.max_basis))
+        if self.adjoint is not None and self.bwd is not None:
+            raise TypeError(_errors.BOTH_ADJOINTS.format(call=self._call))
+        if self.combine is not None and self.adjoint is None:
+            raise TypeError(_errors.ONLY_WITH_ADJOINT.format(call=self._call, what="combine"))
         if self.max_tangents is not None and (not isinstance(self.max_tangents, int) or self.max_tangents < 0):
             raise ValueError(_errors.BAD_MAX_TANGENTS.format(call=self._call, found=self.max_tangents))
         if self.prefer is not None and self.prefer not in _tangents.STRATEGIES:
             raise ValueError(_errors.BAD_PREFER.format(call=self._call, found=self.prefer))
         if self.prefer == "forward-basis" and self.jvp is None and self.jvp_batch is None:
             raise TypeError(_errors.PREFER_WITHOUT.format(call=self._call, prefer=self.prefer, give="`jvp` or `jvp_batch`"))
-        if self.prefer == "standard" and self.bwd is None and self.fused is None:
+        if self.prefer == "standard" and not self.has_vjp:
             raise TypeError(_errors.PREFER_WITHOUT.format(call=self._call, prefer=self.prefer, give="`bwd` or `fused`"))
         if self.fwd is None and self.fused is None and self.jvp is None and self.jvp_batch is None:
             raise TypeError(_errors.NO_PRIMAL.format(call=self._call))
@@ -148,7 +161,12 @@ class ExpensiveFn(eqx.Module):
     @property
     def autodiff(self) -> bool:
         """Whether JAX differentiates `fwd` itself: no other implementation is given."""
-        return all(getattr(self, impl) is None for impl in ("bwd", "fused", "jvp", "jvp_batch"))
+        return all(getattr(self, impl) is None for impl in ("bwd", "fused", "jvp", "jvp_batch", "adjoint"))
+
+    @property
+    def has_vjp(self) -> bool:
+        """Whether a hand-written reverse-mode derivative is given (`bwd`, `adjoint` or `fused`)."""
+        return self.bwd is not None or self.adjoint is not None or self.fused is not None
 
     # ------------------------------------------------------------------ shapes and checks
 
@@ -241,10 +259,26 @@ class ExpensiveFn(eqx.Module):
         """Compute `ct_x` with `bwd`, or with `fused` (which recomputes the primal)."""
         if self.bwd is not None:
             return self._check_ct_x("bwd", self._invoke("bwd", x, y, ct_y), x)
+        if self.adjoint is not None:
+            return self._combine(x, y, self._invoke("adjoint", x, ct_y))
         if self.fused is None:
             n = _tangents.n_inputs(x)
             raise TypeError(_errors.TOO_MANY_TANGENTS.format(call=self._call, n=n, limit=self.max_tangents))
         return self.run_fused(x, ct_y)[1]
+
+    def _combine(self, x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
+        """`combine(x, y, partial)` (the adjoint's result itself without `combine`), checked."""
+        ct_x = partial if self.combine is None else self._invoke("combine", x, y, partial)
+        return self._check_ct_x("combine" if self.combine is not None else "adjoint", ct_x, x)
+
+    def derived_fused(self) -> Any:
+        """A `fused` made from the other implementations, running the forward and the
+        adjoint concurrently ([`deferax.Fused`][]): `fwd` with `adjoint` (and `combine`), or
+        `fwd` with a `bwd` that does not read `y` (the static check has proved it)."""
+        from ._concurrent import Fused
+
+        combine = _Combine(self) if self.adjoint is not None and self.combine is not None else None
+        return Fused(_Primal(self), _Adjoint(self), combine)
 
     def run_fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
         """Compute `(y, ct_x)` with `fused`, or with `fwd` then `bwd` when there is none."""
@@ -299,3 +333,34 @@ class ExpensiveFn(eqx.Module):
     def __call__(self, x: PyTree) -> PyTree:
         x = jtu.tree_map(jnp.asarray, x)
         return _site.call(self, x)
+
+
+
+class _Primal(eqx.Module):
+    """`fn.primal`, as a Module that compares by value (its compiled form is reused)."""
+
+    fn: ExpensiveFn
+
+    def __call__(self, x):
+        return self.fn.primal(x)
+
+
+class _Adjoint(eqx.Module):
+    """The part of the reverse-mode derivative that does not need `y`: `adjoint(x, ct)`, or
+    `bwd(x, zeros, ct)` for a `bwd` that does not read `y`."""
+
+    fn: ExpensiveFn
+
+    def __call__(self, x, ct):
+        fn = self.fn
+        if fn.adjoint is not None:
+            return fn._invoke("adjoint", x, ct)
+        zeros = jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), fn.out_struct(x))
+        return fn._check_ct_x("bwd", fn._invoke("bwd", x, zeros, ct), x)
+
+
+class _Combine(eqx.Module):
+    fn: ExpensiveFn
+
+    def __call__(self, x, y, partial):
+        return self.fn._combine(x, y, partial)

@@ -29,10 +29,6 @@ NO_PRIMAL = """{call}: nothing computes the output. Give the forward host functi
 
     dx.host(simulate, adjoint=simulate_adjoint, out=...)"""
 
-BOTH_ADJOINTS = """{call}: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both. Prefer `adjoint` (with `combine` if the
-cotangent needs `y`): it does not need the output, so forward and adjoint can run at the same time."""
-
-ONLY_WITH_ADJOINT = "{call}: `{what}` was given without `adjoint`; `combine` and `adjoint_out` describe what `adjoint` returns."
 
 BAD_EXECUTOR = """{call}: `executor` must be a `concurrent.futures.Executor` (a `ThreadPoolExecutor`, a `ProcessPoolExecutor`,
 `distributed.Client(...).get_executor()`) or None for deferax's thread pool, but got {found!r}."""
@@ -235,10 +231,10 @@ def host(
     if out is None:
         raise TypeError(NO_OUT.format(call=call))
     if adjoint is not None and bwd is not None:
-        raise TypeError(BOTH_ADJOINTS.format(call=call))
+        raise TypeError(_errors.BOTH_ADJOINTS.format(call=call))
     for what, value in (("combine", combine), ("adjoint_out", adjoint_out)):
         if value is not None and adjoint is None:
-            raise TypeError(ONLY_WITH_ADJOINT.format(call=call, what=what))
+            raise TypeError(_errors.ONLY_WITH_ADJOINT.format(call=call, what=what))
     if executor is not None and not isinstance(executor, cf.Executor):
         raise TypeError(BAD_EXECUTOR.format(call=call, found=executor))
     if timeout is not None:

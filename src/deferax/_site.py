@@ -204,7 +204,7 @@ def _linear_impl(*operands, spec: Spec):
     static = spec.static
     if static.jvp is None and static.jvp_batch is None:
         call = f"`ExpensiveFn(name={spec.name!r})`"
-        how = "given by `bwd`" if static.bwd is not None else "derived from `fused`"
+        how = "given by `bwd`" if static.bwd is not None else "given by `adjoint`" if static.adjoint is not None else "derived from `fused`"
         raise TypeError(_errors.FORWARD_MODE.format(call=call, how=how))
     fn_leaves, x_leaves, _, t_leaves = _split_linear(spec, operands)
     n_fn, n_x, n_y = spec.n_fn, spec.n_x, len(spec.y_structs)
@@ -281,7 +281,7 @@ def operand_cotangents(spec: Spec, operands, diff_cts) -> list:
 
 def _linear_transpose(cts, *operands, spec: Spec):
     static = spec.static
-    if static.bwd is None and static.fused is None:  # forward-basis was not possible
+    if not static.has_vjp:  # forward-basis was not possible
         call = f"`ExpensiveFn(name={spec.name!r})`"
         raise TypeError(_errors.TOO_MANY_TANGENTS.format(call=call, n=n_inputs(spec), limit=static.max_tangents))
     fn_leaves, x_leaves, y_leaves, t_leaves = _split_linear(spec, operands)
@@ -371,6 +371,26 @@ def _forward_basis_jvp(spec: Spec, fn_leaves, x_leaves, x_tangents):
 
     t_y = spec.vmapped(lambda j, xs, t: _contract(spec, j, xs, [t_ if d else None for t_, d in zip(t, spec.diff, strict=True)]), axes_of)(list(jac), list(x_leaves), ts)
     return y, t_y
+
+
+def bwd_reads_y(spec: Spec, fn_avals: list) -> bool:
+    """Whether the site's `bwd(x, y, ct_y)` depends on `y`, read from its jaxpr (one that
+    cannot be traced, a host function, counts as reading it)."""
+    structs = lambda avals: [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]  # noqa: E731
+
+    def bwd(fn_leaves, x_leaves, y_leaves, ct_leaves):
+        fn = spec.fn(fn_leaves)
+        y = jtu.tree_unflatten(spec.y_tree, list(y_leaves))
+        ct = jtu.tree_unflatten(spec.y_tree, list(ct_leaves))
+        return fn._invoke("bwd", spec.x(x_leaves), y, ct)
+
+    try:
+        closed = jax.make_jaxpr(bwd)(structs(fn_avals), list(spec.x_structs), list(spec.y_structs), list(spec.y_structs))
+    except Exception:  # noqa: BLE001 - not JAX-traceable: assume the worst
+        return True
+    n_y = len(spec.y_structs)
+    labels = [None] * (len(fn_avals) + spec.n_x) + ["y"] * n_y + [None] * n_y
+    return any("y" in d for d in _jaxpr.dependencies(closed, labels))
 
 
 # ----------------------------------------------------------------------------- binding

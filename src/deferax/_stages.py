@@ -83,8 +83,9 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
 
     Eagerly, the calls run concurrently on threads. Traced (under `jit` or `vmap`), each is
     part of the surrounding program, where XLA:CPU runs them one after another; when there
-    are several and all of them run on the host anyway (`dx.host`), they leave the program
-    through one callback that runs them concurrently.
+    are several and all of them leave the program anyway (host functions, `dx.fuse`, a
+    `fused` made from `fwd` and `adjoint`), they leave it through one callback that runs
+    them all concurrently.
     """
     positions = analysis.deferred + analysis.early
 
@@ -95,9 +96,10 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
         if k in analysis.basis:
             fn = spec.fn(operands_[k][: spec.n_fn])
             cts_tree = jtu.tree_unflatten(spec.y_tree, cts_[k])
-            y, ct_xs = fn.run_fused_batch(spec.x(operands_[k][spec.n_fn :]), cts_tree)
+            x = spec.x(operands_[k][spec.n_fn :])
+            y, ct_xs = fn.derived_fused().batched(x, cts_tree) if analysis.derived(k) else fn.run_fused_batch(x, cts_tree)
             return jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_xs), spec.diff, strict=True) if d]
-        return fused(spec, operands_[k], cts_[k])
+        return fused(spec, operands_[k], cts_[k], analysis.derived(k))
 
     def run_all(operands_, cts_):
         if len(positions) > 1:
@@ -106,15 +108,23 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
                 return [f.result() for f in futures]
         return [one(k, operands_, cts_) for k in positions]
 
-    def runs_on_host(k):
+    def leaves_program(k):
+        """Whether the site's expensive work runs outside the XLA program anyway: on the
+        host (`dx.host`), or as two compiled halves on threads (`dx.fuse`, or a `fused`
+        made from `fwd` and `adjoint`/`bwd`)."""
         static = analysis.spec(k).static
-        impl = static.fwd if k in analysis.early else static.fused_batch if k in analysis.basis and static.fused_batch is not None else static.fused
-        return getattr(getattr(impl, "__self__", None), "runs_on_host", False)
+        if k in analysis.early:
+            impl = static.fwd
+        elif analysis.derived(k):
+            return True
+        else:
+            impl = static.fused_batch if k in analysis.basis and static.fused_batch is not None else static.fused
+        return isinstance(impl, Fused) or getattr(getattr(impl, "__self__", None), "runs_on_host", False)
 
-    on_host = all(runs_on_host(k) for k in positions)
+    gather = len(positions) > 1 and all(leaves_program(k) for k in positions)
     if eager:
         results = run_all(operands, cts)
-    elif len(positions) > 1 and on_host:
+    elif gather:
         mine = ({k: operands[k] for k in positions}, {k: cts.get(k) for k in positions})
         # (traced in this thread: JAX's tracing state does not reach the pool's threads)
         shapes = jax.eval_shape(lambda m: [one(k, *m) for k in positions], mine)
@@ -130,9 +140,10 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
     return ys, diff_cts
 
 
-def fused(spec: _site.Spec, operands: list, ct: list) -> tuple[list, list]:
+def fused(spec: _site.Spec, operands: list, ct: list, derived: bool = False) -> tuple[list, list]:
     """`fused(x, ct_y)` over every batch level: output leaves, and the cotangents of the
-    differentiable leaves of `x` shaped like their operands."""
+    differentiable leaves of `x` shaped like their operands. `derived`: the site has no
+    `fused`; one is made from its `fwd` and `adjoint` (or `y`-free `bwd`)."""
     n_fn = spec.n_fn
     diff = spec.diff
 
@@ -145,11 +156,17 @@ def fused(spec: _site.Spec, operands: list, ct: list) -> tuple[list, list]:
         return (list(level[:n_fn]), list(level[n_fn:]), [0] * len(spec.y_structs))
 
     batched_impl = any(a is not None for level, _ in spec.axes for a in level[:n_fn])
-    if spec.axes and isinstance(spec.static.fused, Fused) and not batched_impl:
-        # `dx.fuse` under vmap: the whole batch's forward and adjoint on two threads
+    concurrent = derived or isinstance(spec.static.fused, Fused)
+    if concurrent and not batched_impl:
+        # `dx.fuse` (or one made here): the whole batch's forward and adjoint on two threads
         fn = spec.fn(operands[:n_fn])
-        x_axes = [jtu.tree_unflatten(spec.x_tree, list(level[n_fn:])) for level, _ in spec.axes]
-        y, ct_x = fn.fused.vmapped(spec.x(operands[n_fn:]), jtu.tree_unflatten(spec.y_tree, list(ct)), x_axes)
+        impl = fn.derived_fused() if derived else fn.fused
+        x, ct_tree = spec.x(operands[n_fn:]), jtu.tree_unflatten(spec.y_tree, list(ct))
+        if spec.axes:
+            x_axes = [jtu.tree_unflatten(spec.x_tree, list(level[n_fn:])) for level, _ in spec.axes]
+            y, ct_x = impl.vmapped(x, ct_tree, x_axes)
+        else:
+            y, ct_x = fn.run_fused(x, ct_tree) if not derived else impl(x, ct_tree)
         y, ct_x = jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_x), diff, strict=True) if d]
     else:
         y, ct_x = spec.vmapped(one, axes_of)(list(operands[:n_fn]), list(operands[n_fn:]), list(ct))

@@ -159,7 +159,7 @@ def strategy(fn: Any, n: int) -> str:
     `ExpensiveFn(prefer=...)` forces either.
     """
     has_jvp = fn.jvp is not None or fn.jvp_batch is not None
-    has_vjp = fn.bwd is not None or fn.fused is not None
+    has_vjp = fn.has_vjp
     if fn.prefer in STRATEGIES:
         return fn.prefer
     if not has_jvp:

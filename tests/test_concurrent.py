@@ -1,0 +1,146 @@
+"""Forward and adjoint together without a hand-written `fused`: from `fwd` and a `bwd` that
+does not read `y`, or from `fwd`, `adjoint` and `combine`; several JAX-native deferred
+sites at once under `jit`. Overlap is shown with a barrier that every forward and adjoint
+must reach before any can go on: the call finishes only if they all run at the same time."""
+
+import re
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deferax as dx
+
+from .helpers import Counter, assert_tree_allclose
+
+A = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)))
+W = jnp.array([1.0, -2.0, 0.5, 3.0])
+X = jnp.array([0.3, -0.2, 0.8, 0.1])
+
+
+def plain(x):
+    """What the expensive function stands for: nonlinear."""
+    return jnp.tanh(A @ x)
+
+
+def meeting(barrier, counter, key):
+    """A `jax.debug.callback` that counts a run and waits at `barrier` (if any)."""
+
+    def hit():
+        if barrier is not None:
+            barrier.wait()
+
+    counter.tick(key)
+    jax.debug.callback(hit, ordered=False)
+
+
+def sim(barrier=None, counter=None, kind="bwd", name="sim"):
+    counter = counter or Counter()
+
+    def fwd(x):
+        meeting(barrier, counter, "fwd")
+        return plain(x)
+
+    def bwd(x, y, ct):  # reads only `x` and the cotangent
+        meeting(barrier, counter, "bwd")
+        return A.T @ (ct * (1 - jnp.tanh(A @ x) ** 2))
+
+    def adjoint(x, ct):  # the part that needs no `y` ...
+        meeting(barrier, counter, "bwd")
+        return ct
+
+    def combine(x, y, partial):  # ... and the cheap step that does
+        return A.T @ (partial * (1 - y**2))
+
+    if kind == "bwd":
+        return dx.ExpensiveFn(fwd=fwd, bwd=bwd, name=name)
+    return dx.ExpensiveFn(fwd=fwd, adjoint=adjoint, combine=combine, name=name)
+
+
+def linear(f):
+    return lambda x: jnp.sum(W * f(x)) + 0.1 * jnp.sum(x**2)
+
+
+@pytest.mark.parametrize("kind", ["bwd", "adjoint"])
+@pytest.mark.parametrize("where", ["eager", "jit", "vmap"])
+def test_forward_and_adjoint_overlap_without_fused(kind, where):
+    counter = Counter()
+    barrier = threading.Barrier(2, timeout=20)
+    f = sim(barrier, counter, kind)
+    loss, reference = linear(f), linear(plain)
+    if where == "vmap":
+        loss = (lambda g: lambda x: jnp.sum(jax.vmap(g)(jnp.stack([x, 2 * x, -x]))))(linear(f))
+        reference = (lambda g: lambda x: jnp.sum(jax.vmap(g)(jnp.stack([x, 2 * x, -x]))))(linear(plain))
+    plan = dx.explain(loss, X)
+    assert plan.sites[0].schedule == "deferred" and plan.sites[0].reason is None
+    assert plan.stages[0][0].startswith(f"sim: fwd + {kind}")
+    step = dx.filter_value_and_grad(loss)
+    step = eqx.filter_jit(step) if where == "jit" else step
+    got = jax.block_until_ready(step(X))  # would raise BrokenBarrierError if run one after the other
+    jax.effects_barrier()
+    assert counter.counts == {"fwd": 1, "bwd": 1}  # each once (once per batch under vmap)
+    assert_tree_allclose(got, jax.value_and_grad(reference)(X))
+
+
+def test_bwd_that_reads_y_stays_standard():
+    f = dx.ExpensiveFn(fwd=plain, bwd=lambda x, y, ct: A.T @ (ct * (1 - y**2)), name="reads_y")
+    (site,) = dx.explain(linear(f), X).sites
+    assert site.schedule == "standard"
+    assert site.reason == "no `fused` implementation, and its `bwd` reads `y` (give `adjoint` and `combine`, or `fused`)"
+    assert_tree_allclose(dx.filter_value_and_grad(linear(f))(X), jax.value_and_grad(linear(plain))(X))
+    # a `bwd` that cannot be traced (NumPy on its arguments) counts as reading `y`
+    opaque = dx.ExpensiveFn(fwd=plain, bwd=lambda x, y, ct: jnp.asarray(np.asarray(ct)), name="opaque")
+    assert dx.explain(linear(opaque), X).sites[0].reason.startswith("no `fused` implementation, and its `bwd` reads `y`")
+    # one that reads `y` only through a host callback's arguments reads it too
+    callback = dx.ExpensiveFn(fwd=plain, bwd=lambda x, y, ct: jax.pure_callback(lambda c, y: np.asarray(c), ct, ct, y), name="cb")
+    assert dx.explain(linear(callback), X).sites[0].schedule == "standard"
+
+
+def test_combine_on_fuse_and_expensive_fn():
+    adjoint = lambda x, ct: ct  # noqa: E731
+    combine = lambda x, y, partial: A.T @ (partial * (1 - y**2))  # noqa: E731
+    fused = dx.fuse(plain, adjoint, combine)
+    f = dx.ExpensiveFn(fwd=plain, fused=fused, name="fused")
+    g = dx.ExpensiveFn(fwd=plain, adjoint=adjoint, combine=combine, name="split")
+    for h in (f, g):
+        for loss, reference in ((linear(h), linear(plain)), (lambda x: jnp.sum(h(x) ** 2), lambda x: jnp.sum(plain(x) ** 2))):
+            assert_tree_allclose(dx.filter_value_and_grad(loss)(X), jax.value_and_grad(reference)(X))
+            assert_tree_allclose(jax.value_and_grad(loss)(X), jax.value_and_grad(reference)(X))
+    # the deferred-basis schedule (a scalar of the output) with the split and with `fuse`
+    scalar = lambda h: lambda x: jnp.log(1.0 + jnp.dot(W, h(x)) ** 2)  # noqa: E731
+    for h in (f, g):
+        assert dx.explain(scalar(h), X).sites[0].schedule == "deferred-basis"
+        assert_tree_allclose(dx.filter_value_and_grad(scalar(h))(X), jax.value_and_grad(scalar(plain))(X))
+
+
+@pytest.mark.parametrize("n_sites", [2, 4])
+def test_several_jax_native_sites_overlap_under_jit(n_sites):
+    barrier = threading.Barrier(2 * n_sites, timeout=20)
+    counter = Counter()
+    fs = [sim(barrier, counter, "bwd" if i % 2 else "adjoint", name=f"sim{i}") for i in range(n_sites)]
+
+    def loss(x):
+        return sum(jnp.sum(W * f(x * (i + 1))) for i, f in enumerate(fs))
+
+    def reference(x):
+        return sum(jnp.sum(W * plain(x * (i + 1))) for i in range(n_sites))
+
+    for step in (dx.filter_value_and_grad(loss), eqx.filter_jit(dx.filter_value_and_grad(loss))):
+        counter.reset()
+        got = jax.block_until_ready(step(X))
+        jax.effects_barrier()
+        assert counter.counts == {"fwd": n_sites, "bwd": n_sites}
+        assert_tree_allclose(got, jax.value_and_grad(reference)(X))
+
+
+def test_errors_adjoint_with_bwd_and_combine_without_adjoint():
+    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='both')`: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both.")):
+        dx.ExpensiveFn(fwd=plain, bwd=lambda x, y, ct: ct, adjoint=lambda x, ct: ct, name="both")
+    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='lonely')`: `combine` was given without `adjoint`")):
+        dx.ExpensiveFn(fwd=plain, bwd=lambda x, y, ct: ct, combine=lambda x, y, p: p, name="lonely")
+    bad = dx.ExpensiveFn(fwd=plain, adjoint=lambda x, ct: ct, combine=lambda x, y, p: p[:2], name="bad_combine")
+    with pytest.raises(ValueError, match=re.escape("`ExpensiveFn(name='bad_combine')`: `combine` returned a cotangent that does not match the input `x`.")):
+        jax.grad(lambda x: jnp.sum(bad(x)))(X)
