@@ -106,7 +106,7 @@ def test_combine_on_fuse_and_expensive_fn():
     f = dx.ExpensiveFn(fwd=plain, fused=fused, name="fused")
     g = dx.ExpensiveFn(fwd=plain, adjoint=adjoint, combine=combine, name="split")
     for h in (f, g):
-        for loss, reference in ((linear(h), linear(plain)), (lambda x: jnp.sum(h(x) ** 2), lambda x: jnp.sum(plain(x) ** 2))):
+        for loss, reference in ((linear(h), linear(plain)), (lambda x, h=h: jnp.sum(h(x) ** 2), lambda x: jnp.sum(plain(x) ** 2))):
             assert_tree_allclose(dx.filter_value_and_grad(loss)(X), jax.value_and_grad(reference)(X))
             assert_tree_allclose(jax.value_and_grad(loss)(X), jax.value_and_grad(reference)(X))
     # the deferred-basis schedule (a scalar of the output) with the split and with `fuse`
