@@ -531,3 +531,20 @@ def test_fuse_under_vmap_runs_the_batch_once_and_compiles_once():
         assert sorted(runs) == ["adjoint", "fwd"] and traces == []
         assert_tree_allclose(got, eqx.filter_value_and_grad(reference)(p))
     assert_tree_allclose(eqx.filter_jit(step)(p), eqx.filter_value_and_grad(reference)(p))
+
+
+def test_inside_an_enclosing_derivative_the_standard_schedule_is_used(counter):
+    """`jax.grad` of a `dx.filter_value_and_grad` value, or `jax.jacrev` of its gradient (a
+    Hessian): the enclosing derivative differentiates what runs, so the standard schedule
+    runs (a `dx.fuse` callback has no derivative), and the results are right."""
+
+    def adjoint(x, ct):
+        return jax.vjp(ref, x)[1](ct)[0]
+
+    f = dx.ExpensiveFn(fwd=ref, bwd=lambda x, y, ct: adjoint(x, ct), fused=dx.fuse(ref, adjoint), name="fused")
+    loss = lambda p: jnp.sum(W * f(p)) + jnp.sum(p**3)  # noqa: E731
+    reference = lambda p: jnp.sum(W * plain(p)) + jnp.sum(p**3)  # noqa: E731
+    assert dx.explain(loss, P0).sites[0].schedule == "deferred"  # on its own it is deferred
+    assert_tree_allclose(jax.grad(lambda p: dx.filter_value_and_grad(loss)(p)[0])(P0), jax.grad(reference)(P0))
+    assert_tree_allclose(jax.jacrev(dx.filter_grad(loss))(P0), jax.hessian(reference)(P0))
+    assert_tree_allclose(jax.jit(jax.jacrev(dx.filter_grad(loss)))(P0), jax.hessian(reference)(P0))

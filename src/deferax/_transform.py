@@ -147,6 +147,10 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int, x, args, 
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
     traced = _trace(fun, x, args, kwargs, has_aux)
     ins = traced.ins()
+    if schedule == "auto" and _jaxpr.under_differentiation():
+        # An enclosing `jax.grad`/`jax.jacfwd` would differentiate the deferred calls (a
+        # `fused`, a callback) themselves: the standard schedule is what it can differentiate.
+        schedule = "standard"
     eager = _jaxpr.is_eager() and _stages_concrete(ins)
     analysis, compiled = _analysis(traced, schedule, max_basis, eager)
     results = None

@@ -19,6 +19,7 @@ from ._dependence import dependencies as dependencies
 from ._dependence import first_culprit as first_culprit
 from ._dependence import input_marks as input_marks
 from ._dependence import is_eager as is_eager
+from ._dependence import under_differentiation as under_differentiation
 from ._keys import structural_key as structural_key
 from ._linearity import frontier_size as frontier_size
 from ._linearity import linear_frontier as linear_frontier

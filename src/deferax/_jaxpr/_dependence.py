@@ -10,6 +10,19 @@ from jax._src import core as _core
 from jax._src import source_info_util as _source_info_util
 
 
+def under_differentiation() -> bool:
+    """Whether an enclosing `jax.grad`, `jax.jvp`, `jax.linearize` ... is tracing the code
+    running now (its trace is on the stack of the current one)."""
+    from jax._src.interpreters import ad
+
+    trace = _core.trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, ad.JVPTrace | ad.LinearizeTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 def is_eager() -> bool:
     """True when no transformation is active: operations run at once on concrete values."""
     return isinstance(_core.trace_ctx.trace, _core.EvalTrace)
