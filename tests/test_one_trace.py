@@ -548,3 +548,4 @@ def test_inside_an_enclosing_derivative_the_standard_schedule_is_used(counter):
     assert_tree_allclose(jax.grad(lambda p: dx.filter_value_and_grad(loss)(p)[0])(P0), jax.grad(reference)(P0))
     assert_tree_allclose(jax.jacrev(dx.filter_grad(loss))(P0), jax.hessian(reference)(P0))
     assert_tree_allclose(jax.jit(jax.jacrev(dx.filter_grad(loss)))(P0), jax.hessian(reference)(P0))
+    assert_tree_allclose(jax.grad(jax.jit(lambda p: dx.filter_value_and_grad(loss)(p)[0]))(P0), jax.grad(reference)(P0))
