@@ -5,13 +5,14 @@ import re
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deferax as dx
 
-from .helpers import Counter, assert_tree_allclose
+from .helpers import Counter, assert_tree_allclose, make
 
 P0 = jnp.array([0.3, -0.2, 0.8])
 M1 = jnp.array([1.0 + 1.0j, 0.5 + 0.0j, -1.0j])
@@ -320,3 +321,83 @@ def test_callback_fused_without_fused_batch_warns_and_is_correct():
         got = dx.filter_value_and_grad(loss)(P0)
     assert len(calls) == 2  # k = 2 runs, each with its own primal; no wasted trial run
     assert_tree_allclose(got, eqx.filter_value_and_grad(loss)(P0))
+
+
+# ----------------------------------------------------------------------------- exact coefficients (no projection)
+
+X4 = jnp.array([0.3, -0.2, 0.8, 0.1])
+W4 = jnp.array([1.0, -2.0, 0.5, 3.0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+def test_infinite_slope_gives_inf_where_plain_jax_does(dtype):
+    """`sqrt(y[0] - c)` at its singular point next to a finite `y[1]**2`: the coefficients are
+    the frontier's own cotangents, so the gradient has `inf` in one entry and finite values
+    elsewhere, as plain JAX gives (a projection turned every entry into NaN)."""
+    scalar_ref = lambda x: jnp.sin(x) * jnp.exp(0.3 * x)  # noqa: E731
+    f = make(scalar_ref, ("fwd", "bwd", "fused"), max_basis=2)
+    x = X4.astype(dtype)
+    c = scalar_ref(x)[0]
+
+    def loss(g):
+        return lambda p: (lambda y: jnp.sqrt(y[0] - c) + y[1] ** 2)(g(p))
+
+    assert dx.explain(loss(f), x).sites[0].schedule == "deferred-basis"
+    got = dx.filter_value_and_grad(loss(f))(x)
+    expected = jax.value_and_grad(loss(scalar_ref))(x)
+    np.testing.assert_array_equal(np.isinf(got[1]), np.isinf(expected[1]))
+    np.testing.assert_array_equal(np.isnan(got[1]), np.isnan(expected[1]))
+    finite = np.isfinite(expected[1])
+    np.testing.assert_allclose(np.asarray(got[1])[finite], np.asarray(expected[1])[finite], rtol=1e-5)
+    assert int(np.isinf(got[1]).sum()) == 1 and int(np.isnan(got[1]).sum()) == 0
+
+
+@pytest.mark.parametrize("dtype, eps, atol", [(jnp.float64, 1e-10, 1e-14), (jnp.float32, 1e-4, 2e-6)])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_nearly_parallel_monitors(dtype, eps, atol, jit):
+    """`dot(w, y) / dot(w + eps v, y)`: two nearly parallel basis cotangents. No projection,
+    no residual check (it used to raise "left the span"): the gradient matches plain JAX up
+    to the cancellation of two O(1) terms (`atol`), the problem's own conditioning."""
+    scalar_ref = lambda x: jnp.sin(x) * jnp.exp(0.3 * x)  # noqa: E731
+    f = make(scalar_ref, ("fwd", "bwd", "fused"), max_basis=2)
+    v = jnp.array([0.3, 0.1, -1.0, 2.0])
+
+    def loss(g):
+        return lambda p: (lambda y: jnp.dot(W4.astype(dtype), y) / jnp.dot((W4 + eps * v).astype(dtype), y))(g(p))
+
+    x = X4.astype(dtype)
+    assert dx.explain(loss(f), x).sites[0].schedule == "deferred-basis"
+    step = dx.filter_value_and_grad(loss(f))
+    step = eqx.filter_jit(step) if jit else step
+    got = step(x)
+    expected = jax.value_and_grad(loss(scalar_ref))(x)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], expected[1], rtol=0, atol=atol)
+
+
+def test_integer_leaves_in_input_and_output():
+    """A solver taking `{"p": p, "n": 3}` and returning `{"u": field, "iters": 7}`, on the
+    deferred and the deferred-basis schedules."""
+
+    def solver(x):
+        return {"u": jnp.sin(x["p"]) * x["n"].astype(jnp.float64), "iters": jnp.array(7)}
+
+    def fused(x, ct):
+        y, vjp = jax.vjp(lambda p: solver({"p": p, "n": x["n"]}), x["p"])
+        return y, {"p": vjp(ct)[0], "n": np.zeros((), jax.dtypes.float0)}
+
+    f = dx.ExpensiveFn(fwd=solver, fused=fused, name="int_leaves", max_basis=2)
+    x = {"p": jnp.array([0.3, -0.2, 0.8]), "n": jnp.array(3)}
+    w = jnp.array([1.0, 2.0, -1.0])
+    programs = {
+        "deferred": lambda g: lambda x: (lambda y: jnp.dot(w, y["u"]) + 0.0 * y["iters"].astype(jnp.float64))(g(x)),
+        "deferred-basis": lambda g: lambda x: (lambda y: jnp.log(1 + jnp.dot(w, y["u"]) ** 2))(g(x)),
+    }
+    for schedule, program in programs.items():
+        assert dx.explain(program(f), x).sites[0].schedule == schedule
+        for jit in (False, True):
+            step = dx.filter_value_and_grad(program(f))
+            got = (eqx.filter_jit(step) if jit else step)(x)
+            expected = eqx.filter_value_and_grad(program(solver))(x)
+            assert got[1]["n"] is None
+            assert_tree_allclose(got, expected)

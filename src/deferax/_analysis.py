@@ -46,7 +46,7 @@ class Basis:
     """A site on the basis schedule: its cotangent is a combination of `k` fixed cotangents."""
 
     k: int
-    frontier: Any  # ClosedJaxpr of (consts, leaves, ys, ns) -> the frontier variables
+    variables: tuple  # the frontier variables: variables of the program that stage 3 evaluates
 
 
 @dataclasses.dataclass
@@ -61,6 +61,7 @@ class Analysis:
     early: tuple[int, ...]  # standard positions whose `fwd` runs alongside the deferred calls
     basis: dict[int, Basis]
     backward: Any  # G, pruned to what stage 1 needs: (consts, leaves, ys, seed) -> (cts, operands)
+    substituted: Any  # J with every expensive output an input (for the basis cotangents)
     backward_out: tuple  # for each output of `backward`: ("ct", position, leaf) or ("op", position, leaf)
 
     def derived(self, position: int) -> bool:
@@ -149,7 +150,7 @@ class _Check:
             backward = _jaxpr.prune(backward, keep)
             backward_out = tuple(o for o, u in zip(backward_out, keep, strict=True) if u)
         plan = self._plan(decisions, deferred, basis, early)
-        return Analysis(plan, self.program, self.sites, self.nested, deferred, early, basis, backward, backward_out)
+        return Analysis(plan, self.program, self.sites, self.nested, deferred, early, basis, backward, self._forward, backward_out)
 
     def _structural(self, k, upstream, feeds) -> str | None:
         spec = self.specs[k]
@@ -256,26 +257,20 @@ class _Check:
         return ("standard", reason, location, basis.k)
 
     def _basis(self, k) -> Basis:
-        """The linear frontier of the value in site `k`'s output, with every expensive output
-        (top-level sites and the equations holding nested ones) an input."""
-        program, sites, nested = self.program, self.sites, self.nested
+        """The linear frontier of the value in site `k`'s output, in the program itself with
+        every expensive output (top-level sites and the equations holding nested ones)
+        made an input, so that its variables are those that stage 3 evaluates."""
         if self._forward is None:
-            n_structs = [[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in program.jaxpr.eqns[i].outvars] for i in nested]
-
-            def f(ins, ys, ns):
-                handlers = {i: (lambda eqn, invals, k=k: ys[k]) for k, i in enumerate(sites)}
-                handlers |= {i: (lambda eqn, invals, j=j: ns[j]) for j, i in enumerate(nested)}
-                return _jaxpr.interpret(program, ins, handlers)[0]
-
-            self._forward = _jaxpr.trace(f, self._in_structs(), self._ys_structs(), n_structs)[0]
+            self._forward = _jaxpr.substitute(self.program, [*self.sites, *self.nested])
         closed = self._forward
         n_ys = [len(spec.y_structs) for spec in self.specs]
         source = [False] * self.n_in + [j == k for j, m in enumerate(n_ys) for _ in range(m)]
         stand_ins = [False] * self.n_in + [True] * sum(n_ys)
         stand_ins += [True] * (len(closed.jaxpr.invars) - len(stand_ins))
         source += [False] * (len(closed.jaxpr.invars) - len(source))
-        frontier = _jaxpr.linear_frontier(closed, source, stand_ins)
-        return Basis(k=_jaxpr.frontier_size(frontier), frontier=_jaxpr.with_outputs(closed, frontier))
+        outputs = [True] + [False] * (len(closed.jaxpr.outvars) - 1)  # the value, not the aux
+        frontier = _jaxpr.linear_frontier(_jaxpr.prune(closed, outputs), source, stand_ins)
+        return Basis(k=_jaxpr.frontier_size(frontier), variables=tuple(frontier))
 
     # ------------------------------------------------------------------ the plan
 

@@ -95,10 +95,6 @@ NO_ARGS = "{where}: the function must be called with at least one positional arg
 
 BAD_MAX_BASIS = "{where}: `max_basis` must be a non-negative int or None, but got {found!r}."
 
-PROJECTION = """deferax internal check: at call site #{index} `{name}` the cotangent left the span of the {k} basis cotangents
-computed by the static check (relative residual above {tol:g}). This is a bug in deferax's static check; please report
-it with the loss function. Use schedule='standard' meanwhile."""
-
 ANNOTATION = """{where}: {what} does not match its annotation.
   expected: {expected}
   received: {found}

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import concurrent.futures
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _errors, _jaxpr, _site
+from . import _jaxpr, _site
 from ._analysis import Analysis, zeros
 from ._concurrent import Fused
 
@@ -39,7 +38,7 @@ def stage1(analysis: Analysis, ins: list) -> tuple[dict, dict]:
         for (kind, k, _), value in zip(analysis.backward_out, outs, strict=True):
             (cts if kind == "ct" else operands).setdefault(k, []).append(value)
     for k, basis in analysis.basis.items():
-        cts[k] = _basis_cotangents(basis.frontier, ins, ys, k, analysis)
+        cts[k] = _basis_cotangents(analysis.substituted, basis.variables, ins, ys, k)
     return operands, cts
 
 
@@ -47,16 +46,34 @@ def _structs(avals):
     return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
 
 
-def _basis_cotangents(frontier, ins, ys, k, analysis):
-    """The rows of the Jacobian of the frontier with respect to `ys[k]` (exact: the frontier
-    is linear in it), one per real number of the frontier, stacked."""
+def _basis_cotangents(program, variables, ins, ys, k):
+    """The basis cotangents of a basis site: for each real number of each frontier variable
+    (a complex number counts twice: its real, then its imaginary direction), the cotangent
+    of the site's output that the variable's *direct* dependence on it gives, stacked.
+
+    The frontier is linear in the output, so these are exact rows of a fixed Jacobian.
+    "Direct": a frontier variable computed from another one sees it as a constant (its
+    contribution travels through the other's cotangent in stage 3), so that
+    `ct_y = sum_j ct_z[j] * row_j` holds with `ct_z` the variables' cotangents.
+    """
     n_in = len(ins) + len(jtu.tree_leaves(ys))
-    ns = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in frontier.jaxpr.invars[n_in:]]
+    ns = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in program.jaxpr.invars[n_in:]]
+    wanted = set(variables)
 
     def frontier_of(y_k):
         ys_ = list(ys)
         ys_[k] = y_k
-        return _jaxpr.interpret(frontier, [*ins, *jtu.tree_leaves(ys_), *ns])
+        seen = {}
+
+        def record(v):
+            def f(value):
+                seen[v] = value
+                return jax.lax.stop_gradient(value)
+
+            return f
+
+        _jaxpr.interpret(program, [*ins, *jtu.tree_leaves(ys_), *ns], wrap={v: record(v) for v in wanted})
+        return [seen[v] for v in variables]
 
     values, vjp = jax.vjp(frontier_of, ys[k])
     seeds = []
@@ -215,52 +232,63 @@ def given(spec: _site.Spec):
     return call
 
 
-def _realify(tree, batch_dims: int = 0):
-    """Flatten a pytree into one real vector (complex leaves count twice), per batch row."""
-    parts = []
-    for leaf in jtu.tree_leaves(tree):
-        flat = jnp.reshape(leaf, (*leaf.shape[:batch_dims], -1))
-        if jnp.iscomplexobj(flat):
-            parts += [jnp.real(flat), jnp.imag(flat)]
-        else:
-            parts.append(flat)
-    return jnp.concatenate(parts, axis=-1)
+def _realify(value):
+    """A complex array as the real vector (real parts, then imaginary parts); a real one flattened."""
+    flat = jnp.ravel(value)
+    return jnp.concatenate([jnp.real(flat), jnp.imag(flat)]) if jnp.iscomplexobj(flat) else flat
 
 
-def replay_basis(spec: _site.Spec, index: int):
-    """A basis site's output, whose backward pass finds `ct_y = sum_j a_j basis_j` and
-    combines the precomputed input cotangents with the `a_j`."""
+def frontier_cotangent(spec: _site.Spec, rows: slice):
+    """Where a frontier variable `z` of a basis site is made: `z` itself, whose backward pass
+    also gives the site's operands their cotangent. The coefficients are `z`'s own
+    cotangent, exactly (no projection): `ct_x = sum_j ct_z[j] * ct_x_j` over the
+    precomputed input cotangents of this variable's basis cotangents, with a zero entry of
+    `ct_x_j` contributing zero whatever `ct_z[j]` is: an infinite slope then gives `inf`
+    where the standard schedule's adjoint would, not NaN everywhere."""
 
     @jax.custom_vjp
-    def call(operands, y, basis, ct_xs):
-        return y
+    def call(z, operands, ct_xs):
+        return z
 
-    def fwd(operands, y, basis, ct_xs):
-        return y, (operands, y, basis, ct_xs)
+    def fwd(z, operands, ct_xs):
+        return z, (operands, ct_xs)
 
-    def bwd(residuals, ct_y):
-        operands, y, basis, ct_xs = residuals
-        matrix = _realify(basis, batch_dims=1)  # (k, m)
-        target = _realify(ct_y)  # (m,)
-        coefficients = jnp.linalg.lstsq(matrix.T, target)[0]
-        residual = jnp.linalg.norm(matrix.T @ coefficients - target)
-        scale = jnp.linalg.norm(target) + jnp.finfo(target.dtype).tiny
-        tol = 1e-6 if target.dtype == jnp.float64 else 1e-3
-        coefficients = eqx.error_if(
-            coefficients, residual > tol * scale, _errors.PROJECTION.format(index=index, name=spec.name, k=matrix.shape[0], tol=tol)
-        )
-        diff_cts = [jnp.tensordot(coefficients.astype(c.dtype), c, axes=1) for c in ct_xs]
-        zeros_ = jtu.tree_map(_site.zero_cotangent, (y, basis, ct_xs))
-        return (_site.operand_cotangents(spec, operands, diff_cts), *zeros_)
+    def bwd(residuals, ct_z):
+        operands, ct_xs = residuals
+        a = _realify(ct_z)
+
+        def combine(c):
+            c = c[rows]
+            coefficients = jnp.reshape(a, (-1,) + (1,) * (c.ndim - 1)).astype(c.dtype)
+            return jnp.sum(jnp.where(c == 0, jnp.zeros((), c.dtype), coefficients * c), axis=0)
+
+        diff_cts = [combine(c) for c in ct_xs]
+        return (ct_z, _site.operand_cotangents(spec, operands, diff_cts), jtu.tree_map(_site.zero_cotangent, ct_xs))
 
     call.defvjp(fwd, bwd)
     return call
 
 
+def _frontier_wraps(analysis: Analysis, k: int, operands: dict, ct_xs: list) -> dict:
+    """The stage-3 wrappers of site `k`'s frontier variables (`operands[k]` is filled in
+    when the site is evaluated, before any of its frontier variables is made)."""
+    spec = analysis.spec(k)
+    wraps, start = {}, 0
+    for v in analysis.basis[k].variables:
+        size = 1
+        for d in v.aval.shape:
+            size *= d
+        size *= 2 if jnp.issubdtype(v.aval.dtype, jnp.complexfloating) else 1
+        rows = slice(start, start + size)
+        wraps[v] = lambda z, rows=rows: frontier_cotangent(spec, rows)(z, operands[k], ct_xs)
+        start += size
+    return wraps
+
+
 def stage3(analysis: Analysis, has_diff: list[bool], ins: list, results) -> tuple:
     """`(outputs, grads)`: the program's outputs (value first) and the gradient of the value
     with respect to the inputs flagged in `has_diff`."""
-    handlers = {}
+    handlers, wraps, operands = {}, {}, {}
     if results is not None:
         cts, ys, diff_cts = results
         for k in analysis.deferred + analysis.early:
@@ -268,7 +296,10 @@ def stage3(analysis: Analysis, has_diff: list[bool], ins: list, results) -> tupl
             if k in analysis.early:
                 handlers[analysis.sites[k]] = lambda eqn, ops, spec=spec, k=k: given(spec)(ops, ys[k])
             elif k in analysis.basis:
-                handlers[analysis.sites[k]] = lambda eqn, ops, spec=spec, k=k: replay_basis(spec, k)(ops, ys[k], cts[k], diff_cts[k])
+                # the output is a constant here; the operands get their cotangent where the
+                # frontier variables are made
+                handlers[analysis.sites[k]] = lambda eqn, ops, k=k: (operands.__setitem__(k, ops), ys[k])[1]
+                wraps |= _frontier_wraps(analysis, k, operands, diff_cts[k])
             else:
                 handlers[analysis.sites[k]] = lambda eqn, ops, spec=spec, k=k: replay(
                     ops, ys[k], _site.operand_cotangents(spec, ops, diff_cts[k])
@@ -278,7 +309,7 @@ def stage3(analysis: Analysis, has_diff: list[bool], ins: list, results) -> tupl
     def program(diff_):
         it = iter(diff_)
         full = [next(it) if d else a for a, d in zip(ins, has_diff, strict=True)]
-        outs = _jaxpr.interpret(analysis.program, full, handlers)
+        outs = _jaxpr.interpret(analysis.program, full, handlers, wraps)
         return outs[0], outs[1:]
 
     value, vjp, aux = jax.vjp(program, diff, has_aux=True)

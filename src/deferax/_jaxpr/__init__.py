@@ -23,7 +23,6 @@ from ._dependence import under_differentiation as under_differentiation
 from ._keys import structural_key as structural_key
 from ._linearity import frontier_size as frontier_size
 from ._linearity import linear_frontier as linear_frontier
-from ._linearity import with_outputs as with_outputs
 from ._primitives import define_primitive as define_primitive
 from ._primitives import instantiate as instantiate
 from ._primitives import is_not_mapped as is_not_mapped
@@ -38,5 +37,6 @@ from ._program import kind_of as kind_of
 from ._program import nested_in as nested_in
 from ._program import open_consts as open_consts
 from ._program import prune as prune
+from ._program import substitute as substitute
 from ._program import top_level as top_level
 from ._program import trace as trace

@@ -120,14 +120,3 @@ def frontier_size(variables) -> int:
             n *= d
         total += 2 * n if jax.numpy.issubdtype(aval.dtype, jax.numpy.complexfloating) else n
     return total
-
-
-def with_outputs(closed, variables):
-    """A closed jaxpr with the same inputs that returns `variables` instead of its outputs."""
-    from jax._src.interpreters import partial_eval as pe
-
-    jaxpr = closed.jaxpr
-    info = jaxpr.debug_info.with_unknown_names() if jaxpr.debug_info is not None else None
-    narrowed = jaxpr.replace(outvars=list(variables), debug_info=info)
-    pruned, _ = pe.dce_jaxpr(narrowed, [True] * len(variables), instantiate=True)
-    return _core.ClosedJaxpr(pruned, closed.consts)

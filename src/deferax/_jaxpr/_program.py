@@ -24,11 +24,11 @@ def bind_equation(eqn, args):
     return out if eqn.primitive.multiple_results else [out]
 
 
-def interpret(closed, args, handlers=None):
+def interpret(closed, args, handlers=None, wrap=None):
     """Evaluate a closed jaxpr on flat `args` under the current trace.
 
     `handlers` maps an equation index to `handler(eqn, invals) -> outvals`, which replaces
-    the equation.
+    the equation; `wrap` maps a variable to `fn(value) -> value`, applied where it is made.
     """
     jaxpr = closed.jaxpr
     handlers = handlers or {}
@@ -39,11 +39,32 @@ def interpret(closed, args, handlers=None):
 
     env.update(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
+    for v in jaxpr.invars:
+        if wrap and v in wrap:
+            env[v] = wrap[v](env[v])
     for i, eqn in enumerate(jaxpr.eqns):
         ins = [read(v) for v in eqn.invars]
         outs = handlers[i](eqn, ins) if i in handlers else bind_equation(eqn, ins)
+        if wrap:
+            outs = [wrap[v](o) if v in wrap else o for v, o in zip(eqn.outvars, outs, strict=True)]
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
+
+
+def substitute(closed, eqn_indices):
+    """The same program with the outputs of the equations at `eqn_indices` as extra inputs
+    (after the existing ones, in order) and those equations removed. The remaining
+    variables are the same objects as in `closed`."""
+    jaxpr = closed.jaxpr
+    chosen = set(eqn_indices)
+    extra = []
+    for i in eqn_indices:
+        extra += [_core.Var(v.aval) if isinstance(v, _core.DropVar) else v for v in jaxpr.eqns[i].outvars]
+    eqns = [e for i, e in enumerate(jaxpr.eqns) if i not in chosen]
+    effects = _core.join_effects(*(e.effects for e in eqns)) if eqns else _core.no_effects
+    info = jaxpr.debug_info.with_unknown_names() if jaxpr.debug_info is not None else None
+    new = jaxpr.replace(invars=[*jaxpr.invars, *extra], eqns=eqns, effects=effects, debug_info=info)
+    return _core.ClosedJaxpr(new, closed.consts)
 
 
 def contains(eqn, primitives) -> bool:
