@@ -159,7 +159,12 @@ def main():
     print(dx.explain(lambda x: -problem.objective(problem.field())(x), jnp.full(problem.design_shape, 2.0)))
 
     if args.dask:
-        from distributed import Client, LocalCluster
+        try:
+            from distributed import Client, LocalCluster
+        except ModuleNotFoundError:
+            raise SystemExit(
+                "--dask needs Dask's `distributed`: install it with `pip install -e .[dask]` (or `pip install distributed`)."
+            ) from None
 
         with LocalCluster(n_workers=args.dask, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
             with Client(cluster) as client:

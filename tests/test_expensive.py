@@ -358,3 +358,28 @@ def test_all_combinations_listed():
     subsets = [c for n in (1, 2, 3) for c in itertools.combinations(("fwd", "bwd", "fused"), n)]
     valid = [c for c in subsets if "fwd" in c or "fused" in c]
     assert sorted(valid) == sorted(COMBINATIONS)
+
+
+@pytest.mark.parametrize(
+    "impl, fn, expected, found",
+    [
+        ("bwd", lambda x, ct: ct, "bwd(x, y, ct_y)", "bwd(x, ct)"),
+        ("fused", lambda x: (x, x), "fused(x, ct_y)", "fused(x)"),
+        ("fwd", lambda x, y: x, "fwd(x)", "fwd(x, y)"),
+        ("jvp", lambda x: (x, x), "jvp(x, t_x)", "jvp(x)"),
+        ("adjoint", lambda x, y, ct: ct, "adjoint(x, ct_y)", "adjoint(x, y, ct)"),
+    ],
+)
+def test_error_implementation_with_the_wrong_signature(impl, fn, expected, found):
+    given = {"fwd": jnp.sin, impl: fn}
+    with pytest.raises(TypeError, match=match(f"`ExpensiveFn(name='sim')`: `{impl}` cannot be called as `{expected}`: its signature is `{found}`")):
+        dx.ExpensiveFn(**given, name="sim")
+    # dx.host checks its host functions the same way
+    if impl in ("bwd", "fused", "jvp", "adjoint"):
+        with pytest.raises(TypeError, match=match(f"`{impl}` cannot be called as `{expected}`")):
+            dx.host(np.sin, **{impl: fn}, out=jax.ShapeDtypeStruct((3,), jnp.float64), name="sim")
+
+
+def test_error_nothing_given_names_the_class():
+    with pytest.raises(TypeError, match=match("`ExpensiveFn(name='ExpensiveFn')`: nothing can compute the output.")):
+        dx.ExpensiveFn()

@@ -33,6 +33,14 @@ NO_OUT = """{call}: the output shape is unknown. With no `fwd` to trace ({why}),
 
 NOT_CALLABLE = "{call}: `{impl}` must be a callable or None, but got {found!r}."
 
+SIGNATURES = {
+    "fwd": "fwd(x)", "bwd": "bwd(x, y, ct_y)", "fused": "fused(x, ct_y)", "fused_batch": "fused_batch(x, cts)",
+    "jvp": "jvp(x, t_x)", "jvp_batch": "jvp_batch(x, t_xs)", "adjoint": "adjoint(x, ct_y)", "combine": "combine(x, y, partial)",
+}  # fmt: skip
+
+BAD_SIGNATURE = """{call}: `{impl}` cannot be called as `{expected}`: its signature is `{found}` ({why}).
+Each implementation is called with positional arguments only: `{expected}`."""
+
 BAD_OUT = "{call}: `out` must be a pytree of `jax.ShapeDtypeStruct` or a callable returning one, but got {found!r}."
 
 MISMATCH = """{call}: `{impl}` returned {what} that does not match {against}.

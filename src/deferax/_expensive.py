@@ -126,13 +126,16 @@ class ExpensiveFn(eqx.Module):
     def __post_init__(self):
         if self.name is None:
             impl = next((f for f in (self.fwd, self.fused, self.jvp, self.jvp_batch) if f is not None), None)
-            object.__setattr__(self, "name", getattr(impl, "__name__", None) or type(impl).__name__)
+            name = "ExpensiveFn" if impl is None else getattr(impl, "__name__", None) or type(impl).__name__
+            object.__setattr__(self, "name", name)
 
     def __check_init__(self):
         for impl in ("fwd", "bwd", "fused", "fused_batch", "jvp", "jvp_batch", "adjoint", "combine"):
             value = getattr(self, impl)
             if value is not None and not callable(value):
                 raise TypeError(_errors.NOT_CALLABLE.format(call=self._call, impl=impl, found=value))
+            if value is not None:
+                check_signature(self._call, impl, value)
         if self.max_basis is not None and (not isinstance(self.max_basis, int) or self.max_basis < 0):
             raise ValueError(_errors.BAD_MAX_BASIS.format(where=self._call, found=self.max_basis))
         if self.adjoint is not None and self.bwd is not None:
@@ -334,6 +337,21 @@ class ExpensiveFn(eqx.Module):
         x = jtu.tree_map(jnp.asarray, x)
         return _site.call(self, x)
 
+
+
+def check_signature(call: str, impl: str, fn: Any) -> None:
+    """Refuse, at construction, an implementation that cannot take its positional arguments
+    (`bwd=lambda x, ct: ...` without `y`), naming what it must take."""
+    expected = _errors.SIGNATURES[impl]
+    n = expected.count(",") + 1
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or a C function: nothing to check
+        return
+    try:
+        signature.bind(*range(n))
+    except TypeError as e:
+        raise TypeError(_errors.BAD_SIGNATURE.format(call=call, impl=impl, expected=expected, found=f"{impl}{signature}", why=e)) from None
 
 
 class _Primal(eqx.Module):

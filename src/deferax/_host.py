@@ -17,7 +17,7 @@ from jaxtyping import PyTree
 
 from . import _errors, _executor
 from ._concurrent import is_concrete
-from ._expensive import ExpensiveFn, _struct
+from ._expensive import ExpensiveFn, _struct, check_signature
 from ._host_jobs import Runner
 
 NO_OUT = """{call}: host functions cannot be traced by JAX, so the output's shape and dtype must be declared with `out=`,
@@ -226,6 +226,8 @@ def host(
     for impl, fn in impls.items():
         if fn is not None and not callable(fn):
             raise TypeError(_errors.NOT_CALLABLE.format(call=call, impl=impl, found=fn))
+        if fn is not None:
+            check_signature(call, impl, fn)
     if fwd is None and fused is None and jvp is None and jvp_batch is None:
         raise TypeError(NO_PRIMAL.format(call=call))
     if out is None:
