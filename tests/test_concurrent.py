@@ -5,6 +5,7 @@ must reach before any can go on: the call finishes only if they all run at the s
 
 import re
 import threading
+import time
 
 import equinox as eqx
 import jax
@@ -144,3 +145,76 @@ def test_errors_adjoint_with_bwd_and_combine_without_adjoint():
     bad = dx.ExpensiveFn(fwd=plain, adjoint=lambda x, ct: ct, combine=lambda x, y, p: p[:2], name="bad_combine")
     with pytest.raises(ValueError, match=re.escape("`ExpensiveFn(name='bad_combine')`: `combine` returned a cotangent that does not match the input `x`.")):
         jax.grad(lambda x: jnp.sum(bad(x)))(X)
+
+
+# ----------------------------------------------------------------------------- implementations that are not thread-safe
+
+
+class Workspace:
+    """A host solver with one shared workspace: entering it twice at once corrupts the
+    results. Records the most calls ever inside at once."""
+
+    def __init__(self):
+        self.buffer = np.zeros(4)
+        self.inside = 0
+        self.peak = 0
+        self.lock = threading.Lock()
+
+    def _solve(self, matrix, rhs):
+        with self.lock:
+            self.inside += 1
+            self.peak = max(self.peak, self.inside)
+        self.buffer[:] = rhs
+        time.sleep(0.05)  # another caller would overwrite the buffer meanwhile
+        out = np.linalg.solve(matrix, self.buffer.copy())
+        with self.lock:
+            self.inside -= 1
+        return out
+
+    def site(self, name="solver", **kwargs):
+        a = np.asarray(A)
+        return dx.host(
+            lambda b: self._solve(a + 4 * np.eye(4), b),
+            adjoint=lambda b, ct: self._solve((a + 4 * np.eye(4)).T, ct),
+            out=jax.ShapeDtypeStruct((4,), jnp.float64),
+            name=name,
+            **kwargs,
+        )
+
+
+def solved(x):
+    return jnp.linalg.solve(A + 4 * jnp.eye(4), x)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_function_that_is_not_thread_safe_is_never_entered_twice(jit):
+    wrap = eqx.filter_jit if jit else (lambda f: f)
+    # by default the deferred schedule overlaps the forward and the adjoint
+    ws = Workspace()
+    wrap(dx.filter_value_and_grad(linear(ws.site())))(X)
+    assert ws.peak == 2
+    # declared not thread-safe: one at a time, and the right result; two sites of it, a batch
+    ws = Workspace()
+    f, g = ws.site("f", thread_safe=False), ws.site("g", thread_safe=False)
+    loss = lambda x: linear(f)(x) + jnp.sum(jax.vmap(g)(jnp.stack([x, 2 * x, -x])))  # noqa: E731
+    reference = lambda x: linear(solved)(x) + jnp.sum(jax.vmap(solved)(jnp.stack([x, 2 * x, -x])))  # noqa: E731
+    assert [s.schedule for s in dx.explain(loss, X).sites] == ["deferred", "deferred"]
+    got = wrap(dx.filter_value_and_grad(loss))(X)
+    assert ws.peak == 1
+    assert_tree_allclose(got, jax.value_and_grad(reference)(X))
+
+
+def test_concurrency_switched_off_for_every_function():
+    ws = Workspace()
+    f, g = ws.site("f"), ws.site("g")
+    loss = lambda x: linear(f)(x) + linear(g)(2 * x)  # noqa: E731
+    dx.set_concurrency(False)
+    try:
+        got = dx.filter_value_and_grad(loss)(X)
+    finally:
+        dx.set_concurrency(True)
+    assert ws.peak == 1
+    assert_tree_allclose(got, jax.value_and_grad(lambda x: linear(solved)(x) + linear(solved)(2 * x))(X))
+    ws.peak = 0
+    dx.filter_value_and_grad(loss)(X)
+    assert ws.peak > 1  # switched back on

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import contextvars
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -13,7 +15,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _jaxpr
+from . import _executor, _jaxpr
 
 # The threads mostly wait for compiled programs; several sites each need two at once.
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(16, 2 * (os.cpu_count() or 2)), thread_name_prefix="deferax")
@@ -93,9 +95,26 @@ def _apply_batched(f, x, cts):
     return jax.vmap(f, in_axes=(None, 0))(x, cts)
 
 
+_SERIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_serial", default=False)
+
+
+@contextlib.contextmanager
+def serial() -> Iterator[None]:
+    """Inside: `Fused` runs its two halves one after the other (the function is not thread-safe)."""
+    token = _SERIAL.set(True)
+    try:
+        yield
+    finally:
+        _SERIAL.reset(token)
+
+
 def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
     fwd = lambda x_: _apply(fwd_fn, x_)  # noqa: E731
     adjoint = lambda x_, ct_: apply_adjoint(adjoint_fn, x_, ct_)  # noqa: E731
+    one_at_a_time = _SERIAL.get() or not _executor.concurrency_enabled()  # read now (while tracing, if traced)
+    if is_concrete((x, ct)) and one_at_a_time:
+        with _executor.SERIAL_LOCK:
+            return jax.block_until_ready(fwd(x)), jax.block_until_ready(adjoint(x, ct))
     if is_concrete((x, ct)):
         y = _POOL.submit(_jaxpr.carry_context(lambda: jax.block_until_ready(fwd(x))))
         ct_x = _POOL.submit(_jaxpr.carry_context(lambda: jax.block_until_ready(adjoint(x, ct))))
@@ -116,6 +135,9 @@ def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
         return run
 
     def host(x_, ct_):
+        if one_at_a_time:
+            with _executor.SERIAL_LOCK:
+                return carry(lambda: jtu.tree_map(np.asarray, fwd(x_)))(), carry(lambda: jtu.tree_map(np.asarray, adjoint(x_, ct_)))()
         y_ = _POOL.submit(carry(lambda: jtu.tree_map(np.asarray, fwd(x_))))
         c_ = _POOL.submit(carry(lambda: jtu.tree_map(np.asarray, adjoint(x_, ct_))))
         return y_.result(), c_.result()

@@ -18,6 +18,30 @@ from typing import Any
 _DEFAULT: cf.Executor | None = None
 _DEFAULT_LOCK = threading.Lock()
 
+# Whether deferax may run two implementation calls at once (`set_concurrency`).
+_CONCURRENT = True
+# Held around every call of an implementation declared not thread-safe that deferax runs
+# on its own threads: no two such calls overlap.
+SERIAL_LOCK = threading.RLock()
+
+
+def set_concurrency(enabled: bool) -> None:
+    """Allow (`True`, the default) or forbid deferax to run two implementation calls at the
+    same time, for every function.
+
+    Concurrency is the point of the deferred schedules (a forward and an adjoint together,
+    several sites together), but an implementation that keeps one shared workspace (many C
+    and Fortran solvers) gives wrong results when entered twice at once. Forbid it for one
+    function with `ExpensiveFn(thread_safe=False)` or `dx.host(..., thread_safe=False)`,
+    or for all of them here; the schedules stay the same, their calls run one at a time.
+    """
+    global _CONCURRENT
+    _CONCURRENT = bool(enabled)
+
+
+def concurrency_enabled() -> bool:
+    return _CONCURRENT
+
 
 def default_executor() -> cf.Executor:
     """The thread pool that host jobs run on when no `executor=` is given (created on first use)."""
@@ -142,12 +166,22 @@ def _failure(call: str, executor: cf.Executor, job: Job, e: BaseException) -> Ho
     return HostError(RAISED.format(call=call, impl=job.impl, error=_error(e), where=where, chained=chained))
 
 
-def run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job]) -> list[Any]:
+def run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], serial: bool = False) -> list[Any]:
     """Submit all `jobs` at once, wait for all of them, and return their results in order.
 
     The first failure (in completion order) cancels the jobs that have not started and is
-    raised as a `HostError`; the others are not waited for, so nothing hangs on them.
+    raised as a `HostError`; the others are not waited for, so nothing hangs on them. With
+    `serial` (or concurrency switched off), one job at a time, under `SERIAL_LOCK`.
     """
+    if (serial or not _CONCURRENT) and len(jobs) > 1:
+        return [run(call, executor, timeout, [job], serial=True)[0] for job in jobs]
+    if serial or not _CONCURRENT:
+        with SERIAL_LOCK:
+            return _run(call, executor, timeout, jobs)
+    return _run(call, executor, timeout, jobs)
+
+
+def _run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job]) -> list[Any]:
     executor = executor if executor is not None else default_executor()
     futures: list[cf.Future] = []
     for job in jobs:

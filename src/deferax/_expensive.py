@@ -85,6 +85,10 @@ class ExpensiveFn(eqx.Module):
     - `max_tangents`: the most input numbers `n` for which reverse mode uses the
       forward-basis strategy (default 8 when `bwd` or `fused` is given too; no limit for a
       function with forward-mode implementations only).
+    - `thread_safe`: `False` for implementations that must not run twice at once (one
+      shared workspace): deferax then runs no two calls of it, nor of any other such
+      function, at the same time, not even the forward and the adjoint of one deferred
+      call. See also [`deferax.set_concurrency`][].
     - `prefer`: `None` (the default rule: fewest sequential expensive stages, then fewest
       expensive calls), or force a strategy: `"standard"` (`fwd` then `bwd`; never
       deferred), `"forward-basis"` (the primal with `n` tangents; never deferred).
@@ -122,6 +126,7 @@ class ExpensiveFn(eqx.Module):
     combine: Any = None
     max_tangents: int | None = eqx.field(default=None, static=True)
     prefer: str | None = eqx.field(default=None, static=True)
+    thread_safe: bool = eqx.field(default=True, static=True)
 
     def __post_init__(self):
         if self.name is None:

@@ -61,6 +61,7 @@ class _Host(eqx.Module):
     timeout: float | None = eqx.field(static=True)
     vectorized: bool = eqx.field(static=True)
     linear_adjoint: bool = eqx.field(static=True)
+    thread_safe: bool = eqx.field(static=True)
     combine: Callable[..., Any]
     out: Any
     adjoint_out: Any
@@ -70,7 +71,7 @@ class _Host(eqx.Module):
         return Runner(
             self.call, self.host_fwd, self.host_adjoint, self.host_bwd, self.host_fused,
             self.executor, self.timeout, self.vectorized, self.linear_adjoint, why,
-            self.host_jvp, self.host_jvp_batch,
+            self.host_jvp, self.host_jvp_batch, self.thread_safe,
         )  # fmt: skip
 
     def _out(self, x: PyTree) -> PyTree:
@@ -140,6 +141,7 @@ def host(
     max_basis: int | None = None,
     max_tangents: int | None = None,
     prefer: str | None = None,
+    thread_safe: bool = True,
 ) -> ExpensiveFn:
     """Make a [`deferax.ExpensiveFn`][] from host functions: NumPy, SciPy, a C++ solver, a job
     on a cluster.
@@ -193,6 +195,9 @@ def host(
       schedule, a basis cotangent that is a multiple of another (an overlap `|<m, E>|^2`
       gives `m` and `1j * m`) or zero is not solved again.
     - `max_basis`, `max_tangents`, `prefer`: as for [`deferax.ExpensiveFn`][].
+    - `thread_safe`: `False` when the host functions share one workspace (a C or Fortran
+      solver): their jobs are then submitted one at a time, never two at once (see
+      [`deferax.set_concurrency`][]).
 
     **Returns:**
 
@@ -257,6 +262,7 @@ def host(
         timeout=timeout,
         vectorized=vectorized,
         linear_adjoint=linear_adjoint,
+        thread_safe=thread_safe,
         combine=combine if combine is not None else _identity,
         out=out,
         adjoint_out=adjoint_out,
@@ -277,4 +283,5 @@ def host(
         max_basis=max_basis if max_basis is not None or not linear_adjoint else 2,
         max_tangents=max_tangents,
         prefer=prefer,
+        thread_safe=thread_safe,
     )

@@ -108,6 +108,7 @@ class Runner:
     adjoint_why: str
     jvp: Callable[..., Any] | None = None
     jvp_batch: Callable[..., Any] | None = None
+    thread_safe: bool = True
 
     def __call__(self, kind: str, result: PyTree, arg_structs: PyTree, *args: PyTree) -> PyTree:
         """Run `kind` on NumPy `args`; with leading batch axes (from `vmap`) once per element,
@@ -179,7 +180,8 @@ class Runner:
 
     def _execute(self, calls: list[_Call]) -> list:
         if not self.vectorized:
-            results = _executor.run(self.call, self.executor, self.timeout, [_executor.Job(c.impl, c.fn, c.args) for c in calls])
+            jobs = [_executor.Job(c.impl, c.fn, c.args) for c in calls]
+            results = _executor.run(self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe)
             return [self._check(c, r) for c, r in zip(calls, results, strict=True)]
         # One call per host function, with the arguments of all its calls stacked on a leading axis.
         groups: dict[str, list[int]] = {}
@@ -193,7 +195,8 @@ class Runner:
             expected = jtu.tree_map(lambda s, n=size: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), head.expected)
             why = f"{head.why}, with a leading batch axis of length {len(members)} (`vectorized=True`)"
             stacked.append(_Call(impl, head.fn, args, expected, why))
-        results = _executor.run(self.call, self.executor, self.timeout, [_executor.Job(c.impl, c.fn, c.args) for c in stacked])
+        jobs = [_executor.Job(c.impl, c.fn, c.args) for c in stacked]
+        results = _executor.run(self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe)
         out: list = [None] * len(calls)
         for (_, members), c, r in zip(groups.items(), stacked, results, strict=True):
             r = self._check(c, r)

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _jaxpr, _site
+from . import _executor, _jaxpr, _site
 from ._analysis import Analysis, zeros
-from ._concurrent import Fused
+from ._concurrent import Fused, serial
 
 # ----------------------------------------------------------------------------- stage 1
 
@@ -118,12 +118,19 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
             return jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_xs), spec.diff, strict=True) if d]
         return fused(spec, operands_[k], cts_[k], analysis.derived(k))
 
+    def guarded(k, operands_, cts_):
+        """`one(k)`, one call at a time for a function that is not thread-safe."""
+        if analysis.spec(k).static.thread_safe and _executor.concurrency_enabled():
+            return one(k, operands_, cts_)
+        with _executor.SERIAL_LOCK, serial():
+            return one(k, operands_, cts_)
+
     def run_all(operands_, cts_):
         if len(positions) > 1:
             with concurrent.futures.ThreadPoolExecutor(max_workers=len(positions)) as pool:
-                futures = [pool.submit(_jaxpr.carry_context(one), k, operands_, cts_) for k in positions]
+                futures = [pool.submit(_jaxpr.carry_context(guarded), k, operands_, cts_) for k in positions]
                 return [f.result() for f in futures]
-        return [one(k, operands_, cts_) for k in positions]
+        return [guarded(k, operands_, cts_) for k in positions]
 
     def leaves_program(k):
         """Whether the site's expensive work runs outside the XLA program anyway: on the
@@ -151,7 +158,7 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
 
         results = jax.pure_callback(host, shapes, mine, vmap_method="sequential")
     else:
-        results = [one(k, operands, cts) for k in positions]
+        results = [guarded(k, operands, cts) for k in positions]
     ys = {k: r[0] for k, r in zip(positions, results, strict=True)}
     diff_cts = {k: r[1] for k, r in zip(positions, results, strict=True)}
     return ys, diff_cts
