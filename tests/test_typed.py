@@ -255,3 +255,20 @@ def test_canonical_pattern_composes_with_eqx_nn():
     wrong = Design(eqx.nn.MLP(2, 12, 8, 1, key=key), Simulator(f, jnp.ones((3, 4))), (4, 3))
     with pytest.raises(dx.AnnotationError, match=re.escape("`Simulator.__call__`: argument `eps` does not match its annotation.")):
         dx.filter_value_and_grad(loss)(wrong, z)
+
+
+def test_star_args_and_kwargs_annotations_apply_to_each_element():
+    """As in Python, `*xs: Float[Array, " n"]` annotates each positional element (and
+    `**kw` each value), all in one set of dimension bindings."""
+
+    class Summer(dx.TypedModule):
+        def total(self, *xs: Float[Array, " n"], **weights: Float[Array, ""]) -> Float[Array, " n"]:
+            return sum(xs) * sum(weights.values())
+
+    s = Summer()
+    out = s.total(jnp.ones(3), jnp.ones(3), a=jnp.array(2.0))
+    assert out.shape == (3,)
+    with pytest.raises(dx.AnnotationError, match=re.escape("argument `*xs` [1] does not match its annotation")):
+        s.total(jnp.ones(3), jnp.ones(4))
+    with pytest.raises(dx.AnnotationError, match=re.escape("argument `a` (of `**weights`) does not match its annotation")):
+        s.total(jnp.ones(3), a=jnp.ones(2))

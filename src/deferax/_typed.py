@@ -131,7 +131,16 @@ def check_call(fn: Callable, where: str, args: tuple, kwargs: dict, *, self_fiel
             _check_fields(self_fields, where)
         bound = signature.bind(*args, **kwargs)
         for name, value in bound.arguments.items():
-            if name in hints:
+            if name not in hints:
+                continue
+            kind = signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:  # the annotation is each element's, as in Python
+                for i, item in enumerate(value):
+                    check(item, hints[name], where, f"argument `*{name}` [{i}]")
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                for key, item in value.items():
+                    check(item, hints[name], where, f"argument `{key}` (of `**{name}`)")
+            else:
                 check(value, hints[name], where, f"argument `{name}`")
         result = call(*args, **kwargs)
         if "return" in hints:
