@@ -383,3 +383,24 @@ def test_error_implementation_with_the_wrong_signature(impl, fn, expected, found
 def test_error_nothing_given_names_the_class():
     with pytest.raises(TypeError, match=match("`ExpensiveFn(name='ExpensiveFn')`: nothing can compute the output.")):
         dx.ExpensiveFn()
+
+
+def test_error_64_bit_output_declared_with_x64_off():
+    """With JAX's 64-bit mode off, a float64 `out=` cannot match: the message says why
+    (in a subprocess: the test suite runs with x64 on)."""
+    import subprocess
+    import sys
+
+    code = """
+import jax, jax.numpy as jnp
+import deferax as dx
+f = dx.ExpensiveFn(fwd=jnp.sin, bwd=lambda x, y, ct: ct, out=jax.ShapeDtypeStruct((3,), jnp.float64), name="f64")
+try:
+    jax.grad(lambda x: jnp.sum(f(x)))(jnp.ones(3))
+except ValueError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Expected float64[3], found float32[3]." in out.stdout
+    assert "JAX's 64-bit mode is off (`jax_enable_x64`), so JAX computes in 32 bits: declare 32-bit dtypes in `out=`" in out.stdout

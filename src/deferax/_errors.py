@@ -118,3 +118,6 @@ BOTH_ADJOINTS = """{call}: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not bot
 cotangent needs `y`): it does not need the output, so forward and adjoint can run at the same time."""
 
 ONLY_WITH_ADJOINT = "{call}: `{what}` was given without `adjoint`; `combine` and `adjoint_out` describe what `adjoint` returns."
+
+X64_OFF = """JAX's 64-bit mode is off (`jax_enable_x64`), so JAX computes in 32 bits: declare 32-bit dtypes in `out=`, or turn it
+on first with `jax.config.update("jax_enable_x64", True)`."""

@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 from . import _errors, _site, _tangents, _typed
@@ -211,6 +212,9 @@ class ExpensiveFn(eqx.Module):
                     lines.append(f"Expected {_errors.shape_text(e)}{where}, found {_errors.shape_text(fs)}.")
             if not lines:
                 return
+            wide = (np.float64, np.complex128, np.int64, np.uint64)
+            if not jax.config.jax_enable_x64 and any(np.dtype(e.dtype) in wide for e in jtu.tree_leaves(expected)):
+                lines.append(_errors.X64_OFF)
             detail = "\n".join(lines)
         raise ValueError(
             _errors.MISMATCH.format(
