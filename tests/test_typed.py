@@ -272,3 +272,32 @@ def test_star_args_and_kwargs_annotations_apply_to_each_element():
         s.total(jnp.ones(3), jnp.ones(4))
     with pytest.raises(dx.AnnotationError, match=re.escape("argument `a` (of `**weights`) does not match its annotation")):
         s.total(jnp.ones(3), a=jnp.ones(2))
+
+
+def test_string_annotation_naming_a_local_class():
+    """A string annotation naming a class defined inside a function works as in a plain
+    `eqx.Module` (that field is not checked); the other fields still are."""
+
+    class Inner(eqx.Module):
+        w: jax.Array
+
+    class Outer(dx.TypedModule):
+        inner: "Inner"
+        scale: Float[Array, " n"]
+
+    outer = Outer(Inner(jnp.ones(2)), jnp.ones(3))
+    assert outer.inner.w.shape == (2,)
+    with pytest.raises(dx.AnnotationError, match=re.escape("field `scale` does not match its annotation")):
+        Outer(Inner(jnp.ones(2)), jnp.ones((3, 3)))
+
+
+def test_a_large_pytree_received_is_named_not_printed():
+    class Layer(dx.TypedModule):
+        weight: Float[Array, "out in"]
+
+    mlp = eqx.nn.MLP(4, 2, 8, 3, key=jax.random.key(0))
+    with pytest.raises(dx.AnnotationError) as info:
+        Layer(mlp)
+    text = str(info.value)
+    assert re.search(r"received: MLP \(a pytree of \d+ leaves\)", text), text
+    assert len(text.splitlines()) <= 6

@@ -13,13 +13,17 @@ def shape_text(a: Any) -> str:
 
 
 def tree_text(value: Any) -> str:
-    """How a value is shown in messages: `float64[3, 4]` for an array, a pytree of those."""
+    """How a value is shown in messages: `float64[3, 4]` for an array, a pytree of those
+    (a large pytree, an MLP say, by its type and size rather than in full)."""
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return shape_text(value)
     leaves, treedef = jtu.tree_flatten(value)
     if treedef.num_nodes == 1:
         return type(value).__name__ if not leaves or leaves[0] is not value else repr(value)[:80]
-    return str(jtu.tree_unflatten(treedef, [tree_text(v) for v in leaves])).replace("'", "")
+    text = str(jtu.tree_unflatten(treedef, [tree_text(v) for v in leaves])).replace("'", "")
+    if len(text) > 160 or "\n" in text:
+        return f"{type(value).__name__} (a pytree of {len(leaves)} leaves)"
+    return text
 
 NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, `fused(x, ct_y) -> (y, ct_x)` or `jvp(x, t_x) -> (y, t_y)`:
 

@@ -15,6 +15,7 @@ import functools as ft
 import inspect
 import io
 import os
+import sys
 import typing
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -99,9 +100,30 @@ def check(value: Any, hint: Any, where: str, what: str) -> None:
 
 @ft.cache
 def _field_hints(cls: type) -> tuple[tuple[str, Any], ...]:
-    hints = typing.get_type_hints(cls, include_extras=True)
+    try:
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except NameError:
+        # a string annotation naming something not visible from the class's module (a class
+        # defined inside a function): as with a plain `eqx.Module`, such a field is not
+        # checked; the others still are
+        hints = _resolvable_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     return tuple((name, hints[name]) for name in names if name in hints)
+
+
+def _resolvable_hints(cls: type) -> dict[str, Any]:
+    hints: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        module = sys.modules.get(klass.__module__)
+        for name, annotation in vars(klass).get("__annotations__", {}).items():
+            if isinstance(annotation, str):
+                try:
+                    annotation = eval(annotation, vars(module) if module else {}, dict(vars(klass)))  # noqa: S307
+                except NameError:
+                    hints.pop(name, None)
+                    continue
+            hints[name] = annotation
+    return hints
 
 
 @typing.no_type_check  # runs in the caller's jaxtyping bindings
