@@ -59,37 +59,37 @@ def test_passing_calls_eager_jit_vmap():
 def test_wrong_rank():
     with pytest.raises(dx.AnnotationError) as info:
         linear()(jnp.ones((3, 3)))
-    expect(info, where="`Linear.__call__`", what="argument `x`", expected="Float[Array, 'in']", found="float64[3, 3]", bindings="out=2, in=3")
+    expect(info, where="`Linear.__call__`", what="argument `x`", expected="Float[Array, 'in']", found="float64[3, 3]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
 
 
 def test_wrong_size_of_named_dimension_bound_by_a_field():
     with pytest.raises(dx.AnnotationError) as info:
         linear()(jnp.ones(4))
-    expect(info, where="`Linear.__call__`", what="argument `x`", expected="Float[Array, 'in']", found="float64[4]", bindings="out=2, in=3")
+    expect(info, where="`Linear.__call__`", what="argument `x`", expected="Float[Array, 'in']", found="float64[4]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
 
 
 def test_inconsistent_dimension_between_two_arguments():
     with pytest.raises(dx.AnnotationError) as info:
         linear().pair(jnp.ones((4, 3)), jnp.ones((5, 3)))
-    expect(info, where="`Linear.pair`", what="argument `b`", expected="Float[Array, 'batch in']", found="float64[5, 3]", bindings="out=2, in=3, batch=4")
+    expect(info, where="`Linear.pair`", what="argument `b`", expected="Float[Array, 'batch in']", found="float64[5, 3]", bindings="out=2 (field `weight`), in=3 (field `weight`), batch=4")
 
 
 def test_wrong_dtype():
     with pytest.raises(dx.AnnotationError) as info:
         linear()(jnp.arange(3))
-    expect(info, where="`Linear.__call__`", what="argument `x`", expected="Float[Array, 'in']", found="int64[3]", bindings="out=2, in=3")
+    expect(info, where="`Linear.__call__`", what="argument `x`", expected="Float[Array, 'in']", found="int64[3]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
 
 
 def test_field_of_wrong_shape_at_construction():
     with pytest.raises(dx.AnnotationError) as info:
         Linear(jnp.ones((2, 3)), jnp.zeros(3))
-    expect(info, where="`Linear(...)`", what="field `bias`", expected="Float[Array, 'out']", found="float64[3]", bindings="out=2, in=3")
+    expect(info, where="`Linear(...)`", what="field `bias`", expected="Float[Array, 'out']", found="float64[3]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
 
 
 def test_wrong_return_value():
     with pytest.raises(dx.AnnotationError) as info:
         linear().broken(jnp.ones(3))
-    expect(info, where="`Linear.broken`", what="the return value", expected="Float[Array, 'out']", found="float64[3]", bindings="out=2, in=3")
+    expect(info, where="`Linear.broken`", what="the return value", expected="Float[Array, 'out']", found="float64[3]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
 
 
 def test_pytree_of_wrong_structure():

@@ -67,13 +67,40 @@ def typechecking(enabled: bool) -> Iterator[None]:
         _ENABLED.reset(token)
 
 
+# The module whose fields share the current bindings (set while a typed call is checked).
+_FIELDS: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_fields", default=None)
+
+
 @typing.no_type_check  # runs in the caller's jaxtyping bindings
-def _bindings() -> str:
+def _binding_lines() -> list[str]:
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         jaxtyping.print_bindings()
-    lines = [line for line in buffer.getvalue().splitlines() if "=" in line]
-    return ", ".join(lines) if lines else "none yet"
+    return [line.strip() for line in buffer.getvalue().splitlines() if "=" in line]
+
+
+@typing.no_type_check  # runs in the caller's jaxtyping bindings
+def _bindings() -> str:
+    """The current dimension bindings, each bound by a field of the module named with it."""
+    lines = _binding_lines()
+    if not lines:
+        return "none yet"
+    origins = _origins(_FIELDS.get())
+    return ", ".join(f"{line} (field `{origins[line.split('=')[0]]}`)" if line.split("=")[0] in origins else line for line in lines)
+
+
+def _origins(module: Any) -> dict[str, str]:
+    """Which field binds each dimension name: each field checked alone, in fresh bindings
+    (only when a message is being written: nothing is paid on the success path)."""
+    origins: dict[str, str] = {}
+    if module is None:
+        return origins
+    for name, hint in _field_hints(type(module)):
+        with jaxtyping.jaxtyped("context"):
+            if is_bearable(getattr(module, name), hint):
+                for line in _binding_lines():
+                    origins.setdefault(line.split("=")[0], name)
+    return origins
 
 
 def _hint_text(hint: Any) -> str:
@@ -148,6 +175,15 @@ def check_call(fn: Callable, where: str, args: tuple, kwargs: dict, *, self_fiel
         signature, hints = _signature(fn)
     except (TypeError, ValueError, NameError):
         return call(*args, **kwargs)
+    token = _FIELDS.set(self_fields)
+    try:
+        return _check_call(signature, hints, where, args, kwargs, self_fields, call)
+    finally:
+        _FIELDS.reset(token)
+
+
+@typing.no_type_check  # runs in the caller's jaxtyping bindings
+def _check_call(signature, hints, where, args, kwargs, self_fields, call):
     with jaxtyping.jaxtyped("context"):
         if self_fields is not None:
             _check_fields(self_fields, where)
@@ -220,5 +256,9 @@ class TypedModule(eqx.Module):
     @typing.no_type_check  # runs in the caller's jaxtyping bindings
     def __check_init__(self):
         if typechecking_enabled():
-            with jaxtyping.jaxtyped("context"):
-                _check_fields(self, f"`{type(self).__name__}(...)`")
+            token = _FIELDS.set(self)
+            try:
+                with jaxtyping.jaxtyped("context"):
+                    _check_fields(self, f"`{type(self).__name__}(...)`")
+            finally:
+                _FIELDS.reset(token)
