@@ -598,3 +598,22 @@ def test_linear_adjoint_recognises_multiples_and_zeros():
     # a real result cannot be a complex multiple: solved again
     recipe, unique = _multiples(rows, jax.ShapeDtypeStruct((3,), jnp.float64))
     assert unique == [0, 1, 3]
+
+
+def test_wrong_out_is_reported_not_the_adjoint_it_broke():
+    """`fwd` returns 3 numbers where `out=` declares 4; the adjoint, given a cotangent of the
+    declared 4, fails on its own. The message names the real mistake: `fwd` against `out=`."""
+    a = np.diag([2.0, 3.0, 4.0])
+
+    def solve(b):
+        return np.linalg.solve(a, b[:3])
+
+    def adjoint(b, ct):
+        return np.linalg.solve(a.T, ct)  # fails: ct has the declared 4 entries
+
+    f = dx.host(solve, adjoint=adjoint, out=jax.ShapeDtypeStruct((4,), jnp.float64), adjoint_out=jax.ShapeDtypeStruct((4,), jnp.float64), name="wrong_out")
+    text = "`ExpensiveFn(name='wrong_out')`: the host function `fwd` returned float64[3], where float64[4] was expected (declared by `out=`)."
+    with pytest.raises(ValueError, match=re.escape(text)):
+        dx.filter_value_and_grad(lambda x: jnp.sum(f(x)))(jnp.ones(4))
+    with pytest.raises(Exception, match=re.escape(text)):
+        eqx.filter_jit(dx.filter_value_and_grad(lambda x: jnp.sum(f(x))))(jnp.ones(4))

@@ -166,22 +166,38 @@ def _failure(call: str, executor: cf.Executor, job: Job, e: BaseException) -> Ho
     return HostError(RAISED.format(call=call, impl=job.impl, error=_error(e), where=where, chained=chained))
 
 
-def run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], serial: bool = False) -> list[Any]:
+def run(
+    call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], serial: bool = False, check: Any = None
+) -> list[Any]:
     """Submit all `jobs` at once, wait for all of them, and return their results in order.
 
     The first failure (in completion order) cancels the jobs that have not started and is
     raised as a `HostError`; the others are not waited for, so nothing hangs on them. With
     `serial` (or concurrency switched off), one job at a time, under `SERIAL_LOCK`.
+
+    `check(i, result)` checks job `i`'s result against what was declared. When a job
+    fails, the results of the others that finish within a second are checked first: a
+    result of the wrong shape (a wrong `out=`) is often why another job failed, and is the
+    error to report.
     """
     if (serial or not _CONCURRENT) and len(jobs) > 1:
-        return [run(call, executor, timeout, [job], serial=True)[0] for job in jobs]
+        results = []
+        for i, job in enumerate(jobs):
+            (result,) = run(call, executor, timeout, [job], serial=True)
+            if check is not None:
+                check(i, result)
+            results.append(result)
+        return results
     if serial or not _CONCURRENT:
         with SERIAL_LOCK:
-            return _run(call, executor, timeout, jobs)
-    return _run(call, executor, timeout, jobs)
+            return _run(call, executor, timeout, jobs, check)
+    return _run(call, executor, timeout, jobs, check)
 
 
-def _run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job]) -> list[Any]:
+_GRACE = 1.0  # seconds to let the other jobs finish when one fails, to check their results
+
+
+def _run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], check: Any = None) -> list[Any]:
     executor = executor if executor is not None else default_executor()
     futures: list[cf.Future] = []
     for job in jobs:
@@ -197,6 +213,8 @@ def _run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: l
         if f in done:
             e = cf.CancelledError("the job was cancelled") if f.cancelled() else f.exception()
             if e is not None:
+                if check is not None:
+                    _check_others(futures, f, check)
                 for g in pending:
                     g.cancel()
                 raise _failure(call, executor, job_of[f], e) from e
@@ -206,3 +224,12 @@ def _run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: l
         job = job_of[next(f for f in futures if f in pending)]
         raise HostError(TIMEOUT.format(call=call, impl=job.impl, timeout=timeout, where=describe(executor)))
     return [f.result() for f in futures]
+
+
+def _check_others(futures: list[cf.Future], failed: cf.Future, check: Any) -> None:
+    """Check the results of the jobs other than `failed` that finish within `_GRACE`."""
+    others = [g for g in futures if g is not failed]
+    cf.wait(others, timeout=_GRACE)
+    for i, g in enumerate(futures):
+        if g is not failed and g.done() and not g.cancelled() and g.exception() is None:
+            check(i, g.result())

@@ -181,7 +181,8 @@ class Runner:
     def _execute(self, calls: list[_Call]) -> list:
         if not self.vectorized:
             jobs = [_executor.Job(c.impl, c.fn, c.args) for c in calls]
-            results = _executor.run(self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe)
+            check = lambda i, r: self._check(calls[i], r)  # noqa: E731
+            results = _executor.run(self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe, check=check)
             return [self._check(c, r) for c, r in zip(calls, results, strict=True)]
         # One call per host function, with the arguments of all its calls stacked on a leading axis.
         groups: dict[str, list[int]] = {}
