@@ -321,3 +321,35 @@ def test_warning_jvp_that_vmap_cannot_separate():
     with pytest.warns(UserWarning, match=match("`ExpensiveFn(name='callback_jvp')`: `jvp` could not be batched over the tangent with the primal computed once")):
         got = jax.grad(lambda x: jnp.sum(f(x) ** 2))(x)
     assert_tree_allclose(got, jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(x))
+
+
+def test_integer_leaves_in_input_and_output_on_every_strategy():
+    """`{"p": p, "n": 3} -> {"u": field, "iters": 7}` on the standard and forward-basis
+    strategies, reverse and forward mode (an integer output's tangent is `float0`)."""
+
+    def solver(x):
+        return {"u": jnp.sin(x["p"]) * x["n"].astype(jnp.float64), "iters": jnp.array(7)}
+
+    def bwd(x, y, ct):
+        ct_p = jax.vjp(lambda p: solver({"p": p, "n": x["n"]}), x["p"])[1](ct)[0]
+        return {"p": ct_p, "n": np.zeros((), jax.dtypes.float0)}
+
+    def jvp(x, t):
+        return jax.jvp(lambda p: solver({"p": p, "n": x["n"]}), (x["p"],), (t["p"],))
+
+    x = {"p": jnp.array([0.3, -0.2, 0.8]), "n": jnp.array(3)}
+    t = {"p": jnp.array([1.0, 0.5, -2.0]), "n": np.zeros((), jax.dtypes.float0)}
+    w = jnp.array([1.0, 2.0, -1.0])
+    program = lambda g: lambda x: (lambda y: jnp.sum(y["u"] ** 2 * w) + 0.0 * y["iters"].astype(jnp.float64))(g(x))  # noqa: E731
+    for given, schedule in [({"bwd": bwd}, "standard"), ({"jvp": jvp}, "forward-basis"), ({"bwd": bwd, "jvp": jvp}, "forward-basis")]:
+        f = dx.ExpensiveFn(fwd=solver, **given, name="int_leaves")
+        assert dx.explain(program(f), x).sites[0].schedule == schedule
+        for jit in (False, True):
+            step = dx.filter_value_and_grad(program(f))
+            got = (eqx.filter_jit(step) if jit else step)(x)
+            assert_tree_allclose(got, eqx.filter_value_and_grad(program(solver))(x))
+        if "jvp" in given:
+            y, t_y = jax.jvp(f, (x,), (t,))
+            y_r, t_r = jax.jvp(solver, (x,), (t,))
+            assert_tree_allclose((y, t_y["u"]), (y_r, t_r["u"]))
+            assert t_y["iters"].dtype == jax.dtypes.float0

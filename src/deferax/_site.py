@@ -83,6 +83,10 @@ class Spec:
     def y_avals(self) -> list:
         return [_jaxpr.shaped(jax.ShapeDtypeStruct((*self.sizes, *s.shape), s.dtype)) for s in self.y_structs]
 
+    def t_avals(self) -> list:
+        """The tangent avals of the output: as `y_avals`, with `float0` for integer leaves."""
+        return [a if jnp.issubdtype(a.dtype, jnp.inexact) else _jaxpr.shaped(jax.ShapeDtypeStruct(a.shape, jax.dtypes.float0)) for a in self.y_avals()]
+
     def with_level(self, in_axes: tuple, size: int) -> Spec:
         return dataclasses.replace(self, axes=((in_axes, size), *self.axes))
 
@@ -234,7 +238,7 @@ def _linear_impl(*operands, spec: Spec):
 
 
 def _linear_abstract(*avals, spec: Spec):
-    return spec.y_avals()
+    return spec.t_avals()
 
 
 def _linear_batch(args, dims, spec: Spec):
@@ -288,7 +292,9 @@ def _linear_transpose(cts, *operands, spec: Spec):
     nones = [None] * (len(operands) - len(t_leaves))
     if all(_jaxpr.is_zero(c) for c in cts):
         return [*nones, *[None] * len(t_leaves)]
-    cts = [_jaxpr.instantiate(c, a) for c, a in zip(cts, spec.y_avals(), strict=True)]
+    cts = [_jaxpr.instantiate(c, a) for c, a in zip(cts, spec.t_avals(), strict=True)]
+    # an integer output's cotangent is `float0`; implementations get zeros of its dtype
+    cts = [jnp.zeros(y.shape, y.dtype) if getattr(c, "dtype", None) == jax.dtypes.float0 else c for c, y in zip(cts, y_leaves, strict=True)]
     return [*nones, *cotangents(spec, fn_leaves, x_leaves, y_leaves, cts)]
 
 
@@ -316,7 +322,7 @@ def strategy(spec: Spec) -> str:
 
 def _basis_avals(spec: Spec) -> list:
     n = n_inputs(spec)
-    stacked = [_jaxpr.shaped(jax.ShapeDtypeStruct((*spec.sizes, n, *s.shape), s.dtype)) for s in spec.y_structs]
+    stacked = [_jaxpr.shaped(jax.ShapeDtypeStruct((*spec.sizes, n, *a.shape[len(spec.sizes) :]), a.dtype)) for a in spec.t_avals()]
     return [*spec.y_avals(), *stacked]
 
 
@@ -356,7 +362,10 @@ def _contract(spec: Spec, jac_leaves, x_leaves, t_leaves) -> list:
     x = spec.x(x_leaves)
     t_full = [t if d else _tangents._tangent_zero(a) for a, t, d in zip(x_leaves, t_leaves, spec.diff, strict=True)]
     flat = _tangents.flatten_tangent(spec.x(t_full), x)
-    return [jnp.tensordot(flat.astype(jnp.real(j).dtype).astype(j.dtype), j, axes=1) for j in jac_leaves]
+    return [
+        np.zeros(j.shape[1:], jax.dtypes.float0) if j.dtype == jax.dtypes.float0 else jnp.tensordot(flat.astype(jnp.real(j).dtype).astype(j.dtype), j, axes=1)
+        for j in jac_leaves
+    ]
 
 
 def _forward_basis_jvp(spec: Spec, fn_leaves, x_leaves, x_tangents):

@@ -79,6 +79,11 @@ def flatten_tangent(t_x: Any, x: Any) -> jax.Array:
     return jnp.concatenate([p.astype(dtype) for p in parts])
 
 
+def tangent_struct(y_struct: Any) -> Any:
+    """The structure of a tangent of `y`: `float0` for integer leaves (JAX's convention)."""
+    return jtu.tree_map(lambda s: s if jnp.issubdtype(s.dtype, jnp.inexact) else jax.ShapeDtypeStruct(s.shape, jax.dtypes.float0), y_struct)
+
+
 def _pair(fn: Any, impl: str, result: Any) -> tuple[Any, Any]:
     if not (isinstance(result, tuple | list) and len(result) == 2):
         found = f"a {type(result).__name__} of length {len(result)}" if isinstance(result, tuple | list) else _errors.tree_text(result)
@@ -92,7 +97,7 @@ def tangent(fn: Any, x: Any, t_x: Any) -> Any:
     if fn.jvp is not None:
         y, t_y = _pair(fn, "jvp", fn._invoke("jvp", x, t_x))
         fn._check("jvp", "an output `y`", y, y_struct, "the output structure")
-        fn._check("jvp", "a tangent `t_y`", t_y, y_struct, "the output structure")
+        fn._check("jvp", "a tangent `t_y`", t_y, tangent_struct(y_struct), "the output structure")
         return t_y
     _, t_ys = tangents(fn, x, jtu.tree_map(lambda t: jnp.asarray(t)[None] if t.dtype != jax.dtypes.float0 else np.zeros((1, *t.shape), t.dtype), t_x))
     return jtu.tree_map(lambda t: t[0], t_ys)
@@ -104,7 +109,7 @@ def tangents(fn: Any, x: Any, t_xs: Any) -> tuple[Any, Any]:
     see that it does not depend on the tangent)."""
     y_struct = fn.out_struct(x)
     k = jtu.tree_leaves(t_xs)[0].shape[0]
-    stacked = jtu.tree_map(lambda s: jax.ShapeDtypeStruct((k, *s.shape), s.dtype), y_struct)
+    stacked = jtu.tree_map(lambda s: jax.ShapeDtypeStruct((k, *s.shape), s.dtype), tangent_struct(y_struct))
     if fn.jvp_batch is not None:
         y, t_ys = _pair(fn, "jvp_batch", fn._invoke("jvp_batch", x, t_xs))
         fn._check("jvp_batch", "an output `y`", y, y_struct, "the output structure")
@@ -114,7 +119,7 @@ def tangents(fn: Any, x: Any, t_xs: Any) -> tuple[Any, Any]:
     def one(t):
         y, t_y = _pair(fn, "jvp", fn._invoke("jvp", x, t))
         fn._check("jvp", "an output `y`", y, y_struct, "the output structure")
-        fn._check("jvp", "a tangent `t_y`", t_y, y_struct, "the output structure")
+        fn._check("jvp", "a tangent `t_y`", t_y, tangent_struct(y_struct), "the output structure")
         return y, t_y
 
     separable = jax.vmap(one, in_axes=0, out_axes=(None, 0))
