@@ -11,7 +11,7 @@ import pytest
 import deferax as dx
 import deferax._analysis
 
-from .helpers import assert_tree_allclose, make
+from .helpers import assert_tree_allclose, finite_difference_grad, make
 
 
 def ref(x):
@@ -32,7 +32,9 @@ def line_of(marker: str) -> int:
 
 
 def check_against_equinox(loss, p, counter, *, deferred, has_aux=False, jit=False):
-    """Values and gradients equal Equinox's; count executions of each implementation."""
+    """Values and gradients equal Equinox's and, independently of any derivative deferax
+    computes, central differences of the loss's value (`fwd` is the plain reference
+    function); count executions of each implementation."""
     transform = dx.filter_value_and_grad(loss, has_aux=has_aux)
     reference = eqx.filter_value_and_grad(loss, has_aux=has_aux, )
     if jit:
@@ -46,6 +48,9 @@ def check_against_equinox(loss, p, counter, *, deferred, has_aux=False, jit=Fals
     counts = counter.as_dict()
     expected = reference(p)
     assert_tree_allclose(got, expected)
+    value_of = (lambda q: loss(q)[0]) if has_aux else loss
+    grad = got[1]
+    assert_tree_allclose(eqx.filter(grad, eqx.is_array), eqx.filter(finite_difference_grad(value_of, p), eqx.is_array), rtol=1e-6, atol=1e-7)
     return counts
 
 
