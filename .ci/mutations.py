@@ -1,0 +1,118 @@
+"""Mutation check: plant known bugs in a copy of deferax and make sure the tests catch each.
+
+For every mutation, `src/deferax` is copied to a temporary folder, one or more text
+replacements are applied (each must match, or the mutation no longer describes the code and
+this script fails), and the relevant test files run against the copy (first on the path).
+A mutation that no test catches fails the run. Prints one line per mutation with the
+number of failing tests.
+
+    python .ci/mutations.py
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# (name, [(file, old, new), ...], [test files])
+MUTATIONS = [
+    (
+        "a nonlinear site deferred",
+        [("_analysis.py", "        if not sources:\n            return (\"deferred\", None, None, None)", "        if True:\n            return (\"deferred\", None, None, None)")],
+        ["tests/test_deferred.py"],
+    ),
+    (
+        "a replayed cotangent scaled by 1 + 1e-6",
+        [("_stages.py", "    return ct_operands, jtu.tree_map(_site.zero_cotangent, y)", "    return jtu.tree_map(lambda c: c if c.dtype == jax.dtypes.float0 else c * 1.000001, ct_operands), jtu.tree_map(_site.zero_cotangent, y)")],
+        ["tests/test_deferred.py"],
+    ),
+    (
+        "a dropped basis coefficient",
+        [("_stages.py", "            c = c[rows]\n", "            c = c[rows].at[0].set(0)\n")],
+        ["tests/test_basis.py"],
+    ),
+    (
+        "the zero-entry guard of the basis combination removed",
+        [("_stages.py", "jnp.where(c == 0, jnp.zeros((), c.dtype), coefficients * c)", "coefficients * c")],
+        ["tests/test_basis.py"],
+    ),
+    (
+        "fwd called twice on the standard schedule",
+        [("_site.py", "        y = spec.fn(fn_leaves).primal(spec.x(x_leaves))\n", "        spec.fn(fn_leaves).primal(spec.x(x_leaves))\n        y = spec.fn(fn_leaves).primal(spec.x(x_leaves))\n")],
+        ["tests/test_expensive.py"],
+    ),
+    (
+        "Fused.batched running the forward once per cotangent",
+        [("_concurrent.py", "        y, partials = _concurrently(self.fwd, self.adjoint, _apply_batched, x, cts)", "        [_apply(self.fwd, x) for _ in range(jtu.tree_leaves(cts)[0].shape[0] - 1)]\n        y, partials = _concurrently(self.fwd, self.adjoint, _apply_batched, x, cts)")],
+        ["tests/test_basis.py"],
+    ),
+    (
+        "a cotangent doubled on both the deferred and the standard path",
+        [
+            ("_site.py", "    return unbatch(spec, out)", "    return unbatch(spec, [2 * o for o in out])"),
+            ("_stages.py", "    return y, _site.unbatch(spec, ct_x)", "    return y, _site.unbatch(spec, [2 * c for c in ct_x])"),
+        ],
+        ["tests/test_deferred.py", "tests/test_properties.py"],
+    ),
+    (
+        "a forward-basis contraction scaled",
+        [("_site.py", "else jnp.tensordot(flat.astype(jnp.real(j).dtype).astype(j.dtype), j, axes=1)", "else 2 * jnp.tensordot(flat.astype(jnp.real(j).dtype).astype(j.dtype), j, axes=1)")],
+        ["tests/test_forward.py"],
+    ),
+    (
+        "a bwd that reads y taken for one that does not",
+        [("_site.py", '    return any("y" in d for d in _jaxpr.dependencies(closed, labels))', "    return False")],
+        ["tests/test_concurrent.py"],
+    ),
+    (
+        "a site under vmap replayed without summing over unbatched levels",
+        [("_site.py", "            out.append(jnp.sum(c, axis=dropped) if dropped else c)", "            out.append(jnp.take(c, 0, axis=dropped[0]) if dropped else c)")],
+        ["tests/test_one_trace.py", "tests/test_forward.py"],
+    ),
+]
+
+
+def run(name, replacements, tests) -> tuple[bool, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = pathlib.Path(tmp) / "src"
+        shutil.copytree(ROOT / "src" / "deferax", src / "deferax", ignore=shutil.ignore_patterns("__pycache__"))
+        for file, old, new in replacements:
+            path = src / "deferax" / file
+            text = path.read_text()
+            if old not in text:
+                return False, f"the mutation no longer applies: {file} has no {old!r}"
+            path.write_text(text.replace(old, new, 1))
+        env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "DEFERAX_MUTATION_CHECK": "1"}
+        probe = subprocess.run([sys.executable, "-c", "import deferax; print(deferax.__file__)"], env=env, capture_output=True, text=True)
+        if not probe.stdout.startswith(str(src)):
+            return False, f"the mutated copy is not the one imported: {probe.stdout.strip()} {probe.stderr.strip()}"
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests],
+            cwd=ROOT, env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr.strip()[-300:]
+        failed = re.search(r"(\d+) failed", tail)
+        return out.returncode == 1 and failed is not None, f"{failed.group(1) if failed else 0} failing ({tail})"
+
+
+def main() -> int:
+    survived = 0
+    for name, replacements, tests in MUTATIONS:
+        t0 = time.perf_counter()
+        caught, detail = run(name, replacements, tests)
+        survived += not caught
+        print(f"{'caught  ' if caught else 'SURVIVED'} {name}: {detail} [{time.perf_counter() - t0:.0f} s]", flush=True)
+    print(f"mutation check: {len(MUTATIONS) - survived} of {len(MUTATIONS)} planted bugs caught")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
