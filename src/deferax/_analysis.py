@@ -95,7 +95,7 @@ class _Check:
         self.schedule, self.max_basis, self.where = schedule, max_basis, where
         self.n_in = len(program.jaxpr.invars)
         self.eqn_labels = {i: ("y", k) for k, i in enumerate(sites)} | {i: ("n", i) for i in nested}
-        self._forward = None
+        self._substituted = None
 
     # ------------------------------------------------------------------ the order of the plan
 
@@ -150,7 +150,7 @@ class _Check:
             backward = _jaxpr.prune(backward, keep)
             backward_out = tuple(o for o, u in zip(backward_out, keep, strict=True) if u)
         plan = self._plan(decisions, deferred, basis, early)
-        return Analysis(plan, self.program, self.sites, self.nested, deferred, early, basis, backward, self._forward, backward_out)
+        return Analysis(plan, self.program, self.sites, self.nested, deferred, early, basis, backward, self._substituted, backward_out)
 
     def _structural(self, k, upstream, feeds) -> str | None:
         spec = self.specs[k]
@@ -260,9 +260,9 @@ class _Check:
         """The linear frontier of the value in site `k`'s output, in the program itself with
         every expensive output (top-level sites and the equations holding nested ones)
         made an input, so that its variables are those that stage 3 evaluates."""
-        if self._forward is None:
-            self._forward = _jaxpr.substitute(self.program, [*self.sites, *self.nested])
-        closed = self._forward
+        if self._substituted is None:
+            self._substituted = _jaxpr.substitute(self.program, [*self.sites, *self.nested])
+        closed = self._substituted
         n_ys = [len(spec.y_structs) for spec in self.specs]
         source = [False] * self.n_in + [j == k for j, m in enumerate(n_ys) for _ in range(m)]
         stand_ins = [False] * self.n_in + [True] * sum(n_ys)

@@ -108,39 +108,35 @@ def serial() -> Iterator[None]:
         _SERIAL.reset(token)
 
 
+def _both(first, second, one_at_a_time: bool):
+    """`(first(), second())`: on two threads of the pool, or one after the other (under the
+    lock that keeps implementations that are not thread-safe apart)."""
+    if one_at_a_time:
+        with _executor.SERIAL_LOCK:
+            return first(), second()
+    a, b = _POOL.submit(first), _POOL.submit(second)
+    return a.result(), b.result()
+
+
 def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
     fwd = lambda x_: _apply(fwd_fn, x_)  # noqa: E731
     adjoint = lambda x_, ct_: apply_adjoint(adjoint_fn, x_, ct_)  # noqa: E731
     one_at_a_time = _SERIAL.get() or not _executor.concurrency_enabled()  # read now (while tracing, if traced)
-    if is_concrete((x, ct)) and one_at_a_time:
-        with _executor.SERIAL_LOCK:
-            return jax.block_until_ready(fwd(x)), jax.block_until_ready(adjoint(x, ct))
     if is_concrete((x, ct)):
-        y = _POOL.submit(_jaxpr.carry_context(lambda: jax.block_until_ready(fwd(x))))
-        ct_x = _POOL.submit(_jaxpr.carry_context(lambda: jax.block_until_ready(adjoint(x, ct))))
-        return y.result(), ct_x.result()
+        first = _jaxpr.carry_context(lambda: jax.block_until_ready(fwd(x)))
+        second = _jaxpr.carry_context(lambda: jax.block_until_ready(adjoint(x, ct)))
+        return _both(first, second, one_at_a_time)
 
     # Traced (inside jit or vmap): leave the program through one host callback, which runs
-    # the two compiled halves on two threads and hands both results back.
+    # the two compiled halves on two threads (with the caller's context, read while
+    # tracing) and hands both results back.
     y_struct = jax.eval_shape(fwd, x)
     ct_struct = jax.eval_shape(adjoint, x, ct)
-
-    config = _jaxpr.local_config()  # the caller's, read while tracing
-
-    def carry(fn):
-        def run():
-            with _jaxpr.apply_config(config):
-                return fn()
-
-        return run
+    run_fwd = _jaxpr.carry_context(lambda x_: jtu.tree_map(np.asarray, fwd(x_)))
+    run_adjoint = _jaxpr.carry_context(lambda x_, ct_: jtu.tree_map(np.asarray, adjoint(x_, ct_)))
 
     def host(x_, ct_):
-        if one_at_a_time:
-            with _executor.SERIAL_LOCK:
-                return carry(lambda: jtu.tree_map(np.asarray, fwd(x_)))(), carry(lambda: jtu.tree_map(np.asarray, adjoint(x_, ct_)))()
-        y_ = _POOL.submit(carry(lambda: jtu.tree_map(np.asarray, fwd(x_))))
-        c_ = _POOL.submit(carry(lambda: jtu.tree_map(np.asarray, adjoint(x_, ct_))))
-        return y_.result(), c_.result()
+        return _both(lambda: run_fwd(x_), lambda: run_adjoint(x_, ct_), one_at_a_time)
 
     return jax.pure_callback(host, (y_struct, ct_struct), x, ct, vmap_method="sequential")
 

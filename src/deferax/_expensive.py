@@ -14,6 +14,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import _errors, _site, _tangents, _typed
+from ._concurrent import Fused
 
 
 def _struct(tree: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
@@ -232,7 +233,7 @@ class ExpensiveFn(eqx.Module):
                 expected,
             )
         self._check(impl, "a cotangent", ct_x, expected, "the input `x`")
-        return jtu.tree_map(lambda c, a: c if _differentiable(a) else _site.zero_cotangent(a), ct_x, x)
+        return jtu.tree_map(lambda c, a: c if _differentiable(a) else _tangents.zero_like(a), ct_x, x)
 
     # ------------------------------------------------------------------ implementations, derived where needed
 
@@ -287,10 +288,8 @@ class ExpensiveFn(eqx.Module):
         """A `fused` made from the other implementations, running the forward and the
         adjoint concurrently ([`deferax.Fused`][]): `fwd` with `adjoint` (and `combine`), or
         `fwd` with a `bwd` that does not read `y` (the static check has proved it)."""
-        from ._concurrent import Fused
-
-        combine = _Combine(self) if self.adjoint is not None and self.combine is not None else None
-        return Fused(_Primal(self), _Adjoint(self), combine)
+        # `combine` (or, without one, the check of what `adjoint` returned) needs `y`: after both
+        return Fused(_Primal(self), _Adjoint(self), _Combine(self) if self.adjoint is not None else None)
 
     def run_fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
         """Compute `(y, ct_x)` with `fused`, or with `fwd` then `bwd` when there is none."""

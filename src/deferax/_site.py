@@ -24,6 +24,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _errors, _jaxpr, _tangents
+from ._concurrent import is_concrete
 
 SITE = "deferax_site"
 LINEAR = "deferax_site_linear"
@@ -96,15 +97,6 @@ class Spec:
         for in_axes, _ in reversed(self.axes):
             f = jax.vmap(f, in_axes=axes_of(in_axes), out_axes=0)
         return f
-
-    def unbatch(self, cts: list, axes_per_level: list) -> list:
-        """Sum each cotangent over the levels where its operand was not batched (the
-        cotangents come out batched at every level)."""
-        out = []
-        for j, c in enumerate(cts):
-            dropped = tuple(level for level, axes in enumerate(axes_per_level) if axes[j] is None)
-            out.append(jnp.sum(c, axis=dropped) if dropped else c)
-        return out
 
 
 def spec_of(eqn) -> Spec:
@@ -216,7 +208,7 @@ def _linear_impl(*operands, spec: Spec):
 
     def full_tangent(x_leaves, t_leaves):
         it = iter(t_leaves)
-        return [next(it) if d else _tangents._tangent_zero(x) for x, d in zip(x_leaves, diff, strict=True)]
+        return [next(it) if d else _tangents.zero_like(x) for x, d in zip(x_leaves, diff, strict=True)]
 
     inner = spec.axes[1:] if spec.axes else ()
     head = spec.axes[0][0] if spec.axes else None
@@ -270,7 +262,11 @@ def unbatch(spec: Spec, diff_cts: list) -> list:
     """Cotangents of the differentiable leaves of `x`, computed batched at every level,
     summed over the levels where their operand is not batched."""
     x_axes = [[a for a, d in zip(level[spec.n_fn : spec.n_fn + spec.n_x], spec.diff, strict=True) if d] for level, _ in spec.axes]
-    return spec.unbatch(diff_cts, x_axes)
+    out = []
+    for j, c in enumerate(diff_cts):
+        dropped = tuple(level for level, axes in enumerate(x_axes) if axes[j] is None)
+        out.append(jnp.sum(c, axis=dropped) if dropped else c)
+    return out
 
 
 def operand_cotangents(spec: Spec, operands, diff_cts) -> list:
@@ -278,8 +274,8 @@ def operand_cotangents(spec: Spec, operands, diff_cts) -> list:
     arrays and the integer leaves of `x`, `diff_cts` for the others."""
     it = iter(diff_cts)
     x_leaves = operands[spec.n_fn :]
-    cts = [zero_cotangent(a) for a in operands[: spec.n_fn]]
-    cts += [next(it) if d else zero_cotangent(a) for a, d in zip(x_leaves, spec.diff, strict=True)]
+    cts = [_tangents.zero_like(a) for a in operands[: spec.n_fn]]
+    cts += [next(it) if d else _tangents.zero_like(a) for a, d in zip(x_leaves, spec.diff, strict=True)]
     return cts
 
 
@@ -357,13 +353,12 @@ basis_p = _jaxpr.define_primitive(
 )
 
 
-def _contract(spec: Spec, jac_leaves, x_leaves, t_leaves) -> list:
-    """`t_y = J t_x` for one example, with `J` stacked along the unit tangents."""
-    x = spec.x(x_leaves)
-    t_full = [t if d else _tangents._tangent_zero(a) for a, t, d in zip(x_leaves, t_leaves, spec.diff, strict=True)]
-    flat = _tangents.flatten_tangent(spec.x(t_full), x)
+def _contract(jac_leaves, d_tangents) -> list:
+    """`t_y = J t_x` for one example, with `J` stacked along the unit tangents and `t_x`
+    the tangents of the differentiable leaves of `x` (their order is that of the units)."""
+    flat = _tangents.flatten_tangent(d_tangents, d_tangents)
     return [
-        np.zeros(j.shape[1:], jax.dtypes.float0) if j.dtype == jax.dtypes.float0 else jnp.tensordot(flat.astype(jnp.real(j).dtype).astype(j.dtype), j, axes=1)
+        np.zeros(j.shape[1:], jax.dtypes.float0) if j.dtype == jax.dtypes.float0 else jnp.tensordot(flat.astype(j.dtype), j, axes=1)
         for j in jac_leaves
     ]
 
@@ -372,14 +367,13 @@ def _forward_basis_jvp(spec: Spec, fn_leaves, x_leaves, x_tangents):
     outs = basis_p.bind(*fn_leaves, *x_leaves, spec=spec)
     n_y = len(spec.y_structs)
     y, jac = outs[:n_y], outs[n_y:]
-    ts = [_jaxpr.instantiate(t, jax.typeof(x)) if d else x for x, t, d in zip(x_leaves, x_tangents, spec.diff, strict=True)]
-    n_fn, n_x = spec.n_fn, spec.n_x
+    ts = [_jaxpr.instantiate(t, jax.typeof(x)) for x, t, d in zip(x_leaves, x_tangents, spec.diff, strict=True) if d]
 
     def axes_of(level):
-        return ([0] * n_y, list(level[n_fn : n_fn + n_x]), list(level[n_fn : n_fn + n_x]))
+        d_axes = [a for a, d in zip(level[spec.n_fn : spec.n_fn + spec.n_x], spec.diff, strict=True) if d]
+        return ([0] * n_y, d_axes)
 
-    t_y = spec.vmapped(lambda j, xs, t: _contract(spec, j, xs, [t_ if d else None for t_, d in zip(t, spec.diff, strict=True)]), axes_of)(list(jac), list(x_leaves), ts)
-    return y, t_y
+    return y, spec.vmapped(_contract, axes_of)(list(jac), ts)
 
 
 def bwd_reads_y(spec: Spec, fn_avals: list) -> bool:
@@ -412,7 +406,7 @@ def _struct(a) -> jax.ShapeDtypeStruct:
 def call(fn: Any, x: Any) -> Any:
     """`fn(x)` as one `site_p` equation (on concrete arrays outside any transformation,
     simply `fwd(x)`: no output structure is needed to run it)."""
-    if _jaxpr.is_eager() and not any(isinstance(a, jax.core.Tracer) for a in jtu.tree_leaves((fn, x))):
+    if _jaxpr.is_eager() and is_concrete((fn, x)):
         return fn.primal(x)
     fn_dynamic, static = eqx.partition(fn, eqx.is_array)
     fn_leaves, fn_tree = jtu.tree_flatten(fn_dynamic)
@@ -423,9 +417,3 @@ def call(fn: Any, x: Any) -> Any:
     spec = Spec(static, fn_tree, x_tree, x_structs, y_tree, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in y_leaves))
     y = site_p.bind(*fn_leaves, *x_leaves, spec=spec)
     return jtu.tree_unflatten(y_tree, y)
-
-
-def zero_cotangent(a: Any) -> Any:
-    if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
-        return jnp.zeros(jnp.shape(a), jnp.result_type(a))
-    return np.zeros(jnp.shape(a), jax.dtypes.float0)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _executor, _jaxpr, _site
+from . import _executor, _jaxpr, _site, _tangents
 from ._analysis import Analysis, zeros
 from ._concurrent import Fused, serial
 
@@ -211,7 +211,7 @@ def _replay_fwd(operands, y, ct_operands):
 def _replay_bwd(residuals, ct_y):
     y, ct_operands = residuals
     # The static check proved that `ct_y` equals the cotangent `fused` was given.
-    return ct_operands, jtu.tree_map(_site.zero_cotangent, y), jtu.tree_map(_site.zero_cotangent, ct_operands)
+    return ct_operands, jtu.tree_map(_tangents.zero_like, y), jtu.tree_map(_tangents.zero_like, ct_operands)
 
 
 replay = jax.custom_vjp(_replay)
@@ -231,18 +231,11 @@ def given(spec: _site.Spec):
 
     def bwd(residuals, ct_y):
         operands, y = residuals
-        ct_y = [jnp.zeros(a.shape, a.dtype) if c is None else c for c, a in zip(ct_y, y, strict=True)]
         diff_cts = _site.cotangents(spec, operands[: spec.n_fn], operands[spec.n_fn :], y, ct_y)
-        return _site.operand_cotangents(spec, operands, diff_cts), jtu.tree_map(_site.zero_cotangent, y)
+        return _site.operand_cotangents(spec, operands, diff_cts), jtu.tree_map(_tangents.zero_like, y)
 
     call.defvjp(fwd, bwd)
     return call
-
-
-def _realify(value):
-    """A complex array as the real vector (real parts, then imaginary parts); a real one flattened."""
-    flat = jnp.ravel(value)
-    return jnp.concatenate([jnp.real(flat), jnp.imag(flat)]) if jnp.iscomplexobj(flat) else flat
 
 
 def frontier_cotangent(spec: _site.Spec, rows: slice):
@@ -262,7 +255,7 @@ def frontier_cotangent(spec: _site.Spec, rows: slice):
 
     def bwd(residuals, ct_z):
         operands, ct_xs = residuals
-        a = _realify(ct_z)
+        a = _tangents.flatten_tangent(ct_z, ct_z)  # the order of the basis rows
 
         def combine(c):
             c = c[rows]
@@ -270,7 +263,7 @@ def frontier_cotangent(spec: _site.Spec, rows: slice):
             return jnp.sum(jnp.where(c == 0, jnp.zeros((), c.dtype), coefficients * c), axis=0)
 
         diff_cts = [combine(c) for c in ct_xs]
-        return (ct_z, _site.operand_cotangents(spec, operands, diff_cts), jtu.tree_map(_site.zero_cotangent, ct_xs))
+        return (ct_z, _site.operand_cotangents(spec, operands, diff_cts), jtu.tree_map(_tangents.zero_like, ct_xs))
 
     call.defvjp(fwd, bwd)
     return call
@@ -282,10 +275,7 @@ def _frontier_wraps(analysis: Analysis, k: int, operands: dict, ct_xs: list) -> 
     spec = analysis.spec(k)
     wraps, start = {}, 0
     for v in analysis.basis[k].variables:
-        size = 1
-        for d in v.aval.shape:
-            size *= d
-        size *= 2 if jnp.issubdtype(v.aval.dtype, jnp.complexfloating) else 1
+        size = _jaxpr.frontier_size([v])
         rows = slice(start, start + size)
         wraps[v] = lambda z, rows=rows: frontier_cotangent(spec, rows)(z, operands[k], ct_xs)
         start += size

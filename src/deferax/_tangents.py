@@ -37,7 +37,8 @@ def n_inputs(x: Any) -> int:
     return total
 
 
-def _tangent_zero(a: Any) -> Any:
+def zero_like(a: Any) -> Any:
+    """A zero tangent (or cotangent) for `a`: zeros of its dtype, `float0` for an integer."""
     if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
         return jnp.zeros(jnp.shape(a), jnp.result_type(a))
     return np.zeros(jnp.shape(a), jax.dtypes.float0)
@@ -99,7 +100,7 @@ def tangent(fn: Any, x: Any, t_x: Any) -> Any:
         fn._check("jvp", "an output `y`", y, y_struct, "the output structure")
         fn._check("jvp", "a tangent `t_y`", t_y, tangent_struct(y_struct), "the output structure")
         return t_y
-    _, t_ys = tangents(fn, x, jtu.tree_map(lambda t: jnp.asarray(t)[None] if t.dtype != jax.dtypes.float0 else np.zeros((1, *t.shape), t.dtype), t_x))
+    _, t_ys = tangents(fn, x, jtu.tree_map(lambda t: t[None], t_x))
     return jtu.tree_map(lambda t: t[0], t_ys)
 
 
@@ -143,11 +144,11 @@ def jacobian(fn: Any, x: Any) -> tuple[Any, Any]:
 
 def primal(fn: Any, x: Any) -> Any:
     """`y` from the forward-mode implementations alone (a wasted zero tangent)."""
-    zero = jtu.tree_map(_tangent_zero, x)
+    zero = jtu.tree_map(zero_like, x)
     if fn.jvp is not None:
         y, _ = _pair(fn, "jvp", fn._invoke("jvp", x, zero))
     else:
-        y, _ = _pair(fn, "jvp_batch", fn._invoke("jvp_batch", x, jtu.tree_map(lambda t: np.asarray(t)[None] if t.dtype == jax.dtypes.float0 else t[None], zero)))
+        y, _ = _pair(fn, "jvp_batch", fn._invoke("jvp_batch", x, jtu.tree_map(lambda t: t[None], zero)))
     fn._check("jvp" if fn.jvp is not None else "jvp_batch", "an output `y`", y, fn.out_struct(x), "the output structure")
     return y
 

@@ -24,6 +24,7 @@ import jax.tree_util as jtu
 
 from . import _errors, _jaxpr, _site, _stages
 from ._analysis import Analysis, analyse
+from ._concurrent import is_concrete
 from ._plan import Plan
 
 _SCHEDULES = ("auto", "standard", "deferred")
@@ -61,7 +62,7 @@ _TRACED = object()
 
 
 def _is_traced(leaf) -> bool:
-    return isinstance(leaf, jax.Array | jax.core.Tracer)
+    return isinstance(leaf, jax.Array)  # a tracer is one too
 
 
 def _trace(fun, x, args, kwargs, has_aux) -> _Traced:
@@ -151,7 +152,7 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int, x, args, 
         # An enclosing `jax.grad`/`jax.jacfwd` would differentiate the deferred calls (a
         # `fused`, a callback) themselves: the standard schedule is what it can differentiate.
         schedule = "standard"
-    eager = _jaxpr.is_eager() and _stages_concrete(ins)
+    eager = _jaxpr.is_eager() and is_concrete(ins)
     analysis, compiled = _analysis(traced, schedule, max_basis, eager)
     results = None
     if analysis.deferred:
@@ -163,10 +164,6 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int, x, args, 
     else:
         outs, grads = _stages.stage3(analysis, traced.has_diff(), ins, results)
     return traced.result(outs, grads, has_aux)
-
-
-def _stages_concrete(ins) -> bool:
-    return not any(isinstance(a, jax.core.Tracer) for a in ins)
 
 
 def _plan(fun, has_aux, schedule, max_basis, args, kwargs) -> Plan:

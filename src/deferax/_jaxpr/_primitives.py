@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax._src import core as _core
 from jax._src.interpreters import ad as _ad
 
 
-def define_primitive(name, *, impl, abstract_eval, jvp=None, batch=None, transpose=None, lower=None):
+def define_primitive(name, *, impl, abstract_eval, jvp=None, batch=None, transpose=None):
     """A JAX primitive with multiple results and the rules given.
 
-    `impl(*args, **params)` runs it on concrete arrays; `lower(*args, **params)` is traced
-    to lower it into a compiled program (default: `impl`); `abstract_eval(*avals,
-    **params)` returns the output avals; `jvp(primals, tangents, **params)`, `batch(args,
+    `impl(*args, **params)` runs it on concrete arrays, and is traced to lower it into a
+    compiled program; `abstract_eval(*avals, **params)` returns the output avals; `jvp(primals, tangents, **params)`, `batch(args,
     dims, **params)` and `transpose(cts, *args, **params)` follow JAX's conventions.
     """
     from jax.extend.core import Primitive
@@ -22,7 +22,7 @@ def define_primitive(name, *, impl, abstract_eval, jvp=None, batch=None, transpo
     p.multiple_results = True
     p.def_impl(impl)
     p.def_abstract_eval(abstract_eval)
-    mlir.register_lowering(p, mlir.lower_fun(lower or impl, multiple_results=True))
+    mlir.register_lowering(p, mlir.lower_fun(impl, multiple_results=True))
     if jvp is not None:
         ad.primitive_jvps[p] = jvp
     if batch is not None:
@@ -41,8 +41,6 @@ def instantiate(t, aval):
     """A symbolic zero as an array of zeros; anything else unchanged."""
     if type(t) is _ad.Zero:
         if aval.dtype == jax.dtypes.float0:
-            import numpy as np
-
             return np.zeros(aval.shape, jax.dtypes.float0)
         return jax.numpy.zeros(aval.shape, aval.dtype)
     return t
