@@ -15,16 +15,27 @@ backward pass) under `eqx.filter_value_and_grad`. The deferax sides:
 Sizes: about 10 ms per run (192 x 192 grid, 300 steps) and about 35 ms (256 x 256, 400
 steps); eager and inside `eqx.filter_jit`.
 
-    python benchmarks/bench_derived.py            # both sizes
-    python benchmarks/bench_derived.py --small    # smoke test
+With `--devices 2`, JAX sees two CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=2`)
+and deferax puts each forward and its adjoint on different devices, as on a 2-GPU machine.
+
+    python benchmarks/bench_derived.py               # both sizes
+    python benchmarks/bench_derived.py --devices 2   # the same, on two forced CPU devices
+    python benchmarks/bench_derived.py --small       # smoke test
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import sys
+
+if "--devices" in sys.argv:  # before JAX starts: the device count is fixed then
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(sys.argv[sys.argv.index('--devices') + 1])}"
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from _common import describe, interleaved, load, machine, make_wave, median, parser, result_line
+from _common import describe, fmt, interleaved, load, machine, make_wave, median, parser, result_line
 
 import deferax as dx
 
@@ -59,11 +70,14 @@ def two_sites_loss(sim_a, sim_b):
 
 
 def main():
-    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    cli = parser(__doc__.split("\n\n")[0])
+    cli.add_argument("--devices", type=int, default=1, help="JAX sees this many CPU devices (forced)")
+    args = cli.parse_args()
     sizes = {"10 ms": (32, 20), "35 ms": (48, 30)} if args.small else {"10 ms": (192, 300), "35 ms": (256, 400)}
     repeats = args.repeats or (2 if args.small else 15)
-    print(f"bench_derived: wave stepper; {machine()}; {load()}")
-    results = []
+    print(f"bench_derived: wave stepper; {machine()}; {len(jax.devices())} device(s); {load()}")
+    results, floors = [], []
+    tag = "" if args.devices == 1 else f" {args.devices} devices"
     for label, (n, steps) in sizes.items():
         forward, adjoint = make_wave(n, steps)
         key = jax.random.key(n)
@@ -76,7 +90,8 @@ def main():
         for sim in mine.values():
             got = dx.filter_value_and_grad(loss_of(sim))(source, w)
             assert jnp.allclose(got[0], reference[0], rtol=1e-4) and jnp.allclose(got[1], reference[1], rtol=1e-3, atol=1e-5)
-        fwd_jit = jax.jit(forward)
+        fwd_jit, adj_jit = jax.jit(forward), jax.jit(adjoint)
+        ct = jax.random.normal(jax.random.fold_in(key, 2), (n, n))
         for case, wrap in (("eager", lambda f: f), ("jit", eqx.filter_jit)):
             steps_ = {name: wrap(dx.filter_value_and_grad(loss_of(sim))) for name, sim in mine.items()}
             steps_["custom_vjp"] = wrap(eqx.filter_value_and_grad(loss_of(baseline)))
@@ -84,16 +99,21 @@ def main():
                 {
                     **{k: (lambda s=s, source=source, w=w: s(source, w)) for k, s in steps_.items()},
                     "forward alone": lambda f=fwd_jit, source=source: f(source),
+                    "bare threads": lambda source=source, ct=ct: bare_threads([lambda: fwd_jit(source), lambda: adj_jit(source, ct)]),
                 },
                 repeats,
                 warmup=2,
             )
             for side, ts in times.items():
                 print(f"{label} {case:5s} {side:13s}: {describe(ts)}")
+            floors.append(
+                f"FLOOR bench_derived {label} {case}: forward and adjoint on two bare threads (no deferax) "
+                f"{fmt(median(times['bare threads']))}, ratio {median(times['bare threads']) / median(times['custom_vjp']):.2f} to custom_vjp"
+            )
             for name in mine:
                 results.append(
                     result_line(
-                        "bench_derived", f"{label} {case} {name}", median(times[name]), median(times["custom_vjp"]), TARGETS[label],
+                        "bench_derived", f"{label} {case} {name}{tag}", median(times[name]), median(times["custom_vjp"]), TARGETS[label],
                         old_name="custom_vjp",
                     )
                 )  # fmt: skip
@@ -111,18 +131,38 @@ def main():
     assert [s.schedule for s in plan.sites] == ["deferred", "deferred"], str(plan)
     step_dx = eqx.filter_jit(dx.filter_value_and_grad(loss))
     step_std = eqx.filter_jit(eqx.filter_value_and_grad(two_sites_loss(baseline, baseline)))
-    times = interleaved({"two sites deferred": lambda: step_dx(sources, w), "two sites custom_vjp": lambda: step_std(sources, w)}, repeats, warmup=2)
+    fwd_jit, adj_jit = jax.jit(forward), jax.jit(adjoint)
+    four = [lambda: fwd_jit(sources[0]), lambda: adj_jit(sources[0], w), lambda: fwd_jit(sources[1]), lambda: adj_jit(sources[1], w)]
+    times = interleaved(
+        {"two sites deferred": lambda: step_dx(sources, w), "two sites custom_vjp": lambda: step_std(sources, w), "bare threads": lambda: bare_threads(four)},
+        repeats,
+        warmup=2,
+    )
+    floors.append(
+        f"FLOOR bench_derived two sites jit: the four halves on four bare threads (no deferax) "
+        f"{fmt(median(times['bare threads']))}, ratio {median(times['bare threads']) / median(times['two sites custom_vjp']):.2f} to custom_vjp"
+    )
     for side, ts in times.items():
         print(f"jit   {side:21s}: {describe(ts)}")
     results.append(
         result_line(
-            "bench_derived", "two sites jit", median(times["two sites deferred"]), median(times["two sites custom_vjp"]),
+            "bench_derived", f"two sites jit{tag}", median(times["two sites deferred"]), median(times["two sites custom_vjp"]),
             TARGETS["two sites"], old_name="custom_vjp",
         )
     )  # fmt: skip
     print(f"at the end: {load()}")
-    for line in results:
+    for line in [*floors, *results]:
         print(line)
+
+
+def bare_threads(calls):
+    """The machine's floor: the calls on threads of their own, each waited for, no deferax."""
+    pool = _POOL
+    futures = [pool.submit(lambda c=c: jax.block_until_ready(c())) for c in calls]
+    return [f.result() for f in futures]
+
+
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4)
 
 
 if __name__ == "__main__":

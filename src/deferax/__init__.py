@@ -5,6 +5,7 @@ import importlib.metadata
 from ._concurrent import Fused as Fused
 from ._concurrent import fuse as fuse
 from ._executor import HostError as HostError
+from ._concurrent import set_devices as set_devices
 from ._executor import set_concurrency as set_concurrency
 from ._expensive import ExpensiveFn as ExpensiveFn
 from ._host import host as host

@@ -5,8 +5,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
+import functools as ft
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -15,7 +16,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _executor, _jaxpr
+from . import _errors, _executor, _jaxpr
 
 # The threads mostly wait for compiled programs; several sites each need two at once.
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(16, 2 * (os.cpu_count() or 2)), thread_name_prefix="deferax")
@@ -84,15 +85,35 @@ class _Vmapped(eqx.Module):
 
 
 # Compiled once per implementation and input structure; an `eqx.Module` implementation's
-# arrays are arguments, not baked-in constants.
+# arrays are arguments, not baked-in constants. (What `eqx.filter_jit` does, with less
+# Python on each call: its dispatch was a large part of a small function's fixed cost.)
+@ft.partial(jax.jit, static_argnums=(0, 1))
+def _compiled(static, batched: bool, dynamic, *args):
+    f = eqx.combine(dynamic, static)
+    return jax.vmap(f, in_axes=(None, 0))(*args) if batched else f(*args)
+
+
+def _dispatch(batched: bool, f, *args):
+    dynamic, static = eqx.partition(f, eqx.is_array)
+    try:
+        hash(static)
+    except TypeError:  # an unhashable part (a list, say): Equinox's general path
+        return _filter_compiled(f, batched, *args)
+    return _compiled(static, batched, dynamic, *args)
+
+
 @eqx.filter_jit
+def _filter_compiled(f, batched, *args):
+    return jax.vmap(f, in_axes=(None, 0))(*args) if batched else f(*args)
+
+
 def _apply(f, *args):
-    return f(*args)
+    return _dispatch(False, f, *args)
 
 
-@eqx.filter_jit
 def _apply_batched(f, x, cts):
-    return jax.vmap(f, in_axes=(None, 0))(x, cts)
+    """`f(x, ct)` for each cotangent along the leading axis of `cts`."""
+    return _dispatch(True, f, x, cts)
 
 
 _SERIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_serial", default=False)
@@ -109,22 +130,102 @@ def serial() -> Iterator[None]:
 
 
 def _both(first, second, one_at_a_time: bool):
-    """`(first(), second())`: on two threads of the pool, or one after the other (under the
-    lock that keeps implementations that are not thread-safe apart)."""
+    """`(first(), second())`: `second` on a thread of the pool while `first` runs here (one
+    hand-off, not two), or one after the other (under the lock that keeps implementations
+    that are not thread-safe apart)."""
     if one_at_a_time:
         with _executor.SERIAL_LOCK:
             return first(), second()
-    a, b = _POOL.submit(first), _POOL.submit(second)
-    return a.result(), b.result()
+    other = _POOL.submit(second)
+    try:
+        mine = first()
+    except BaseException:
+        concurrent.futures.wait([other])  # never leave the other half running behind an error
+        raise
+    return mine, other.result()
+
+
+# ---------------------------------------------------------------------------- devices
+
+_DEVICES: list | None = None  # `set_devices`; None: every local device of the default backend
+_SLOT: contextvars.ContextVar[int] = contextvars.ContextVar("deferax_slot", default=0)
+
+
+def set_devices(devices: Any = None) -> None:
+    """Choose the devices that the deferred stage spreads its JAX-native work over.
+
+    When JAX sees several devices (several GPUs; on a CPU, with
+    `XLA_FLAGS=--xla_force_host_platform_device_count=N`), the forward and the adjoint of
+    a `fused` made by [`deferax.fuse`][] (or derived from `fwd` and a `bwd` that does not
+    read `y`) run on two different devices, and the sites of one step on different pairs
+    of devices, round robin; their results come back to the device the inputs were on.
+
+    **Arguments:**
+
+    - `devices`: a list of `jax.Device`s to use, in order; `None` (the default) for all
+      of `jax.local_devices()`. A list of one device keeps all the work on that device.
+    """
+    global _DEVICES
+    if devices is None:
+        _DEVICES = None
+        return
+    if isinstance(devices, str | jax.Device) or not isinstance(devices, Sequence) or not devices:
+        raise TypeError(_errors.BAD_DEVICES.format(found=repr(devices)[:80]))
+    bad = [d for d in devices if not isinstance(d, jax.Device)]
+    if bad:
+        raise TypeError(_errors.BAD_DEVICES.format(found=f"{bad[0]!r:.80} among them"))
+    _DEVICES = list(devices)
+
+
+@contextlib.contextmanager
+def slot(index: int) -> Iterator[None]:
+    """Inside: the `Fused` calls use the `index`-th pair of devices (one site of several)."""
+    token = _SLOT.set(index)
+    try:
+        yield
+    finally:
+        _SLOT.reset(token)
+
+
+def placement() -> tuple[jax.Device | None, jax.Device | None]:
+    """`(forward's device, adjoint's device)` for this slot; `(None, None)` on one device."""
+    devices = jax.local_devices() if _DEVICES is None else _DEVICES
+    if len(devices) < 2:
+        return None, None
+    first = (2 * _SLOT.get()) % len(devices)
+    return devices[first], devices[(first + 1) % len(devices)]
+
+
+def _on(device, tree):
+    """`tree` with its arrays on `device` (unchanged for `None`)."""
+    if device is None:
+        return tree
+    return jtu.tree_map(lambda a: jax.device_put(a, device) if isinstance(a, jax.Array | np.ndarray) else a, tree)
+
+
+def _home(x) -> jax.Device | None:
+    """The device that the results go back to: the one `x` is on (None: the default one)."""
+    for leaf in jtu.tree_leaves(x):
+        if isinstance(leaf, jax.Array) and len(leaf.devices()) == 1:
+            return next(iter(leaf.devices()))
+    return None
 
 
 def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
-    fwd = lambda x_: _apply(fwd_fn, x_)  # noqa: E731
-    adjoint = lambda x_, ct_: apply_adjoint(adjoint_fn, x_, ct_)  # noqa: E731
     one_at_a_time = _SERIAL.get() or not _executor.concurrency_enabled()  # read now (while tracing, if traced)
+    fwd_device, adjoint_device = placement()
+
+    def fwd(x_):
+        return _apply(*_on(fwd_device, (fwd_fn, x_)))
+
+    def adjoint(x_, ct_):
+        return apply_adjoint(*_on(adjoint_device, (adjoint_fn, x_, ct_)))
+
     if is_concrete((x, ct)):
-        first = _jaxpr.carry_context(lambda: jax.block_until_ready(fwd(x)))
-        second = _jaxpr.carry_context(lambda: jax.block_until_ready(adjoint(x, ct)))
+        home = _home(x) if fwd_device is not None else None
+        back = (lambda r: _on(home or jax.local_devices()[0], r)) if fwd_device is not None else (lambda r: r)
+        first = lambda: back(jax.block_until_ready(fwd(x)))  # noqa: E731
+        second = _jaxpr.carry_context(lambda: back(jax.block_until_ready(adjoint(x, ct))))
         return _both(first, second, one_at_a_time)
 
     # Traced (inside jit or vmap): leave the program through one host callback, which runs

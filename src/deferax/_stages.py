@@ -21,7 +21,11 @@ import numpy as np
 
 from . import _executor, _jaxpr, _site, _tangents
 from ._analysis import Analysis, zeros
-from ._concurrent import Fused, serial
+from ._concurrent import Fused, serial, slot
+
+# The threads that run the sites of one step together; each waits for its site's calls
+# (which `dx.fuse` halves run on another pool, so that no thread waits for its own pool).
+_SITES = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="deferax-site")
 
 # ----------------------------------------------------------------------------- stage 1
 
@@ -125,11 +129,19 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
         with _executor.SERIAL_LOCK, serial():
             return one(k, operands_, cts_)
 
+    def placed(i, k, operands_, cts_):
+        with slot(i):  # the i-th site's halves on the i-th pair of devices
+            return guarded(k, operands_, cts_)
+
     def run_all(operands_, cts_):
         if len(positions) > 1:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=len(positions)) as pool:
-                futures = [pool.submit(_jaxpr.carry_context(guarded), k, operands_, cts_) for k in positions]
-                return [f.result() for f in futures]
+            futures = [_SITES.submit(_jaxpr.carry_context(placed), i, k, operands_, cts_) for i, k in enumerate(positions[1:], 1)]
+            try:
+                first = placed(0, positions[0], operands_, cts_)  # this thread runs one site itself
+            except BaseException:
+                concurrent.futures.wait(futures)
+                raise
+            return [first, *(f.result() for f in futures)]
         return [guarded(k, operands_, cts_) for k in positions]
 
     def leaves_program(k):

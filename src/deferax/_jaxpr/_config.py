@@ -7,17 +7,15 @@ import contextvars
 
 
 def local_config() -> dict:
-    """The JAX configuration values in force in this thread (those a context manager such
-    as `jax.numpy_dtype_promotion("strict")` may have set here only)."""
+    """The JAX configuration values set in this thread only (by a context manager such as
+    `jax.numpy_dtype_promotion("strict")`)."""
     from jax._src import config
 
     values = {}
     for name, state in config.config_states.items():
-        if hasattr(state, "swap_local"):
-            try:
-                values[name] = state.value
-            except Exception:  # noqa: BLE001 - a state without a readable value is not carried
-                continue
+        value = state.get_local()
+        if value is not config.config_ext.unset:
+            values[name] = value
     return values
 
 

@@ -1,0 +1,104 @@
+"""Run by `tests/test_devices.py` in a subprocess with `XLA_FLAGS` forcing 4 CPU devices:
+where the deferred stage places each half of a `fused` made from `fwd` + `bwd`, and that
+values and gradients match the plain-JAX program. Prints `ok` at the end."""
+
+import os
+import threading
+
+assert "xla_force_host_platform_device_count=4" in os.environ.get("XLA_FLAGS", ""), "run with 4 forced devices"
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import deferax as dx  # noqa: E402
+from deferax import _concurrent  # noqa: E402
+
+devices = jax.local_devices()
+assert len(devices) == 4, devices
+A = jnp.asarray(np.random.default_rng(0).normal(size=(3, 3)), jnp.float32)
+B = jnp.asarray(np.random.default_rng(1).normal(size=(3, 3)), jnp.float32)
+
+
+def plain_a(x):
+    return jnp.tanh(A @ x)
+
+
+def plain_b(x):
+    return jnp.sin(B @ x)
+
+
+def expensive(plain, name):
+    def bwd(x, y, ct):  # reads x and the cotangent only
+        _, vjp = jax.vjp(plain, x)
+        return vjp(ct)[0]
+
+    return dx.ExpensiveFn(fwd=jax.jit(plain), bwd=bwd, name=name)
+
+
+seen: list = []  # (which half, the device its arguments were on), in the order they ran
+lock = threading.Lock()
+dispatch = _concurrent._dispatch
+
+
+def spy(batched, f, *args):
+    if not any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(args)):  # (not when shapes are traced)
+        (device,) = {d for a in jax.tree_util.tree_leaves(args) for d in a.devices()}
+        with lock:
+            seen.append((type(f).__name__, device.id))
+    return dispatch(batched, f, *args)
+
+
+_concurrent._dispatch = spy
+sim_a, sim_b = expensive(plain_a, "a"), expensive(plain_b, "b")
+x = jnp.array([0.3, -0.2, 0.8], jnp.float32)
+w = jnp.array([1.0, -2.0, 0.5], jnp.float32)
+
+
+def check(loss, reference, expected, wrap=lambda f: f, arg=x):
+    seen.clear()
+    (value, grad) = wrap(dx.filter_value_and_grad(loss))(arg, w)
+    ref_value, ref_grad = jax.value_and_grad(reference)(arg, w)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert sorted(seen) == sorted(expected), (seen, expected)
+    return grad
+
+
+def one(sim, plain_=plain_a):
+    return lambda x, w: jnp.sum(w * sim(x)), lambda x, w: jnp.sum(w * plain_(x))
+
+
+# one site: forward on device 0, adjoint on device 1; eager and under jit (through the callback)
+loss, reference = one(sim_a)
+for wrap in (lambda f: f, eqx.filter_jit, jax.jit):
+    grad = check(loss, reference, [("_Primal", 0), ("_Adjoint", 1)], wrap)
+    assert grad.devices() == {devices[0]}, grad.devices()
+
+# two sites of one step: the second on the next pair of devices
+both = lambda x, w: jnp.sum(w * sim_a(x)) + jnp.sum(w * sim_b(2 * x))  # noqa: E731
+both_ref = lambda x, w: jnp.sum(w * plain_a(x)) + jnp.sum(w * plain_b(2 * x))  # noqa: E731
+pairs = [("_Primal", 0), ("_Adjoint", 1), ("_Primal", 2), ("_Adjoint", 3)]
+for wrap in (lambda f: f, eqx.filter_jit):
+    check(both, both_ref, pairs, wrap)
+
+# dx.fuse: the same placement for its two jitted halves
+fused = dx.ExpensiveFn(fwd=plain_a, bwd=lambda x, y, ct: A.T @ (ct * (1 - y**2)), fused=dx.fuse(plain_a, lambda x, ct: A.T @ ct, combine=lambda x, y, p: A.T @ (jnp.linalg.solve(A.T, p) * (1 - y**2))))
+check(*one(fused), [("function", 0), ("function", 1)])
+
+# inputs the user put on device 3: the results come back there
+arg = jax.device_put(x, devices[3])
+seen.clear()
+value, grad = dx.filter_value_and_grad(loss)(arg, jax.device_put(w, devices[3]))
+assert grad.devices() == {devices[3]}, grad.devices()
+np.testing.assert_allclose(grad, jax.grad(reference)(x, w), rtol=1e-5, atol=1e-6)
+
+# dx.set_devices: only the two given, in that order; one device keeps everything in place
+dx.set_devices([devices[2], devices[1]])
+check(both, both_ref, [("_Primal", 2), ("_Adjoint", 1), ("_Primal", 2), ("_Adjoint", 1)])
+dx.set_devices(devices[:1])
+check(both, both_ref, [("_Primal", 0), ("_Adjoint", 0), ("_Primal", 0), ("_Adjoint", 0)])
+dx.set_devices(None)
+check(loss, reference, [("_Primal", 0), ("_Adjoint", 1)])
+print("ok")

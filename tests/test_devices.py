@@ -1,0 +1,39 @@
+"""Several devices: the deferred stage puts the forward and the adjoint of a site on two
+devices, and the sites of one step on different pairs (`dx.set_devices` to choose)."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import deferax as dx
+
+
+def test_halves_and_sites_on_different_devices():
+    """The checks live in `scripts/devices.py`: JAX must see 4 CPU devices, which is fixed
+    when JAX starts, so they run in a fresh interpreter."""
+    script = pathlib.Path(__file__).parent / "scripts" / "devices.py"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "bad, found",
+    [
+        (jax.devices()[0], "TFRT_CPU_0|CpuDevice"),
+        ([], r"\[\]\."),
+        (["cpu:0"], "'cpu:0' among them"),
+        ((jax.devices()[0], 0), "0 among them"),
+        ("cpu", "'cpu'"),
+    ],
+)
+def test_set_devices_refuses_what_is_not_a_list_of_devices(bad, found):
+    with pytest.raises(TypeError, match=r"`deferax.set_devices`: `devices` must be None \(every local device\) or a non-empty list of `jax.Device`s") as info:
+        dx.set_devices(bad)
+    assert re.search(f"but got .*({found})", str(info.value)), str(info.value)
+    dx.set_devices(None)
