@@ -8,9 +8,14 @@ from ._executor import HostError as HostError
 from ._concurrent import set_devices as set_devices
 from ._executor import set_concurrency as set_concurrency
 from ._expensive import ExpensiveFn as ExpensiveFn
+from ._expensive import trainable as trainable
 from ._host import host as host
 from ._jacobian import jacobian as jacobian
 from ._plan import Plan as Plan
+from ._record import Call as Call
+from ._record import Timeline as Timeline
+from ._record import plot_timelines as plot_timelines
+from ._record import record as record
 from ._plan import Site as Site
 from ._transform import explain as explain
 from ._transform import filter_grad as filter_grad

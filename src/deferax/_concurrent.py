@@ -16,7 +16,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _errors, _executor, _jaxpr
+from . import _errors, _executor, _jaxpr, _record
 
 # The threads mostly wait for compiled programs; several sites each need two at once.
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(16, 2 * (os.cpu_count() or 2)), thread_name_prefix="deferax")
@@ -215,17 +215,21 @@ def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
     one_at_a_time = _SERIAL.get() or not _executor.concurrency_enabled()  # read now (while tracing, if traced)
     fwd_device, adjoint_device = placement()
 
+    fwd_name, adjoint_name = getattr(fwd_fn, "impl", "fwd"), getattr(adjoint_fn, "impl", "adjoint")
+
     def fwd(x_):
-        return _apply(*_on(fwd_device, (fwd_fn, x_)))
+        with _record.timed_outside():  # (recorded around this call)
+            return _apply(*_on(fwd_device, (fwd_fn, x_)))
 
     def adjoint(x_, ct_):
-        return apply_adjoint(*_on(adjoint_device, (adjoint_fn, x_, ct_)))
+        with _record.timed_outside():
+            return apply_adjoint(*_on(adjoint_device, (adjoint_fn, x_, ct_)))
 
     if is_concrete((x, ct)):
         home = _home(x) if fwd_device is not None else None
         back = (lambda r: _on(home or jax.local_devices()[0], r)) if fwd_device is not None else (lambda r: r)
-        first = lambda: back(jax.block_until_ready(fwd(x)))  # noqa: E731
-        second = _jaxpr.carry_context(lambda: back(jax.block_until_ready(adjoint(x, ct))))
+        first = lambda: back(_record.call(fwd_name, lambda: jax.block_until_ready(fwd(x)), None, fwd_device))  # noqa: E731
+        second = _jaxpr.carry_context(lambda: back(_record.call(adjoint_name, lambda: jax.block_until_ready(adjoint(x, ct)), None, adjoint_device)))
         return _both(first, second, one_at_a_time)
 
     # Traced (inside jit or vmap): leave the program through one host callback, which runs
@@ -233,8 +237,11 @@ def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
     # tracing) and hands both results back.
     y_struct = jax.eval_shape(fwd, x)
     ct_struct = jax.eval_shape(adjoint, x, ct)
-    run_fwd = _jaxpr.carry_context(lambda x_: jtu.tree_map(np.asarray, fwd(x_)))
-    run_adjoint = _jaxpr.carry_context(lambda x_, ct_: jtu.tree_map(np.asarray, adjoint(x_, ct_)))
+    default = jax.local_devices()[0]
+    run_fwd = _jaxpr.carry_context(lambda x_: _record.call(fwd_name, lambda: jtu.tree_map(np.asarray, fwd(x_)), None, fwd_device or default))
+    run_adjoint = _jaxpr.carry_context(
+        lambda x_, ct_: _record.call(adjoint_name, lambda: jtu.tree_map(np.asarray, adjoint(x_, ct_)), None, adjoint_device or default)
+    )
 
     def host(x_, ct_):
         return _both(lambda: run_fwd(x_), lambda: run_adjoint(x_, ct_), one_at_a_time)

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import _record
+
 _DEFAULT: cf.Executor | None = None
 _DEFAULT_LOCK = threading.Lock()
 
@@ -200,9 +202,15 @@ _GRACE = 1.0  # seconds to let the other jobs finish when one fails, to check th
 def _run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], check: Any = None) -> list[Any]:
     executor = executor if executor is not None else default_executor()
     futures: list[cf.Future] = []
+    where = name(executor)
     for job in jobs:
+        timing = _record.job(job.impl, where)
         try:
+            if timing is not None:
+                timing[0]()
             futures.append(executor.submit(job.fn, *job.args))
+            if timing is not None:
+                futures[-1].add_done_callback(timing[1])
         except Exception as e:
             for f in futures:
                 f.cancel()

@@ -13,7 +13,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _errors, _site, _tangents, _typed
+from . import _errors, _record, _site, _tangents, _typed
 from ._concurrent import Fused
 
 
@@ -238,8 +238,16 @@ class ExpensiveFn(eqx.Module):
     # ------------------------------------------------------------------ implementations, derived where needed
 
     def _invoke(self, impl: str, *args: Any) -> Any:
-        """Call an implementation, checking its jaxtyping annotations (if it has any)."""
+        """Call an implementation, checking its jaxtyping annotations (if it has any), and
+        recording it when a recording (or DEBUG logging) is on. `dx.fuse` halves and host
+        functions are recorded where they run; here they only learn the site's name."""
         fn = getattr(self, impl)
+        with _record.site(self.name):
+            if isinstance(fn, Fused) or getattr(getattr(fn, "__self__", None), "runs_on_host", False):
+                return self._typed_call(impl, fn, args)
+            return _record.call(impl, lambda: self._typed_call(impl, fn, args), args)
+
+    def _typed_call(self, impl: str, fn: Any, args: tuple) -> Any:
         if isinstance(fn, _typed.TypedModule) or not _typed.typechecking_enabled():
             return fn(*args)
         where = f"{self._call} `{impl}`"
@@ -332,7 +340,9 @@ class ExpensiveFn(eqx.Module):
             if "out_axes" not in str(error):
                 raise
         else:
-            return separable(x, cts)
+            # one (vmapped) run of `fused`: recorded here, around the batch
+            with _record.site(self.name):
+                return _record.call("fused", lambda: separable(x, cts), (x, cts))
         # `fused` computes `y` in a way vmap cannot see is independent of the cotangent
         # (a host callback, say): correct, but the primal runs once per cotangent.
         warnings.warn(_errors.NOT_SEPARABLE.format(call=self._call, k=k), stacklevel=2)
@@ -366,6 +376,7 @@ class _Primal(eqx.Module):
     """`fn.primal`, as a Module that compares by value (its compiled form is reused)."""
 
     fn: ExpensiveFn
+    impl = "fwd"  # (for the recording)
 
     def __call__(self, x):
         return self.fn.primal(x)
@@ -376,6 +387,10 @@ class _Adjoint(eqx.Module):
     `bwd(x, zeros, ct)` for a `bwd` that does not read `y`."""
 
     fn: ExpensiveFn
+
+    @property
+    def impl(self) -> str:  # (for the recording)
+        return "adjoint" if self.fn.adjoint is not None else "bwd"
 
     def __call__(self, x, ct):
         fn = self.fn
@@ -390,3 +405,27 @@ class _Combine(eqx.Module):
 
     def __call__(self, x, y, partial):
         return self.fn._combine(x, y, partial)
+
+
+def trainable(tree: PyTree) -> PyTree[bool]:
+    """A filter spec for `eqx.partition`: `True` for the floating-point arrays of `tree` that
+    a model learns, `False` for everything else, including every array held by an
+    [`deferax.ExpensiveFn`][] (its implementations' configuration: a source, a grid,
+    material constants).
+
+    Those arrays get a zero gradient, but an optimizer still moves them: weight decay
+    (`optax.adamw`) shrinks any parameter it is given. Keep them out of the optimizer:
+
+    !!! Example
+
+        ```python
+        params, static = eqx.partition(model, dx.trainable(model))
+        opt_state = optimizer.init(params)
+        # in the step: model = eqx.combine(params, static); differentiate w.r.t. params
+        ```
+    """
+    return jtu.tree_map(
+        lambda node: jtu.tree_map(lambda _: False, node) if isinstance(node, ExpensiveFn) else eqx.is_inexact_array(node),
+        tree,
+        is_leaf=lambda node: isinstance(node, ExpensiveFn),
+    )

@@ -15,7 +15,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _errors, _executor
+from . import _errors, _executor, _jaxpr
 from ._concurrent import is_concrete
 from ._expensive import ExpensiveFn, _struct, check_signature
 from ._host_jobs import Runner
@@ -87,7 +87,8 @@ class _Host(eqx.Module):
         arg_structs = _struct(args)
         if is_concrete(args):
             return jtu.tree_map(jnp.asarray, runner(kind, result, arg_structs, *jtu.tree_map(np.asarray, args)))
-        return jax.pure_callback(ft.partial(runner, kind, result, arg_structs), result, *args, vmap_method="broadcast_all")
+        # (with the caller's context: the site's name and schedule, for the recording)
+        return jax.pure_callback(_jaxpr.carry_context(ft.partial(runner, kind, result, arg_structs)), result, *args, vmap_method="broadcast_all")
 
     def fwd(self, x: PyTree) -> PyTree:
         return self._run("fwd", (x,), self._out(x))

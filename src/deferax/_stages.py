@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _executor, _jaxpr, _site, _tangents
+from . import _executor, _jaxpr, _record, _site, _tangents
 from ._analysis import Analysis, zeros
 from ._concurrent import Fused, serial, slot
 
@@ -111,6 +111,11 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
     positions = analysis.deferred + analysis.early
 
     def one(k, operands_, cts_):
+        schedule = "standard" if k in analysis.early else "deferred-basis" if k in analysis.basis else "deferred"
+        with _record.site(analysis.spec(k).name, schedule):
+            return run_one(k, operands_, cts_)
+
+    def run_one(k, operands_, cts_):
         spec = analysis.spec(k)
         if k in analysis.early:
             return _site.primal(spec, *operands_[k]), None

@@ -11,6 +11,7 @@ every call and a change of it either changes the program or reaches it as a new 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools as ft
 import threading
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors, _jaxpr, _site, _stages
+from . import _errors, _jaxpr, _record, _site, _stages
 from ._analysis import Analysis, analyse
 from ._concurrent import is_concrete
 from ._plan import Plan
@@ -132,6 +133,7 @@ def _analysis(traced: _Traced, schedule, max_basis, eager: bool):
             if compiled is not None:
                 return compiled.analysis, compiled
     analysis = analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE)
+    _record.log_plan(analysis.plan)  # a new program (or one traced under a transformation)
     if not eager:
         return analysis, None
     compiled = _Compiled(analysis, traced.has_diff())
@@ -156,14 +158,25 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int, x, args, 
     analysis, compiled = _analysis(traced, schedule, max_basis, eager)
     results = None
     if analysis.deferred:
-        operands, cts = (compiled.stage1 if eager else ft.partial(_stages.stage1, analysis))(ins)
-        ys, diff_cts = _stages.stage2(analysis, operands, cts, eager=eager)
+        with _stage("deferax stage 1: operands and cotangents"):
+            operands, cts = (compiled.stage1 if eager else ft.partial(_stages.stage1, analysis))(ins)
+        with _stage("deferax stage 2: expensive calls"):
+            ys, diff_cts = _stages.stage2(analysis, operands, cts, eager=eager)
         results = (cts, ys, diff_cts)
-    if eager and compiled.stage3 is not None:
-        outs, grads = compiled.stage3(ins, results)
-    else:
-        outs, grads = _stages.stage3(analysis, traced.has_diff(), ins, results)
+    with _stage("deferax stage 3: value and gradients"):
+        if eager and compiled.stage3 is not None:
+            outs, grads = compiled.stage3(ins, results)
+        else:
+            outs, grads = _stages.stage3(analysis, traced.has_diff(), ins, results)
     return traced.result(outs, grads, has_aux)
+
+
+@contextlib.contextmanager
+def _stage(name: str):
+    """A named region: in a profiler trace (`jax.profiler.trace`) for what runs here, and in
+    the names of the operations traced here (what a compiled program shows)."""
+    with jax.profiler.TraceAnnotation(name), jax.named_scope(name.replace(" ", "_").replace(":", "")):
+        yield
 
 
 def _plan(fun, has_aux, schedule, max_basis, args, kwargs) -> Plan:

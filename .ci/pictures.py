@@ -1,0 +1,98 @@
+"""Draw the pictures of the docs from real runs (CI runs this before `mkdocs build`).
+
+- `docs/images/timeline.svg`: one gradient step of the wave stepper of `benchmarks/`, on
+  the standard and on the deferred schedule, recorded with `dx.record()` on this machine
+  just now;
+- `docs/images/benchmarks.svg`: the ratios of `benchmarks/results.txt` (the RESULT lines
+  of the run that `docs/benchmarks.md` reports), with the ideal 0.5 and the targets marked.
+
+    python .ci/pictures.py
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+IMAGES = ROOT / "docs" / "images"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+SVG = {"metadata": {"Date": None}}  # no timestamp inside: the file changes only when the picture does
+
+
+def timeline() -> None:
+    import jax
+    import jax.numpy as jnp
+    from _common import make_wave, wave_sites
+
+    import deferax as dx
+
+    forward, adjoint = make_wave(128, 200)  # a few ms a run: long enough to see, quick enough for CI
+    wave, _ = wave_sites(forward, adjoint)
+    key = jax.random.key(0)
+    source = jax.random.normal(key, (128, 128))
+    w = jax.random.normal(jax.random.fold_in(key, 1), (128, 128))
+
+    def loss(source):
+        return jnp.sum(w * wave(source))
+
+    recorded = {}
+    for schedule in ("standard", "auto"):
+        step = dx.filter_value_and_grad(loss, schedule=schedule)
+        for _ in range(3):  # compiled and warm
+            jax.block_until_ready(step(source))
+        with dx.record() as t:
+            jax.block_until_ready(step(source))
+        recorded["standard schedule" if schedule == "standard" else "deferred schedule"] = t
+    fig = dx.plot_timelines(recorded, width=7.5)
+    fig.suptitle("One gradient step of the wave stepper (128 x 128, 200 steps), eager, this machine", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(IMAGES / "timeline.svg", **SVG)
+    for name, t in recorded.items():
+        print(f"{name}: {t.counts()}, {1e3 * (max(c.end for c in t.calls) - min(c.start for c in t.calls)):.1f} ms")
+
+
+LINE = re.compile(r"^RESULT (\S+) (.+?): .*?ratio ([0-9.]+) \((?:target <= ([0-9.]+)|no target|for comparison)")
+
+
+def benchmarks() -> None:
+    source = ROOT / "benchmarks" / "results.txt"
+    header = [ln[2:] for ln in source.read_text().splitlines() if ln.startswith("# ")]
+    rows = []
+    for ln in source.read_text().splitlines():
+        m = LINE.match(ln)
+        if m and m.group(1) not in ("bench_typed", "bench_eager", "bench_mlp"):  # speed-ups of the deferred schedules only
+            rows.append((f"{m.group(1).removeprefix('bench_')}: {m.group(2)}", float(m.group(3)), float(m.group(4)) if m.group(4) else None))
+    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.28 * len(rows)))
+    y = range(len(rows))
+    colours = ["#55A868" if t is None or r <= t else "#C44E52" for _, r, t in rows]
+    ax.barh(list(y), [r for _, r, _ in rows], color=colours, height=0.6)
+    for i, (_, r, t) in enumerate(rows):
+        if t is not None:
+            ax.plot([t, t], [i - 0.4, i + 0.4], color="black", linewidth=1.5)
+        ax.text(max(r, t or 0) + 0.015, i, f"{r:.2f}", va="center", fontsize=7)
+    ax.axvline(0.5, color="#4C72B0", linestyle="--", linewidth=1)
+    ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
+    ax.text(0.5, 1.0, "ideal 0.5 ", color="#4C72B0", fontsize=7, ha="right", va="bottom", transform=ax.get_xaxis_transform())
+    ax.text(1.0, 1.0, "no gain ", color="grey", fontsize=7, ha="right", va="bottom", transform=ax.get_xaxis_transform())
+    ax.set_yticks(list(y), [name for name, _, _ in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(1.1, max(r for _, r, _ in rows) + 0.1))
+    ax.set_xlabel("time of deferax / time of the baseline (lower is better; black tick: target)", fontsize=8)
+    fig.suptitle("\n".join(header), fontsize=7, x=0.01, ha="left")
+    fig.tight_layout()
+    fig.savefig(IMAGES / "benchmarks.svg", **SVG)
+    print(f"benchmarks: {len(rows)} ratios from {source.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    plt.rcParams["svg.hashsalt"] = "deferax"
+    timeline()
+    benchmarks()

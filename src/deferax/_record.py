@@ -1,0 +1,304 @@
+"""What ran, when: `record()` collects every implementation call into a `Timeline`; the
+`"deferax"` logger reports plans (INFO) and calls with their durations (DEBUG); every
+timed call is a named region in a `jax.profiler` trace.
+
+Where a call is timed:
+
+- called with concrete arrays (outside `jit`: the standard schedule's `fwd` and `bwd`,
+  the deferred stage's `fused`), around the call, until its results are ready;
+- the two halves of a `dx.fuse` (or of a `fused` made from `fwd` + `adjoint`), on their
+  threads, also when they leave a compiled program through its callback;
+- a host function's job, from its submission until its result is back (queueing
+  included);
+- a JAX-native implementation compiled into a program (under `jit`) cannot be timed from
+  outside without changing the program: it is counted, through a callback that fires
+  each time the program runs it, with no start or end. Only programs traced while a
+  recording (or DEBUG logging) was on carry these callbacks.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+
+log = logging.getLogger("deferax")
+log.addHandler(logging.NullHandler())
+
+_ACTIVE: list[Timeline] = []
+_LOCK = threading.Lock()
+# (site name, schedule) of the calls made here; set by the stages and by `ExpensiveFn`
+_SITE: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("deferax_site", default=None)
+# Inside the halves of a `Fused`, which are timed around their compiled calls.
+_TIMED_OUTSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_timed_outside", default=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One run of an implementation.
+
+    - `site`: the `ExpensiveFn`'s `name`;
+    - `impl`: `"fwd"`, `"bwd"`, `"adjoint"`, `"combine"`, `"fused"`, `"fused_batch"`,
+      `"jvp"` or `"jvp_batch"`;
+    - `schedule`: the schedule it ran for (`"standard"`, `"deferred"`,
+      `"deferred-basis"`, `"forward"`);
+    - `start`, `end`: seconds since the recording began; `None` for a call inside a
+      compiled program, which is counted but cannot be timed;
+    - `thread`: the thread it ran on (for a host job: the executor);
+    - `device`: the JAX device its results were on (`None` on the host or untimed).
+    """
+
+    site: str
+    impl: str
+    schedule: str
+    start: float | None
+    end: float | None
+    thread: str
+    device: str | None = None
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.start is None else self.end - self.start
+
+
+class Timeline:
+    """The calls recorded by [`deferax.record`][], in the order they ended.
+
+    `print(timeline)` shows a table; `timeline.counts()` the runs per implementation;
+    `timeline.plot()` a Gantt chart (needs matplotlib).
+    """
+
+    def __init__(self):
+        self.origin = time.perf_counter()
+        self.calls: list[Call] = []
+
+    def _add(self, call: Call) -> None:
+        self.calls.append(call)
+
+    def counts(self, site: str | None = None) -> dict[str, int]:
+        """How many times each implementation ran (of the site named `site`, or of all)."""
+        return dict(collections.Counter(c.impl for c in self.calls if site is None or c.site == site))
+
+    def timed(self) -> list[Call]:
+        """The calls that have a start and an end."""
+        return [c for c in self.calls if c.start is not None]
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __str__(self) -> str:
+        rows = [("site", "impl", "schedule", "start", "end", "ms", "thread", "device")]
+        for c in sorted(self.calls, key=lambda c: (c.start is None, c.start or 0.0)):
+            if c.start is None:
+                times = ("-", "-", "not timed")
+            else:
+                times = (f"{1e3 * c.start:.2f}", f"{1e3 * c.end:.2f}", f"{1e3 * c.duration:.2f}")
+            rows.append((c.site, c.impl, c.schedule, *times, c.thread, c.device or "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"deferax timeline: {len(self.calls)} call(s), times in ms from the start of the recording"]
+        for i, r in enumerate(rows):
+            lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        if any(c.start is None for c in self.calls):
+            lines.append("not timed: calls inside a compiled program (counted each time the program runs them)")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def plot(self, title: str | None = None, ax: Any = None) -> Any:
+        """A Gantt chart of the timed calls: one bar per call, one row per thread, coloured
+        by implementation. Returns the matplotlib `Figure` (matplotlib is needed:
+        `pip install deferax[plot]`)."""
+        if ax is not None:
+            _draw(ax, self, title)
+            return ax.figure
+        return plot_timelines({title or "": self})
+
+
+def plot_timelines(timelines: Mapping[str, Timeline], width: float = 8.0) -> Any:
+    """Several recordings (standard and deferred runs of one step, say), one above the
+    other on a common time axis. Returns the matplotlib `Figure`."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - the plot extra is installed in the tests
+        raise ImportError("`Timeline.plot` needs matplotlib: `pip install matplotlib` (or `deferax[plot]`).") from e
+    rows = [max(1, len({c.thread for c in t.timed()})) for t in timelines.values()]
+    fig, axes = plt.subplots(
+        len(timelines), 1, figsize=(width, 0.9 + 0.5 * sum(rows) + 0.6 * len(rows)), sharex=True, squeeze=False,
+        gridspec_kw={"height_ratios": rows},
+    )  # fmt: skip
+    for ax, (title, timeline) in zip(axes[:, 0], timelines.items(), strict=True):
+        _draw(ax, timeline, title)
+    axes[-1, 0].set_xlabel("ms from the first call")
+    fig.tight_layout()
+    return fig
+
+
+_COLOURS = {
+    "fwd": "#4C72B0", "bwd": "#DD8452", "adjoint": "#DD8452", "combine": "#937860", "fused": "#55A868",
+    "fused_batch": "#55A868", "jvp": "#8172B3", "jvp_batch": "#8172B3",
+}  # fmt: skip
+
+
+def _draw(ax, timeline: Timeline, title: str | None) -> None:
+    calls = timeline.timed()
+    threads = sorted({c.thread for c in calls}, key=lambda t: min(c.start for c in calls if c.thread == t))
+    t0 = min((c.start for c in calls), default=0.0)
+    for c in calls:
+        row = threads.index(c.thread)
+        ax.barh(row, 1e3 * c.duration, left=1e3 * (c.start - t0), height=0.6, color=_COLOURS.get(c.impl, "#999999"), edgecolor="black", linewidth=0.5)
+        ax.text(1e3 * (c.start - t0 + c.duration / 2), row, f"{c.site}: {c.impl}", ha="center", va="center", fontsize=8, color="white")
+    ax.set_yticks(range(len(threads)), threads, fontsize=8)
+    ax.invert_yaxis()
+    untimed = len(timeline.calls) - len(calls)
+    label = title or ""
+    if untimed:
+        label += f"{' ' if label else ''}(+{untimed} call(s) inside compiled programs, not timed)"
+    if calls:
+        span = 1e3 * (max(c.end for c in calls) - t0)
+        label += f"{': ' if label else ''}{span:.1f} ms"
+    ax.set_title(label, fontsize=9, loc="left")
+    ax.set_ylabel("thread", fontsize=8)
+
+
+@contextlib.contextmanager
+def record() -> Iterator[Timeline]:
+    """Record every expensive call made while inside, on any thread, into a [`deferax.Timeline`][].
+
+    !!! Example
+
+        ```python
+        with dx.record() as timeline:
+            value, grads = step(model, data)
+        print(timeline)
+        assert timeline.counts() == {"fused": 1}
+        ```
+
+    Calls with concrete arrays (outside `jit`) are timed until their results are ready
+    (which makes each wait for its result: recording changes JAX's asynchronous dispatch).
+    Under `jit`, the halves of a `dx.fuse` and host functions are timed where they leave
+    the compiled program; other implementations compiled into the program are counted,
+    not timed, and only if the program was traced inside a recording.
+    """
+    timeline = Timeline()
+    with _LOCK:
+        _ACTIVE.append(timeline)
+    try:
+        yield timeline
+    finally:
+        with _LOCK:
+            _ACTIVE.remove(timeline)
+
+
+def wanted() -> bool:
+    """Whether calls are to be timed now: a recording is on, or DEBUG logging."""
+    return bool(_ACTIVE) or log.isEnabledFor(logging.DEBUG)
+
+
+def _add(site: str, impl: str, schedule: str, start: float | None, end: float | None, thread: str, device: str | None):
+    with _LOCK:
+        timelines = list(_ACTIVE)
+    for timeline in timelines:
+        timeline._add(
+            Call(site, impl, schedule, None if start is None else start - timeline.origin, None if end is None else end - timeline.origin, thread, device)
+        )
+    if log.isEnabledFor(logging.DEBUG):
+        took = "inside a compiled program" if start is None else f"{1e3 * (end - start):.3f} ms"
+        log.debug("%s: %s (%s schedule) %s on %s", site, impl, schedule, took, thread)
+
+
+@contextlib.contextmanager
+def site(name: str, schedule: str | None = None) -> Iterator[None]:
+    """Inside: the calls are those of site `name`, for `schedule` (kept from outside if None)."""
+    outer = _SITE.get()
+    token = _SITE.set((name if name is not None else "unnamed", schedule or (outer[1] if outer else "standard")))
+    try:
+        yield
+    finally:
+        _SITE.reset(token)
+
+
+def current(impl: str) -> tuple[str, str]:
+    """`(site, schedule)` for a call of `impl` made here."""
+    name, schedule = _SITE.get() or ("?", "standard")
+    if impl in ("jvp", "jvp_batch") and schedule == "standard":
+        schedule = "forward"
+    return name, schedule
+
+
+@contextlib.contextmanager
+def timed_outside() -> Iterator[None]:
+    token = _TIMED_OUTSIDE.set(True)
+    try:
+        yield
+    finally:
+        _TIMED_OUTSIDE.reset(token)
+
+
+def _device(result: Any) -> str | None:
+    for leaf in jtu.tree_leaves(result):
+        if isinstance(leaf, jax.Array):
+            devices = leaf.devices()
+            return str(next(iter(devices))) if len(devices) == 1 else None
+    return None
+
+
+def _is_traced(args: Any) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(args))
+
+
+def call(impl: str, fn: Callable[[], Any], args: Any, device: Any = None) -> Any:
+    """`fn()`, the call of implementation `impl` on `args` (None: on concrete arrays), as a
+    named region for the profiler, and recorded if wanted. `device`: where it runs, if
+    not where its results are."""
+    site_name, schedule = current(impl)
+    record_it = wanted() and not _TIMED_OUTSIDE.get()  # (not again inside a recorded call)
+    if args is not None and _is_traced(args):
+        with jax.named_scope(f"deferax_{site_name}_{impl}"):
+            if record_it:
+                # compiled into the program: counted each time the program runs it, not timed
+                jax.debug.callback(lambda: _add(site_name, impl, schedule, None, None, "in program", None), ordered=False)
+            with timed_outside():
+                return fn()
+    with jax.profiler.TraceAnnotation(f"deferax {site_name}: {impl}"):
+        if not record_it:
+            return fn()
+        start = time.perf_counter()
+        with timed_outside():
+            result = jax.block_until_ready(fn())
+        end = time.perf_counter()
+    _add(site_name, impl, schedule, start, end, threading.current_thread().name, str(device) if device is not None else _device(result))
+    return result
+
+
+def job(impl: str, where: str) -> tuple[Callable[[], None], Callable[[Any], None]] | None:
+    """For a host job: `(submitted, finished)` callbacks that time it, or None."""
+    if not wanted():
+        return None
+    site_name, schedule = current(impl)
+    box = {}
+
+    def submitted():
+        box["start"] = time.perf_counter()
+
+    def finished(_future):
+        _add(site_name, impl, schedule, box["start"], time.perf_counter(), where, None)
+
+    return submitted, finished
+
+
+def log_plan(plan: Any) -> None:
+    """The plan of a newly traced program, at INFO."""
+    if log.isEnabledFor(logging.INFO):
+        for s in plan.sites:
+            log.info("site #%d %s: %s%s", s.index, s.name, s.schedule, f" ({s.reason})" if s.reason else "")
