@@ -9,38 +9,26 @@ three implementations:
 
 The loss is linear in the output, so the cotangent reaching `sin` does not depend on its
 value: `dx.filter_value_and_grad` sees this in the program and runs `fused` once instead of
-`fwd` then `bwd`. Each implementation counts how often it *executes* with a host callback.
+`fwd` then `bwd`. `dx.record()` records each implementation call, so the script can show
+how often each ran on each schedule.
 
 Run with `python examples/quickstart.py`.
 """
 
-import collections
-
-import jax
 import jax.numpy as jnp
 
 import deferax as dx
 
-runs = collections.Counter()
-
-
-def count(name):
-    # Runs on the host each time the surrounding computation executes (not when it is traced).
-    jax.debug.callback(lambda: runs.update([name]))
-
 
 def fwd(x):
-    count("fwd")
     return jnp.sin(x)
 
 
 def bwd(x, y, ct_y):
-    count("bwd")
     return ct_y * jnp.cos(x)
 
 
 def fused(x, ct_y):
-    count("fused")
     return jnp.sin(x), ct_y * jnp.cos(x)
 
 
@@ -61,9 +49,9 @@ def main():
     print()
 
     for schedule in ("auto", "standard"):
-        runs.clear()
-        value, grad = dx.filter_value_and_grad(loss, schedule=schedule)(x)
-        jax.effects_barrier()  # wait for the host callbacks to have run
+        with dx.record() as timeline:  # every implementation call made inside
+            value, grad = dx.filter_value_and_grad(loss, schedule=schedule)(x)
+        runs = timeline.counts()
         expected_value = jnp.sum(weights * jnp.sin(x)) + 1.0
         expected_grad = weights * jnp.cos(x)  # d/dx sin(x) = cos(x)
         ok = bool(jnp.allclose(value, expected_value) and jnp.allclose(grad, expected_grad))
@@ -71,13 +59,13 @@ def main():
         print(f"  value    = {float(value):.6f}")
         print(f"  gradient = {grad}")
         print(f"  matches the analytic derivative weights * cos(x): {ok}")
-        counts = ", ".join(f"{impl}: {runs[impl]}" for impl in ("fwd", "bwd", "fused"))
+        counts = ", ".join(f"{impl}: {runs.get(impl, 0)}" for impl in ("fwd", "bwd", "fused"))
         print(f"  implementation runs: {counts}")
         if not ok:
             raise SystemExit("the gradient does not match the analytic derivative")
         expected_runs = {"auto": {"fused": 1}, "standard": {"fwd": 1, "bwd": 1}}[schedule]
-        if dict(runs) != expected_runs:
-            raise SystemExit(f"expected runs {expected_runs}, found {dict(runs)}")
+        if runs != expected_runs:
+            raise SystemExit(f"expected runs {expected_runs}, found {runs}")
 
 
 if __name__ == "__main__":

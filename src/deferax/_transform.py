@@ -238,10 +238,11 @@ class _GradWrapper(eqx.Module):
         return eqx.Partial(self, instance)
 
 
-# Measured on a 2-core CPU (benchmarks/bench_basis.py): with k = 1 the forward and one
-# adjoint overlap (ratio 0.52 against the standard schedule); with k = 2 the forward and two
-# batched adjoints cost more than the standard schedule (1.16). Raise it where adjoints
-# batch well (a GPU, a cluster, `dx.host(..., linear_adjoint=True)`).
+# Measured on two 2-core CPUs (benchmarks/bench_basis.py, docs/deferred.md): with k = 1 the
+# forward and one adjoint overlap (0.52 to 0.57 of the standard schedule's time); with k = 2
+# the forward and two batched adjoints gained nothing (1.16 on an Intel Xeon, 1.02 on an
+# AMD EPYC). Raise it where adjoints batch well (a GPU, a cluster,
+# `dx.host(..., linear_adjoint=True)`).
 DEFAULT_MAX_BASIS = 1
 
 
@@ -275,8 +276,9 @@ def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "a
       (a scalar output, a real overlap), which on a CPU costs the forward and one adjoint
       run together. A site's own `ExpensiveFn(max_basis=...)` takes precedence. Raise it
       when the `k` adjoints batch well (a GPU, a cluster, a solver that takes several
-      right-hand sides): on a 2-core CPU, `k = 2` batched JAX adjoints made the step 16 %
-      slower than the standard schedule (see the benchmarks page).
+      right-hand sides): on two 2-core CPUs, `k = 2` batched JAX adjoints gained nothing
+      over the standard schedule (1.16 and 1.02 of its time; see "How many adjoints" in
+      the docs), so measure on your machine before raising it.
 
     **Returns:**
 
