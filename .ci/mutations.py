@@ -77,6 +77,21 @@ MUTATIONS = [
         [("_site.py", "        out.append(jnp.sum(c, axis=dropped) if dropped else c)", "        out.append(jnp.take(c, 0, axis=dropped[0]) if dropped else c)")],
         ["tests/test_one_trace.py", "tests/test_forward.py"],
     ),
+    (
+        "a dx.fuse adjoint half left out of the recording",
+        [("_concurrent.py", "_record.call(adjoint_name, lambda: jax.block_until_ready(adjoint(x, ct)), None, adjoint_device)", "jax.block_until_ready(adjoint(x, ct))")],
+        ["tests/test_record.py"],
+    ),
+    (
+        "the adjoint placed on the forward's device",
+        [("_concurrent.py", "    return devices[first], devices[(first + 1) % len(devices)]", "    return devices[first], devices[first]")],
+        ["tests/test_devices.py"],
+    ),
+    (
+        "an ExpensiveFn's configuration arrays marked trainable",
+        [("_expensive.py", "jtu.tree_map(lambda _: False, node) if isinstance(node, ExpensiveFn) else ", "")],
+        ["tests/test_training.py"],
+    ),
 ]
 
 

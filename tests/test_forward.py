@@ -162,12 +162,21 @@ def test_prefer_forces_a_strategy():
     assert counts(counter) == {"fwd": 1, "bwd": 1}
     g = make(("fwd", "bwd", "fused", "jvp_batch"), counter, prefer="forward-basis")
     assert dx.explain(linear(g), X).sites[0].schedule == "forward-basis"
+    counter.reset()
+    assert_tree_allclose(dx.filter_value_and_grad(linear(g))(X), jax.value_and_grad(linear(ref))(X))
+    assert counts(counter) == {"jvp_batch": 1}
     # without `prefer`, a site that can be deferred is: fused (2 solves) beats n + 1 = 7
     h = make(("fwd", "bwd", "fused", "jvp_batch"), counter)
     assert dx.explain(linear(h), X).sites[0].schedule == "deferred"
+    counter.reset()
+    assert_tree_allclose(dx.filter_value_and_grad(linear(h))(X), jax.value_and_grad(linear(ref))(X))
+    assert counts(counter) == {"fused": 1}
     # many inputs: above max_tangents the standard strategy is kept
     k = make(("fwd", "bwd", "jvp_batch"), counter, max_tangents=4)
     assert dx.explain(loss_of(k), X).sites[0].schedule == "standard"
+    counter.reset()
+    assert_tree_allclose(dx.filter_value_and_grad(loss_of(k))(X), jax.value_and_grad(loss_of(ref))(X))
+    assert counts(counter) == {"fwd": 1, "bwd": 1}
 
 
 def test_network_mixing_a_jvp_only_site_and_a_bwd_only_site():

@@ -250,15 +250,23 @@ def test_non_array_aux_returned_as_it_was(counter):
     marker = object()
     table = np.arange(3.0)
 
-    def loss(p):
-        y = f(p)
-        return jnp.sum(W * y), {"label": "run-1", "fn": jnp.sin, "obj": marker, "table": table, "y": y, "n": 3}
+    def program(g):
+        def loss(p):
+            y = g(p)
+            return jnp.sum(W * y), {"label": "run-1", "fn": jnp.sin, "obj": marker, "table": table, "y": y, "n": 3}
 
+        return loss
+
+    loss = program(f)
+    counter.reset()
     (value, aux), grad = dx.filter_value_and_grad(loss, has_aux=True)(P0)
-    (value_e, aux_e), grad_e = eqx.filter_value_and_grad(loss, has_aux=True)(P0)
+    jax.effects_barrier()
+    assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}
+    (value_e, aux_e), grad_e = eqx.filter_value_and_grad(loss, has_aux=True)(P0)  # Equinox: the aux types
+    (value_r, _), grad_r = jax.value_and_grad(program(plain), has_aux=True)(P0)  # plain JAX: the numbers
     assert aux["label"] == "run-1" and aux["fn"] is jnp.sin and aux["obj"] is marker and aux["n"] == 3
     assert type(aux["table"]) is type(aux_e["table"]) and type(aux["table"]) is np.ndarray
-    assert_tree_allclose((value, aux["y"], grad), (value_e, plain(P0), grad_e))
+    assert_tree_allclose((value, aux["y"], grad), (value_r, plain(P0), grad_r))
     # a string as the whole aux, under jit too
     got = eqx.filter_jit(dx.filter_value_and_grad(lambda p: (jnp.sum(W * f(p)), "label"), has_aux=True))(P0)
     assert got[0][1] == "label"
@@ -270,22 +278,26 @@ def test_non_array_aux_returned_as_it_was(counter):
 def test_python_values_from_data_arguments(counter):
     f = make(ref, ("fwd", "bwd", "fused"), counter)
 
-    def loss(p, n, flag, data):
-        total = jnp.zeros(())
-        for i in range(int(n)):  # `int` of a data argument
-            total = total + float(i + 1) * jnp.sum(W * f(p))
-        if flag:  # a Python branch on a data argument
-            total = total + jnp.sum(p**2)
-        scaled = np.asarray(data) * 2.0  # NumPy preprocessing of a data argument
-        return total + jnp.sum(jnp.asarray(scaled) * p)
+    def program(g):
+        def loss(p, n, flag, data):
+            total = jnp.zeros(())
+            for i in range(int(n)):  # `int` of a data argument
+                total = total + float(i + 1) * jnp.sum(W * g(p))
+            if flag:  # a Python branch on a data argument
+                total = total + jnp.sum(p**2)
+            scaled = np.asarray(data) * 2.0  # NumPy preprocessing of a data argument
+            return total + jnp.sum(jnp.asarray(scaled) * p)
 
-    def reference(p, n, flag, data):
-        return loss(p, n, flag, data)
+        return loss
 
+    loss, reference = program(f), program(plain)
     data = jnp.array([1.0, 2.0, 3.0, 4.0])
     for n, flag in [(jnp.asarray(2), True), (jnp.asarray(1), False)]:
+        counter.reset()
         got = dx.filter_value_and_grad(loss)(P0, n, flag, data)
-        assert_tree_allclose(got, eqx.filter_value_and_grad(reference)(P0, n, flag, data))
+        jax.effects_barrier()
+        assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": int(n)}  # one site per loop turn
+        assert_tree_allclose(got, jax.value_and_grad(reference)(P0, n, flag, data))
     # and in a program with no expensive function at all
     no_site = lambda p, n: jnp.sum(p ** int(n))  # noqa: E731
     assert_tree_allclose(dx.filter_value_and_grad(no_site)(P0, jnp.asarray(3)), eqx.filter_value_and_grad(no_site)(P0, jnp.asarray(3)))
@@ -359,9 +371,11 @@ def test_jax_config_context_holds_in_the_threads_of_several_sites():
 
     fs = [dx.ExpensiveFn(fwd=jnp.sin, fused=fused, name=f"s{i}") for i in range(3)]
     loss = lambda p: sum(jnp.sum(f(p * (i + 1))) for i, f in enumerate(fs))  # noqa: E731
+    reference = lambda p: sum(jnp.sum(jnp.sin(p * (i + 1))) for i in range(3))  # noqa: E731
     with jax.numpy_dtype_promotion("standard"):
-        dx.filter_value_and_grad(loss)(P0)
-    assert promotions == ["standard"] * 3
+        got = dx.filter_value_and_grad(loss)(P0)
+    assert promotions == ["standard"] * 3  # each site's `fused` once, on the pool's threads
+    assert_tree_allclose(got, jax.value_and_grad(reference)(P0))
 
 
 # ----------------------------------------------------------------------------- several host sites under vmap
