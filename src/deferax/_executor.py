@@ -65,8 +65,10 @@ class HostError(RuntimeError):
     `fused`).
 
     Inside `jax.jit` (or any other traced context) the host function runs from a
-    `jax.pure_callback`, and JAX re-raises the failure as a `jax.errors.JaxRuntimeError`
-    whose message contains this one.
+    `jax.pure_callback`, and JAX re-raises the failure with this message inside its own:
+    as a `jax.errors.JaxRuntimeError` when the jitted function's first call failed, as a
+    `ValueError` once a call of it has succeeded (measured with jax 0.10.2 on a CPU).
+    Catch `(jax.errors.JaxRuntimeError, ValueError)` there.
     """
 
 
