@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import statistics
 import sys
 
 import matplotlib
@@ -63,32 +64,46 @@ LINE = re.compile(r"^RESULT (\S+) (.+?): .*?ratio ([0-9.]+) \((?:target <= ([0-9
 
 def benchmarks() -> None:
     source = ROOT / "benchmarks" / "results.txt"
-    header = [ln[2:] for ln in source.read_text().splitlines() if ln.startswith("# ")]
-    rows = []
-    for ln in source.read_text().splitlines():
+    lines = source.read_text().splitlines()
+    header = [ln[2:] for ln in lines if ln.startswith("# Measured")]
+    runs: dict[str, list[float]] = {}
+    targets: dict[str, float | None] = {}
+    for ln in lines:
         m = LINE.match(ln)
         if m and m.group(1) not in ("bench_typed", "bench_eager", "bench_mlp"):  # speed-ups of the deferred schedules only
-            rows.append((f"{m.group(1).removeprefix('bench_')}: {m.group(2)}", float(m.group(3)), float(m.group(4)) if m.group(4) else None))
-    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.28 * len(rows)))
-    y = range(len(rows))
-    colours = ["#55A868" if t is None or r <= t else "#C44E52" for _, r, t in rows]
-    ax.barh(list(y), [r for _, r, _ in rows], color=colours, height=0.6)
-    for i, (_, r, t) in enumerate(rows):
-        if t is not None:
-            ax.plot([t, t], [i - 0.4, i + 0.4], color="black", linewidth=1.5)
-        ax.text(max(r, t or 0) + 0.015, i, f"{r:.2f}", va="center", fontsize=7)
+            name = f"{m.group(1).removeprefix('bench_')}: {m.group(2)}"
+            runs.setdefault(name, []).append(float(m.group(3)))
+            targets[name] = float(m.group(4)) if m.group(4) else None
+    names = list(runs)
+    medians = [statistics.median(runs[n]) for n in names]
+    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.26 * len(names)))
+    y = list(range(len(names)))
+    colours = ["#55A868" if targets[n] is None or m <= targets[n] else "#C44E52" for n, m in zip(names, medians, strict=True)]
+    ax.barh(y, medians, color=colours, height=0.6)
+    for i, n in enumerate(names):
+        low, high = min(runs[n]), max(runs[n])
+        ax.plot([low, high], [i, i], color="#333333", linewidth=1)
+        if targets[n] is not None:
+            ax.plot([targets[n], targets[n]], [i - 0.4, i + 0.4], color="black", linewidth=1.5)
+        ax.text(max(high, targets[n] or 0) + 0.015, i, f"{low:.2f}-{high:.2f}" if low != high else f"{low:.2f}", va="center", fontsize=7)
     ax.axvline(0.5, color="#4C72B0", linestyle="--", linewidth=1)
     ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
     ax.text(0.5, 1.0, "ideal 0.5 ", color="#4C72B0", fontsize=7, ha="right", va="bottom", transform=ax.get_xaxis_transform())
     ax.text(1.0, 1.0, "no gain ", color="grey", fontsize=7, ha="right", va="bottom", transform=ax.get_xaxis_transform())
-    ax.set_yticks(list(y), [name for name, _, _ in rows], fontsize=7)
+    ax.set_yticks(y, names, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlim(0, max(1.1, max(r for _, r, _ in rows) + 0.1))
-    ax.set_xlabel("time of deferax / time of the baseline (lower is better; black tick: target)", fontsize=8)
-    fig.suptitle("\n".join(header), fontsize=7, x=0.01, ha="left")
+    ax.set_xlim(0, max(1.15, max(max(r) for r in runs.values()) + 0.15))
+    ax.set_xlabel("time of deferax / time of the baseline: median of the runs, their range, black tick: target", fontsize=8)
+    n_runs = max(len(r) for r in runs.values())
+    when = [re.match(r"Measured (\S+ \S+) UTC to (\S+) UTC, ([^;]+)", h) for h in header]
+    if when and all(when):
+        title = f"{n_runs} run(s), {when[0].group(1)} to {when[-1].group(2)} UTC, {when[0].group(3)}"
+    else:
+        title = f"{n_runs} run(s)"
+    fig.suptitle(title, fontsize=7, x=0.01, ha="left")
     fig.tight_layout()
     fig.savefig(IMAGES / "benchmarks.svg", **SVG)
-    print(f"benchmarks: {len(rows)} ratios from {source.relative_to(ROOT)}")
+    print(f"benchmarks: {len(names)} ratios, {n_runs} run(s), from {source.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

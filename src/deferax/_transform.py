@@ -239,10 +239,10 @@ class _GradWrapper(eqx.Module):
 
 
 # Measured on two 2-core CPUs (benchmarks/bench_basis.py, docs/deferred.md): with k = 1 the
-# forward and one adjoint overlap (0.52 to 0.57 of the standard schedule's time); with k = 2
-# the forward and two batched adjoints gained nothing (1.16 on an Intel Xeon, 1.02 on an
-# AMD EPYC). Raise it where adjoints batch well (a GPU, a cluster,
-# `dx.host(..., linear_adjoint=True)`).
+# forward and one adjoint overlap (0.52 to 0.61 of the standard schedule's time) on both;
+# with k = 2 the forward and two batched adjoints lost on an Intel Xeon (1.16) and gained on
+# an AMD EPYC (0.77 to 1.02). 1 is the limit that gained on both. Raise it where adjoints
+# batch well (a GPU, a cluster, `dx.host(..., linear_adjoint=True)`).
 DEFAULT_MAX_BASIS = 1
 
 
@@ -276,9 +276,9 @@ def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "a
       (a scalar output, a real overlap), which on a CPU costs the forward and one adjoint
       run together. A site's own `ExpensiveFn(max_basis=...)` takes precedence. Raise it
       when the `k` adjoints batch well (a GPU, a cluster, a solver that takes several
-      right-hand sides): on two 2-core CPUs, `k = 2` batched JAX adjoints gained nothing
-      over the standard schedule (1.16 and 1.02 of its time; see "How many adjoints" in
-      the docs), so measure on your machine before raising it.
+      right-hand sides): on two 2-core CPUs, `k = 2` batched JAX adjoints took 1.16 of the
+      standard schedule's time on one and 0.77 to 1.02 on the other (see "How many
+      adjoints" in the docs), so measure on your machine before raising it.
 
     **Returns:**
 
