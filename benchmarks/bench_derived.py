@@ -99,7 +99,7 @@ def main():
                 {
                     **{k: (lambda s=s, source=source, w=w: s(source, w)) for k, s in steps_.items()},
                     "forward alone": lambda f=fwd_jit, source=source: f(source),
-                    "bare threads": lambda source=source, ct=ct: bare_threads([lambda: fwd_jit(source), lambda: adj_jit(source, ct)]),
+                    "bare threads": lambda f=fwd_jit, a=adj_jit, source=source, ct=ct: bare_threads([lambda: f(source), lambda: a(source, ct)]),
                 },
                 repeats,
                 warmup=2,

@@ -187,7 +187,7 @@ class _Check:
     # ------------------------------------------------------------------ the backward pass, traced once
 
     def _ys_structs(self):
-        return [[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in spec.y_avals()] for spec in self.specs]
+        return [_site.structs_of(spec.y_avals()) for spec in self.specs]
 
     def _in_structs(self):
         return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in self.program.jaxpr.invars]

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import contextvars
 import functools as ft
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -87,10 +86,13 @@ class _Vmapped(eqx.Module):
 # Compiled once per implementation and input structure; an `eqx.Module` implementation's
 # arrays are arguments, not baked-in constants. (What `eqx.filter_jit` does, with less
 # Python on each call: its dispatch was a large part of a small function's fixed cost.)
+def _run(f, batched: bool, *args):
+    return jax.vmap(f, in_axes=(None, 0))(*args) if batched else f(*args)
+
+
 @ft.partial(jax.jit, static_argnums=(0, 1))
 def _compiled(static, batched: bool, dynamic, *args):
-    f = eqx.combine(dynamic, static)
-    return jax.vmap(f, in_axes=(None, 0))(*args) if batched else f(*args)
+    return _run(eqx.combine(dynamic, static), batched, *args)
 
 
 def _dispatch(batched: bool, f, *args):
@@ -102,9 +104,7 @@ def _dispatch(batched: bool, f, *args):
     return _compiled(static, batched, dynamic, *args)
 
 
-@eqx.filter_jit
-def _filter_compiled(f, batched, *args):
-    return jax.vmap(f, in_axes=(None, 0))(*args) if batched else f(*args)
+_filter_compiled = eqx.filter_jit(_run)
 
 
 def _apply(f, *args):
@@ -119,14 +119,9 @@ def _apply_batched(f, x, cts):
 _SERIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_serial", default=False)
 
 
-@contextlib.contextmanager
-def serial() -> Iterator[None]:
+def serial():
     """Inside: `Fused` runs its two halves one after the other (the function is not thread-safe)."""
-    token = _SERIAL.set(True)
-    try:
-        yield
-    finally:
-        _SERIAL.reset(token)
+    return _jaxpr.setting(_SERIAL, True)
 
 
 def _both(first, second, one_at_a_time: bool):
@@ -177,14 +172,9 @@ def set_devices(devices: Any = None) -> None:
     _DEVICES = list(devices)
 
 
-@contextlib.contextmanager
-def slot(index: int) -> Iterator[None]:
+def slot(index: int):
     """Inside: the `Fused` calls use the `index`-th pair of devices (one site of several)."""
-    token = _SLOT.set(index)
-    try:
-        yield
-    finally:
-        _SLOT.reset(token)
+    return _jaxpr.setting(_SLOT, index)
 
 
 def placement() -> tuple[jax.Device | None, jax.Device | None]:
@@ -203,14 +193,6 @@ def _on(device, tree):
     return jtu.tree_map(lambda a: jax.device_put(a, device) if isinstance(a, jax.Array | np.ndarray) else a, tree)
 
 
-def _home(x) -> jax.Device | None:
-    """The device that the results go back to: the one `x` is on (None: the default one)."""
-    for leaf in jtu.tree_leaves(x):
-        if isinstance(leaf, jax.Array) and len(leaf.devices()) == 1:
-            return next(iter(leaf.devices()))
-    return None
-
-
 def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
     one_at_a_time = _SERIAL.get() or not _executor.concurrency_enabled()  # read now (while tracing, if traced)
     fwd_device, adjoint_device = placement()
@@ -226,10 +208,10 @@ def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
             return apply_adjoint(*_on(adjoint_device, (adjoint_fn, x_, ct_)))
 
     if is_concrete((x, ct)):
-        home = _home(x) if fwd_device is not None else None
-        back = (lambda r: _on(home or jax.local_devices()[0], r)) if fwd_device is not None else (lambda r: r)
-        first = lambda: back(_record.call(fwd_name, lambda: jax.block_until_ready(fwd(x)), None, fwd_device))  # noqa: E731
-        second = _jaxpr.carry_context(lambda: back(_record.call(adjoint_name, lambda: jax.block_until_ready(adjoint(x, ct)), None, adjoint_device)))
+        # the results go back to the device `x` is on (when the halves were placed)
+        home = (_record.device_of(x) or jax.local_devices()[0]) if fwd_device is not None else None
+        first = lambda: _on(home, _record.call(fwd_name, lambda: jax.block_until_ready(fwd(x)), False, fwd_device))  # noqa: E731
+        second = _jaxpr.carry_context(lambda: _on(home, _record.call(adjoint_name, lambda: jax.block_until_ready(adjoint(x, ct)), False, adjoint_device)))
         return _both(first, second, one_at_a_time)
 
     # Traced (inside jit or vmap): leave the program through one host callback, which runs
@@ -238,9 +220,9 @@ def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
     y_struct = jax.eval_shape(fwd, x)
     ct_struct = jax.eval_shape(adjoint, x, ct)
     default = jax.local_devices()[0]
-    run_fwd = _jaxpr.carry_context(lambda x_: _record.call(fwd_name, lambda: jtu.tree_map(np.asarray, fwd(x_)), None, fwd_device or default))
+    run_fwd = _jaxpr.carry_context(lambda x_: _record.call(fwd_name, lambda: jtu.tree_map(np.asarray, fwd(x_)), False, fwd_device or default))
     run_adjoint = _jaxpr.carry_context(
-        lambda x_, ct_: _record.call(adjoint_name, lambda: jtu.tree_map(np.asarray, adjoint(x_, ct_)), None, adjoint_device or default)
+        lambda x_, ct_: _record.call(adjoint_name, lambda: jtu.tree_map(np.asarray, adjoint(x_, ct_)), False, adjoint_device or default)
     )
 
     def host(x_, ct_):

@@ -206,13 +206,11 @@ def _run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: l
     futures: list[cf.Future] = []
     where = name(executor)
     for job in jobs:
-        timing = _record.job(job.impl, where)
+        done = _record.job(job.impl, where)
         try:
-            if timing is not None:
-                timing[0]()
             futures.append(executor.submit(job.fn, *job.args))
-            if timing is not None:
-                futures[-1].add_done_callback(timing[1])
+            if done is not None:
+                futures[-1].add_done_callback(done)
         except Exception as e:
             for f in futures:
                 f.cancel()

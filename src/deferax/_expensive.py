@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import _errors, _record, _site, _tangents, _typed
-from ._concurrent import Fused
+from ._concurrent import Fused, is_concrete
 
 
 def _struct(tree: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
@@ -245,7 +245,7 @@ class ExpensiveFn(eqx.Module):
         with _record.site(self.name):
             if isinstance(fn, Fused) or getattr(getattr(fn, "__self__", None), "runs_on_host", False):
                 return self._typed_call(impl, fn, args)
-            return _record.call(impl, lambda: self._typed_call(impl, fn, args), args)
+            return _record.call(impl, lambda: self._typed_call(impl, fn, args), not is_concrete(args))
 
     def _typed_call(self, impl: str, fn: Any, args: tuple) -> Any:
         if isinstance(fn, _typed.TypedModule) or not _typed.typechecking_enabled():
@@ -333,21 +333,16 @@ class ExpensiveFn(eqx.Module):
         batched = getattr(self.fused, "batched", None)
         if batched is not None:
             return batched(x, cts)
-        separable = jax.vmap(self.run_fused, in_axes=(None, 0), out_axes=(None, 0))
-        try:
-            jax.eval_shape(separable, x, cts)  # traces only: nothing expensive runs
-        except ValueError as error:
-            if "out_axes" not in str(error):
-                raise
-        else:
+        def one(ct):
+            return self.run_fused(x, ct)
+
+        separable = _tangents.primal_once(one, cts)
+        if separable is not None:
             # one (vmapped) run of `fused`: recorded here, around the batch
             with _record.site(self.name):
-                return _record.call("fused", lambda: separable(x, cts), (x, cts))
-        # `fused` computes `y` in a way vmap cannot see is independent of the cotangent
-        # (a host callback, say): correct, but the primal runs once per cotangent.
+                return _record.call("fused", lambda: separable(cts), not is_concrete((x, cts)))
         warnings.warn(_errors.NOT_SEPARABLE.format(call=self._call, k=k), stacklevel=2)
-        y, ct_xs = jax.vmap(self.run_fused, in_axes=(None, 0))(x, cts)
-        return jtu.tree_map(lambda a: a[0], y), ct_xs
+        return _tangents.primal_each(one, cts)
 
     # ------------------------------------------------------------------ calling
 

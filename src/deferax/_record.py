@@ -31,6 +31,8 @@ from typing import Any
 import jax
 import jax.tree_util as jtu
 
+from . import _jaxpr
+
 log = logging.getLogger("deferax")
 log.addHandler(logging.NullHandler())
 
@@ -217,15 +219,10 @@ def _add(site: str, impl: str, schedule: str, start: float | None, end: float | 
         log.debug("%s: %s (%s schedule) %s on %s", site, impl, schedule, took, thread)
 
 
-@contextlib.contextmanager
-def site(name: str, schedule: str | None = None) -> Iterator[None]:
+def site(name: str | None, schedule: str | None = None):
     """Inside: the calls are those of site `name`, for `schedule` (kept from outside if None)."""
     outer = _SITE.get()
-    token = _SITE.set((name if name is not None else "unnamed", schedule or (outer[1] if outer else "standard")))
-    try:
-        yield
-    finally:
-        _SITE.reset(token)
+    return _jaxpr.setting(_SITE, (name if name is not None else "unnamed", schedule or (outer[1] if outer else "standard")))
 
 
 def current(impl: str) -> tuple[str, str]:
@@ -236,34 +233,27 @@ def current(impl: str) -> tuple[str, str]:
     return name, schedule
 
 
-@contextlib.contextmanager
-def timed_outside() -> Iterator[None]:
-    token = _TIMED_OUTSIDE.set(True)
-    try:
-        yield
-    finally:
-        _TIMED_OUTSIDE.reset(token)
+def timed_outside():
+    """Inside: calls are part of one already recorded; they are not recorded again."""
+    return _jaxpr.setting(_TIMED_OUTSIDE, True)
 
 
-def _device(result: Any) -> str | None:
-    for leaf in jtu.tree_leaves(result):
+def device_of(tree: Any) -> jax.Device | None:
+    """The device of the first array of `tree` (None for no array, or one on several)."""
+    for leaf in jtu.tree_leaves(tree):
         if isinstance(leaf, jax.Array):
             devices = leaf.devices()
-            return str(next(iter(devices))) if len(devices) == 1 else None
+            return next(iter(devices)) if len(devices) == 1 else None
     return None
 
 
-def _is_traced(args: Any) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jtu.tree_leaves(args))
-
-
-def call(impl: str, fn: Callable[[], Any], args: Any, device: Any = None) -> Any:
-    """`fn()`, the call of implementation `impl` on `args` (None: on concrete arrays), as a
+def call(impl: str, fn: Callable[[], Any], traced: bool, device: Any = None) -> Any:
+    """`fn()`, the call of implementation `impl` (on traced arrays or concrete ones), as a
     named region for the profiler, and recorded if wanted. `device`: where it runs, if
     not where its results are."""
     site_name, schedule = current(impl)
     record_it = wanted() and not _TIMED_OUTSIDE.get()  # (not again inside a recorded call)
-    if args is not None and _is_traced(args):
+    if traced:
         with jax.named_scope(f"deferax_{site_name}_{impl}"):
             if record_it:
                 # compiled into the program: counted each time the program runs it, not timed
@@ -277,24 +267,19 @@ def call(impl: str, fn: Callable[[], Any], args: Any, device: Any = None) -> Any
         with timed_outside():
             result = jax.block_until_ready(fn())
         end = time.perf_counter()
-    _add(site_name, impl, schedule, start, end, threading.current_thread().name, str(device) if device is not None else _device(result))
+    device = device if device is not None else device_of(result)
+    _add(site_name, impl, schedule, start, end, threading.current_thread().name, None if device is None else str(device))
     return result
 
 
-def job(impl: str, where: str) -> tuple[Callable[[], None], Callable[[Any], None]] | None:
-    """For a host job: `(submitted, finished)` callbacks that time it, or None."""
+def job(impl: str, where: str) -> Callable[[Any], None] | None:
+    """For a host job about to be submitted: the `Future` callback that records it when it
+    is done (timed from now), or None when nothing is to be recorded."""
     if not wanted():
         return None
     site_name, schedule = current(impl)
-    box = {}
-
-    def submitted():
-        box["start"] = time.perf_counter()
-
-    def finished(_future):
-        _add(site_name, impl, schedule, box["start"], time.perf_counter(), where, None)
-
-    return submitted, finished
+    start = time.perf_counter()
+    return lambda _future: _add(site_name, impl, schedule, start, time.perf_counter(), where, None)
 
 
 def log_plan(plan: Any) -> None:

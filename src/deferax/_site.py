@@ -199,9 +199,8 @@ def _linear_impl(*operands, spec: Spec):
     level that batches only the tangents (`jax.jacfwd`) is one `jvp_batch` call."""
     static = spec.static
     if static.jvp is None and static.jvp_batch is None:
-        call = f"`ExpensiveFn(name={spec.name!r})`"
         how = "given by `bwd`" if static.bwd is not None else "given by `adjoint`" if static.adjoint is not None else "derived from `fused`"
-        raise TypeError(_errors.FORWARD_MODE.format(call=call, how=how))
+        raise TypeError(_errors.FORWARD_MODE.format(call=static._call, how=how))
     fn_leaves, x_leaves, _, t_leaves = _split_linear(spec, operands)
     n_fn, n_x, n_y = spec.n_fn, spec.n_x, len(spec.y_structs)
     diff = spec.diff
@@ -282,8 +281,7 @@ def operand_cotangents(spec: Spec, operands, diff_cts) -> list:
 def _linear_transpose(cts, *operands, spec: Spec):
     static = spec.static
     if not static.has_vjp:  # forward-basis was not possible
-        call = f"`ExpensiveFn(name={spec.name!r})`"
-        raise TypeError(_errors.TOO_MANY_TANGENTS.format(call=call, n=n_inputs(spec), limit=static.max_tangents))
+        raise TypeError(_errors.TOO_MANY_TANGENTS.format(call=static._call, n=n_inputs(spec), limit=static.max_tangents))
     fn_leaves, x_leaves, y_leaves, t_leaves = _split_linear(spec, operands)
     nones = [None] * (len(operands) - len(t_leaves))
     if all(_jaxpr.is_zero(c) for c in cts):
@@ -376,11 +374,14 @@ def _forward_basis_jvp(spec: Spec, fn_leaves, x_leaves, x_tangents):
     return y, spec.vmapped(_contract, axes_of)(list(jac), ts)
 
 
+def structs_of(avals: list) -> list:
+    """`jax.ShapeDtypeStruct`s of abstract values."""
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+
+
 def bwd_reads_y(spec: Spec, fn_avals: list) -> bool:
     """Whether the site's `bwd(x, y, ct_y)` depends on `y`, read from its jaxpr (one that
     cannot be traced, a host function, counts as reading it)."""
-    structs = lambda avals: [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]  # noqa: E731
-
     def bwd(fn_leaves, x_leaves, y_leaves, ct_leaves):
         fn = spec.fn(fn_leaves)
         y = jtu.tree_unflatten(spec.y_tree, list(y_leaves))
@@ -388,7 +389,7 @@ def bwd_reads_y(spec: Spec, fn_avals: list) -> bool:
         return fn._invoke("bwd", spec.x(x_leaves), y, ct)
 
     try:
-        closed = jax.make_jaxpr(bwd)(structs(fn_avals), list(spec.x_structs), list(spec.y_structs), list(spec.y_structs))
+        closed = jax.make_jaxpr(bwd)(structs_of(fn_avals), list(spec.x_structs), list(spec.y_structs), list(spec.y_structs))
     except Exception:  # noqa: BLE001 - not JAX-traceable: assume the worst
         return True
     n_y = len(spec.y_structs)

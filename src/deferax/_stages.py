@@ -33,7 +33,7 @@ _SITES = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefi
 def stage1(analysis: Analysis, ins: list) -> tuple[dict, dict]:
     """`(operands, cts)` of the sites that stage 2 runs, by position; for a basis site the
     cotangents are its `k` basis cotangents stacked on a leading axis."""
-    ys = [zeros(_structs(analysis.spec(k).y_avals())) for k in range(len(analysis.sites))]
+    ys = [zeros(_site.structs_of(analysis.spec(k).y_avals())) for k in range(len(analysis.sites))]
     operands: dict = {}
     cts: dict = {}
     if analysis.backward is not None:
@@ -44,10 +44,6 @@ def stage1(analysis: Analysis, ins: list) -> tuple[dict, dict]:
     for k, basis in analysis.basis.items():
         cts[k] = _basis_cotangents(analysis.substituted, basis.variables, ins, ys, k)
     return operands, cts
-
-
-def _structs(avals):
-    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
 
 
 def _basis_cotangents(program, variables, ins, ys, k):

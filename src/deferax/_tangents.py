@@ -92,16 +92,41 @@ def _pair(fn: Any, impl: str, result: Any) -> tuple[Any, Any]:
     return result[0], result[1]
 
 
+def _jvp(fn: Any, x: Any, t_x: Any, y_struct: Any) -> tuple[Any, Any]:
+    """`jvp(x, t_x)`, checked against the output structure."""
+    y, t_y = _pair(fn, "jvp", fn._invoke("jvp", x, t_x))
+    fn._check("jvp", "an output `y`", y, y_struct, "the output structure")
+    fn._check("jvp", "a tangent `t_y`", t_y, tangent_struct(y_struct), "the output structure")
+    return y, t_y
+
+
 def tangent(fn: Any, x: Any, t_x: Any) -> Any:
     """`t_y = J t_x`: `jvp(x, t_x)[1]`, or `jvp_batch` on one tangent."""
-    y_struct = fn.out_struct(x)
     if fn.jvp is not None:
-        y, t_y = _pair(fn, "jvp", fn._invoke("jvp", x, t_x))
-        fn._check("jvp", "an output `y`", y, y_struct, "the output structure")
-        fn._check("jvp", "a tangent `t_y`", t_y, tangent_struct(y_struct), "the output structure")
-        return t_y
+        return _jvp(fn, x, t_x, fn.out_struct(x))[1]
     _, t_ys = tangents(fn, x, jtu.tree_map(lambda t: t[None], t_x))
     return jtu.tree_map(lambda t: t[0], t_ys)
+
+
+def primal_once(one: Any, stacked: Any) -> Any:
+    """`jax.vmap(one)` over the leading axis of `stacked`, where `one(s) -> (y, out)`, with
+    `y` computed once (not batched); None when `vmap` cannot see that `y` does not depend
+    on `s` (a host callback computes it, say). Only traces to find out."""
+    separable = jax.vmap(one, out_axes=(None, 0))
+    try:
+        jax.eval_shape(separable, stacked)  # traces only: nothing expensive runs
+    except ValueError as error:
+        if "out_axes" not in str(error):
+            raise
+        return None
+    return separable
+
+
+def primal_each(one: Any, stacked: Any) -> tuple[Any, Any]:
+    """`jax.vmap(one)` over the leading axis of `stacked`, `y` computed for each element (the
+    first one kept): correct, but the primal runs once per element."""
+    y, outs = jax.vmap(one)(stacked)
+    return jtu.tree_map(lambda a: a[0], y), outs
 
 
 def tangents(fn: Any, x: Any, t_xs: Any) -> tuple[Any, Any]:
@@ -118,22 +143,13 @@ def tangents(fn: Any, x: Any, t_xs: Any) -> tuple[Any, Any]:
         return y, t_ys
 
     def one(t):
-        y, t_y = _pair(fn, "jvp", fn._invoke("jvp", x, t))
-        fn._check("jvp", "an output `y`", y, y_struct, "the output structure")
-        fn._check("jvp", "a tangent `t_y`", t_y, tangent_struct(y_struct), "the output structure")
-        return y, t_y
+        return _jvp(fn, x, t, y_struct)
 
-    separable = jax.vmap(one, in_axes=0, out_axes=(None, 0))
-    try:
-        jax.eval_shape(separable, t_xs)  # traces only: nothing expensive runs
-    except ValueError as error:
-        if "out_axes" not in str(error):
-            raise
-    else:
+    separable = primal_once(one, t_xs)
+    if separable is not None:
         return separable(t_xs)
     warnings.warn(_errors.NOT_SEPARABLE_JVP.format(call=fn._call, k=k), stacklevel=2)
-    y, t_ys = jax.vmap(one)(t_xs)
-    return jtu.tree_map(lambda a: a[0], y), t_ys
+    return primal_each(one, t_xs)
 
 
 def jacobian(fn: Any, x: Any) -> tuple[Any, Any]:

@@ -15,6 +15,7 @@ JAX upgrade should have to touch this folder only. The tested JAX range is pinne
 from ._config import apply_config as apply_config
 from ._config import carry_context as carry_context
 from ._config import local_config as local_config
+from ._config import setting as setting
 from ._dependence import dependencies as dependencies
 from ._dependence import first_culprit as first_culprit
 from ._dependence import input_marks as input_marks

@@ -32,6 +32,17 @@ def apply_config(values: dict):
         yield
 
 
+@contextlib.contextmanager
+def setting(var: contextvars.ContextVar, value):
+    """Inside: the context variable `var` is `value` (in this thread, and in what
+    `carry_context` carries from here)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def carry_context(fn):
     """`fn` to run on another thread with the caller's context: its context variables (the
     typechecking switch) and its thread-local JAX configuration (`jax.numpy_dtype_promotion`,
