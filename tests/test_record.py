@@ -91,7 +91,13 @@ def test_nothing_is_recorded_outside_and_each_recording_gets_its_own_calls():
             step(X)
     step(X)
     assert outer.counts() == {"fwd": 2, "bwd": 2} and inner.counts() == {"fwd": 1, "bwd": 1}
-    assert min(c.start for c in inner.calls) >= 0 and max(c.end for c in outer.calls) > max(c.end for c in inner.calls) - 1e-9
+    # the inner recording's calls are the outer one's last two, on the inner one's clock
+    shift = inner.origin - outer.origin
+    assert shift > 0 and min(c.start for c in inner.calls) >= 0
+    last = sorted(outer.calls, key=lambda c: c.start)[2:]
+    for mine, theirs in zip(sorted(inner.calls, key=lambda c: c.start), last, strict=True):
+        assert (mine.impl, mine.thread) == (theirs.impl, theirs.thread)
+        assert abs(mine.start - (theirs.start - shift)) < 1e-9 and abs(mine.end - (theirs.end - shift)) < 1e-9
 
 
 def meeting(barrier, counter, key):
