@@ -79,7 +79,7 @@ MUTATIONS = [
     ),
     (
         "a dx.fuse adjoint half left out of the recording",
-        [("_concurrent.py", "_record.call(adjoint_name, lambda: jax.block_until_ready(adjoint(x, ct)), None, adjoint_device)", "jax.block_until_ready(adjoint(x, ct))")],
+        [("_concurrent.py", "_record.call(adjoint_name, lambda: jax.block_until_ready(adjoint(x, ct)), False, adjoint_device)", "jax.block_until_ready(adjoint(x, ct))")],
         ["tests/test_record.py"],
     ),
     (
