@@ -4,7 +4,14 @@ Blocks of one file run in order in one namespace; a block with title="NAME.py" i
 /tmp/deferax-docs/NAME.py and run there as a script (`python NAME.py`). Prints a diff for
 every output block that does not match.
 """
-import contextlib, difflib, io, os, re, subprocess, sys, traceback
+import contextlib
+import difflib
+import io
+import os
+import re
+import subprocess
+import sys
+import traceback
 
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 SCRIPT_DIR = "/tmp/deferax-docs"
@@ -17,7 +24,7 @@ for path in [a for a in sys.argv[1:] if a not in ("--fill", "--update")]:
     blocks = [(m.group(1), m.group(2), m.group(3), m.start(), m.end()) for m in FENCE.finditer(text)]
     ns = {"__name__": "__main__"}
     print(f"== {path}: {len(blocks)} fenced blocks")
-    for i, (lang, attrs, code, start, end) in enumerate(blocks):
+    for i, (lang, attrs, code, _start, end) in enumerate(blocks):
         if lang != "python":
             continue
         title = re.search(r'title="([^"]+)"', attrs)
@@ -29,19 +36,21 @@ for path in [a for a in sys.argv[1:] if a not in ("--fill", "--update")]:
             r = subprocess.run([sys.executable, name], cwd=SCRIPT_DIR, capture_output=True, text=True)
             out = r.stdout + r.stderr
             if r.returncode:
-                print(f"!! {path} block {i} ({name}) failed:\n{out}"); bad += 1
+                print(f"!! {path} block {i} ({name}) failed:\n{out}")
+                bad += 1
         else:
             buf = io.StringIO()
             try:
                 with contextlib.redirect_stdout(buf):
                     exec(compile(code, f"{path}:block{i}", "exec"), ns)
             except Exception:
-                print(f"!! {path} block {i} raised:\n{code}\n{traceback.format_exc()}"); bad += 1
+                print(f"!! {path} block {i} raised:\n{code}\n{traceback.format_exc()}")
+                bad += 1
             out = buf.getvalue()
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
         if nxt and nxt[0] == "text" and text[end:nxt[3]].strip() == "":
-            want = [l.rstrip() for l in nxt[2].rstrip("\n").split("\n")]
-            got = [l.rstrip() for l in out.rstrip("\n").split("\n")]
+            want = [line.rstrip() for line in nxt[2].rstrip("\n").split("\n")]
+            got = [line.rstrip() for line in out.rstrip("\n").split("\n")]
             if (fill and nxt[2].strip() == "") or (update and want != got):
                 fills.append((nxt[3], nxt[4], "```text\n" + "\n".join(got) + "\n```"))
             elif want != got:
