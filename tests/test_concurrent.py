@@ -3,6 +3,7 @@ does not read `y`, or from `fwd`, `adjoint` and `combine`; several JAX-native de
 sites at once under `jit`. Overlap is shown with a barrier that every forward and adjoint
 must reach before any can go on: the call finishes only if they all run at the same time."""
 
+import functools as ft
 import re
 import threading
 import time
@@ -135,6 +136,99 @@ def test_several_jax_native_sites_overlap_under_jit(n_sites):
         jax.effects_barrier()
         assert counter.counts == {"fwd": n_sites, "bwd": n_sites}
         assert_tree_allclose(got, jax.value_and_grad(reference)(X))
+
+
+SCALE = 1.0  # a global that the implementations below read; rebound by the test
+SOURCE = np.ones(4, X.dtype)  # a NumPy array they read; changed in place by the test
+
+
+def _reads_globals(x):
+    return SCALE * jnp.asarray(SOURCE) * jnp.sin(x)
+
+
+def _reads_globals_adjoint(x, ct):
+    return SCALE * jnp.asarray(SOURCE) * ct * jnp.cos(x)
+
+
+def _jitted_afresh(f):
+    """`jax.jit` of a new function each time (`jax.jit` keeps its traces on the function object)."""
+    return jax.jit(lambda x: f(x))
+
+
+@pytest.mark.parametrize("kind", ["bwd", "adjoint"])
+def test_halves_made_from_fwd_and_bwd_read_what_they_read_afresh(kind):
+    """The `fused` made from `fwd` + `bwd` calls them as the standard schedule would: what
+    they read (a global rebound, a NumPy array changed in place) is read on every eager call,
+    and at trace time under `jit`, as in the same program written in plain JAX."""
+    global SCALE
+    if kind == "bwd":
+        f = dx.ExpensiveFn(fwd=_reads_globals, bwd=lambda x, y, ct: _reads_globals_adjoint(x, ct), name="sim")
+    else:
+        f = dx.ExpensiveFn(fwd=_reads_globals, adjoint=_reads_globals_adjoint, name="sim")
+    loss, reference = linear(f), linear(_reads_globals)
+    assert dx.explain(loss, X).stages[0][0] == f"sim: fwd + {kind}"
+    step = dx.filter_value_and_grad(loss)
+    try:
+        for scale, fill in ((1.0, 2.0), (-3.0, 2.0), (-3.0, 0.5)):
+            SCALE, SOURCE[:] = scale, fill
+            jitted, jitted_reference = _jitted_afresh(step), _jitted_afresh(jax.value_and_grad(reference))
+            assert_tree_allclose(step(X), jax.value_and_grad(reference)(X), rtol=1e-6)
+            assert_tree_allclose(jitted(X), jitted_reference(X), rtol=1e-6)
+            SCALE, SOURCE[:] = 10.0, 10.0  # after the trace: neither compiled program sees it
+            assert_tree_allclose(jitted(X), jitted_reference(X), rtol=1e-6)
+            assert_tree_allclose(jitted(X)[1], jax.grad(linear(ft.partial(lambda k, x: k * jnp.sin(x), scale * fill)))(X), rtol=1e-6)
+    finally:
+        SCALE, SOURCE[:] = 1.0, 1.0
+
+
+class _Scaled(eqx.Module):
+    """An implementation that is a Module holding an array (its configuration)."""
+
+    s: jax.Array
+
+    def __call__(self, x):
+        return self.s * jnp.sin(x)
+
+
+class _ScaledAdjoint(eqx.Module):
+    s: jax.Array
+
+    def __call__(self, x, ct):
+        return self.s * ct * jnp.cos(x)
+
+
+class _ScaledBwd(eqx.Module):
+    s: jax.Array
+
+    def __call__(self, x, y, ct):
+        return self.s * ct * jnp.cos(x)
+
+
+@pytest.mark.parametrize("how", ["dx.fuse", "fwd + adjoint", "fwd + fused only"])
+def test_halves_that_hold_arrays_traced_by_jit_or_vmap(how):
+    """A Module half whose arrays are tracers (the model passed through `jit`, or batched by
+    `vmap`): they enter the callback as operands, as in plain JAX."""
+
+    def make(s):
+        if how == "dx.fuse":
+            return dx.ExpensiveFn(fwd=_Scaled(s), bwd=_ScaledBwd(s), fused=dx.fuse(_Scaled(s), _ScaledAdjoint(s)), name="sim")
+        if how == "fwd + adjoint":
+            return dx.ExpensiveFn(fwd=_Scaled(s), adjoint=_ScaledAdjoint(s), name="sim")
+        return dx.ExpensiveFn(fwd=_Scaled(s), fused=dx.fuse(_Scaled(s), _ScaledAdjoint(s)), name="sim")  # bwd from fused
+
+    s = jnp.array([1.0, -1.0, 2.0, 0.5])
+    model = (X, make(s))
+    loss = lambda m: jnp.sum(W * m[1](m[0]))  # noqa: E731
+    expected = jax.value_and_grad(lambda x: jnp.sum(W * s * jnp.sin(x)))(X)
+    for step in (dx.filter_value_and_grad(loss), eqx.filter_value_and_grad(loss)):
+        value, grads = eqx.filter_jit(step)(model)
+        assert_tree_allclose((value, grads[0]), expected, rtol=1e-6)
+    # batched by vmap over the configuration: one implementation per element
+    scales = jnp.stack([s, 2 * s, -s])
+    batched = lambda x: jnp.sum(jax.vmap(lambda s_: W * make(s_)(x))(scales))  # noqa: E731
+    expected = jax.value_and_grad(lambda x: jnp.sum(jax.vmap(lambda s_: W * s_ * jnp.sin(x))(scales)))(X)
+    for step in (dx.filter_value_and_grad(batched), eqx.filter_value_and_grad(batched), eqx.filter_jit(dx.filter_value_and_grad(batched))):
+        assert_tree_allclose(step(X), expected, rtol=1e-6)
 
 
 def test_errors_adjoint_with_bwd_and_combine_without_adjoint():

@@ -39,9 +39,12 @@ class Fused(eqx.Module):
     fwd: Callable[..., Any]
     adjoint: Callable[..., Any]
     combine: Callable[..., Any] | None = None
+    # `dx.fuse` compiles its halves once (as `jax.jit` would); the one made from `fwd` and
+    # `adjoint`/`bwd` calls them as the standard schedule would (see `_concurrently`)
+    compiled = True
 
     def __call__(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
-        y, partial = _concurrently(self.fwd, self.adjoint, _apply, x, ct_y)
+        y, partial = _concurrently(self.fwd, self.adjoint, x, ct_y, compiled=self.compiled)
         return y, (partial if self.combine is None else self.combine(x, y, partial))
 
     def vmapped(self, x: PyTree, ct_y: PyTree, x_axes: list) -> tuple[PyTree, PyTree]:
@@ -50,7 +53,7 @@ class Fused(eqx.Module):
         forward and the whole batch's adjoint, each compiled once, on two threads."""
         fwd = _Vmapped(self.fwd, tuple(_frozen((axes,)) for axes in x_axes))
         adjoint = _Vmapped(self.adjoint, tuple(_frozen((axes, 0)) for axes in x_axes))
-        y, partial = _concurrently(fwd, adjoint, _apply, x, ct_y)
+        y, partial = _concurrently(fwd, adjoint, x, ct_y, compiled=self.compiled)
         if self.combine is None:
             return y, partial
         return y, _Vmapped(self.combine, tuple(_frozen((axes, 0, 0)) for axes in x_axes))(x, y, partial)
@@ -58,10 +61,18 @@ class Fused(eqx.Module):
     def batched(self, x: PyTree, cts: PyTree) -> tuple[PyTree, PyTree]:
         """`y` once and one `ct_x` per cotangent (leading axis of `cts`): the forward runs
         once, concurrently with the adjoint batched by `jax.vmap` over the cotangents."""
-        y, partials = _concurrently(self.fwd, self.adjoint, _apply_batched, x, cts)
+        y, partials = _concurrently(self.fwd, self.adjoint, x, cts, batched=True, compiled=self.compiled)
         if self.combine is None:
             return y, partials
         return y, jax.vmap(lambda p: self.combine(x, y, p))(partials)
+
+
+class Derived(Fused):
+    """The `fused` that the deferred schedule makes from `fwd` and `adjoint` (or a `bwd` that
+    does not read `y`): the same two threads, each half called as the standard schedule
+    would call it, so that it reads what it reads afresh (eagerly, on every call)."""
+
+    compiled = False
 
 
 def _frozen(axes: PyTree) -> tuple:
@@ -107,13 +118,28 @@ def _dispatch(batched: bool, f, *args):
 _filter_compiled = eqx.filter_jit(_run)
 
 
-def _apply(f, *args):
-    return _dispatch(False, f, *args)
+def _direct(batched: bool, f, *args):
+    """`f` called as it is, not compiled here (eagerly: operation by operation, unless `f`
+    is itself jitted), reading whatever it reads now."""
+    return _run(f, batched, *args)
 
 
-def _apply_batched(f, x, cts):
-    """`f(x, ct)` for each cotangent along the leading axis of `cts`."""
-    return _dispatch(True, f, x, cts)
+class _TracedHalf:
+    """A half traced now, inside the caller's trace, and compiled at its first run from the
+    callback: what it reads (a global, a NumPy array) is read at trace time, as when the
+    standard schedule traces the implementation into the surrounding program. Values it
+    closes over that are tracers of that program enter the callback as operands."""
+
+    def __init__(self, name: str, f, *args):
+        self.name = name
+        with _record.timed_outside():  # (recorded around the run, not here)
+            closed, self.out = _jaxpr.trace(lambda *a: f(*a), *args)
+        program, self.consts = _jaxpr.open_consts(closed)
+        self.run = jax.jit(lambda consts, leaves: _jaxpr.interpret(program, [*consts, *leaves]))
+
+    def __call__(self, device, consts, *args):
+        outs = self.run(*_on(device, (list(consts), jtu.tree_leaves(args))))
+        return jtu.tree_unflatten(jtu.tree_structure(self.out), outs)
 
 
 _SERIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_serial", default=False)
@@ -193,42 +219,69 @@ def _on(device, tree):
     return jtu.tree_map(lambda a: jax.device_put(a, device) if isinstance(a, jax.Array | np.ndarray) else a, tree)
 
 
-def _concurrently(fwd_fn, adjoint_fn, apply_adjoint, x, ct):
+def _concurrently(fwd_fn, adjoint_fn, x, ct, *, batched: bool = False, compiled: bool = True):
+    """`(fwd_fn(x), adjoint_fn(x, ct))` at the same time (`adjoint_fn` vmapped over the
+    leading axis of `ct` when `batched`). `compiled`: each half is compiled once per
+    function and input structure (`dx.fuse`); otherwise each is called as the standard
+    schedule calls an implementation: eagerly as it is, and under a trace, traced now."""
     one_at_a_time = _SERIAL.get() or not _executor.concurrency_enabled()  # read now (while tracing, if traced)
     fwd_device, adjoint_device = placement()
+    run = _dispatch if compiled else _direct
 
     fwd_name, adjoint_name = getattr(fwd_fn, "impl", "fwd"), getattr(adjoint_fn, "impl", "adjoint")
+    # The halves' own arrays (an `eqx.Module` implementation's fields) travel with `x`:
+    # under `jit` or `vmap` they may be tracers, which must enter the callback as operands.
+    arrays, static = eqx.partition((fwd_fn, adjoint_fn), eqx.is_array)
 
-    def fwd(x_):
+    def fwd(arrays_, x_, device=fwd_device):
+        f, _ = eqx.combine(arrays_, static)
         with _record.timed_outside():  # (recorded around this call)
-            return _apply(*_on(fwd_device, (fwd_fn, x_)))
+            return run(False, *_on(device, (f, x_)))
 
-    def adjoint(x_, ct_):
+    def adjoint(arrays_, x_, ct_, device=adjoint_device):
+        _, a = eqx.combine(arrays_, static)
         with _record.timed_outside():
-            return apply_adjoint(*_on(adjoint_device, (adjoint_fn, x_, ct_)))
+            return run(batched, *_on(device, (a, x_, ct_)))
 
-    if is_concrete((x, ct)):
+    if is_concrete((arrays, x, ct)):
         # the results go back to the device `x` is on (when the halves were placed)
         home = (_record.device_of(x) or jax.local_devices()[0]) if fwd_device is not None else None
-        first = lambda: _on(home, _record.call(fwd_name, lambda: jax.block_until_ready(fwd(x)), False, fwd_device))  # noqa: E731
-        second = _jaxpr.carry_context(lambda: _on(home, _record.call(adjoint_name, lambda: jax.block_until_ready(adjoint(x, ct)), False, adjoint_device)))
+        first = lambda: _on(home, _record.call(fwd_name, lambda: jax.block_until_ready(fwd(arrays, x)), False, fwd_device))  # noqa: E731
+        second = _jaxpr.carry_context(
+            lambda: _on(home, _record.call(adjoint_name, lambda: jax.block_until_ready(adjoint(arrays, x, ct)), False, adjoint_device))
+        )
         return _both(first, second, one_at_a_time)
 
     # Traced (inside jit or vmap): leave the program through one host callback, which runs
     # the two compiled halves on two threads (with the caller's context, read while
     # tracing) and hands both results back.
-    y_struct = jax.eval_shape(fwd, x)
-    ct_struct = jax.eval_shape(adjoint, x, ct)
+    if compiled:
+        y_struct = jax.eval_shape(fwd, arrays, x)
+        ct_struct = jax.eval_shape(adjoint, arrays, x, ct)
+        half_fwd = lambda consts, arrays_, x_: fwd(arrays_, x_)  # noqa: E731
+        half_adjoint = lambda consts, arrays_, x_, ct_: adjoint(arrays_, x_, ct_)  # noqa: E731
+        consts = ([], [])
+    else:
+        traced_fwd = _TracedHalf(fwd_name, lambda a, x_: fwd(a, x_, None), arrays, x)
+        traced_adjoint = _TracedHalf(adjoint_name, lambda a, x_, ct_: adjoint(a, x_, ct_, None), arrays, x, ct)
+        y_struct, ct_struct = traced_fwd.out, traced_adjoint.out
+        half_fwd = ft.partial(traced_fwd, fwd_device)
+        half_adjoint = ft.partial(traced_adjoint, adjoint_device)
+        consts = (traced_fwd.consts, traced_adjoint.consts)
     default = jax.local_devices()[0]
-    run_fwd = _jaxpr.carry_context(lambda x_: _record.call(fwd_name, lambda: jtu.tree_map(np.asarray, fwd(x_)), False, fwd_device or default))
+    run_fwd = _jaxpr.carry_context(
+        lambda c, arrays_, x_: _record.call(fwd_name, lambda: jtu.tree_map(np.asarray, half_fwd(c, arrays_, x_)), False, fwd_device or default)
+    )
     run_adjoint = _jaxpr.carry_context(
-        lambda x_, ct_: _record.call(adjoint_name, lambda: jtu.tree_map(np.asarray, adjoint(x_, ct_)), False, adjoint_device or default)
+        lambda c, arrays_, x_, ct_: _record.call(
+            adjoint_name, lambda: jtu.tree_map(np.asarray, half_adjoint(c, arrays_, x_, ct_)), False, adjoint_device or default
+        )
     )
 
-    def host(x_, ct_):
-        return _both(lambda: run_fwd(x_), lambda: run_adjoint(x_, ct_), one_at_a_time)
+    def host(consts_, arrays_, x_, ct_):
+        return _both(lambda: run_fwd(consts_[0], arrays_, x_), lambda: run_adjoint(consts_[1], arrays_, x_, ct_), one_at_a_time)
 
-    return jax.pure_callback(host, (y_struct, ct_struct), x, ct, vmap_method="sequential")
+    return jax.pure_callback(host, (y_struct, ct_struct), consts, arrays, x, ct, vmap_method="sequential")
 
 
 def fuse(fwd: Callable[..., Any], adjoint: Callable[..., Any], combine: Callable[..., Any] | None = None) -> Fused:

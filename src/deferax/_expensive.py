@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from . import _errors, _record, _site, _tangents, _typed
-from ._concurrent import Fused, is_concrete
+from ._concurrent import Derived, Fused, is_concrete
 
 
 def _struct(tree: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
@@ -297,7 +297,7 @@ class ExpensiveFn(eqx.Module):
         adjoint concurrently ([`deferax.Fused`][]): `fwd` with `adjoint` (and `combine`), or
         `fwd` with a `bwd` that does not read `y` (the static check has proved it)."""
         # `combine` (or, without one, the check of what `adjoint` returned) needs `y`: after both
-        return Fused(_Primal(self), _Adjoint(self), _Combine(self) if self.adjoint is not None else None)
+        return Derived(_Primal(self), _Adjoint(self), _Combine(self) if self.adjoint is not None else None)
 
     def run_fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
         """Compute `(y, ct_x)` with `fused`, or with `fwd` then `bwd` when there is none."""

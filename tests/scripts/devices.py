@@ -39,18 +39,37 @@ def expensive(plain, name):
 
 seen: list = []  # (which half, the device its arguments were on), in the order they ran
 lock = threading.Lock()
-dispatch = _concurrent._dispatch
 
 
-def spy(batched, f, *args):
-    if not any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(args)):  # (not when shapes are traced)
-        (device,) = {d for a in jax.tree_util.tree_leaves(args) for d in a.devices()}
+def note(name, args):
+    leaves = [a for a in jax.tree_util.tree_leaves(args) if isinstance(a, jax.Array)]
+    if not any(isinstance(a, jax.core.Tracer) for a in leaves):  # (not when shapes are traced)
+        (device,) = {d for a in leaves for d in a.devices()}
         with lock:
-            seen.append((type(f).__name__, device.id))
-    return dispatch(batched, f, *args)
+            seen.append((name, device.id))
 
 
-_concurrent._dispatch = spy
+def spy(run):
+    """`run(batched, f, *args)` (a half called eagerly, compiled or not), noting it first."""
+
+    def spied(batched, f, *args):
+        note(getattr(f, "impl", type(f).__name__), args)
+        return run(batched, f, *args)
+
+    return spied
+
+
+traced_half = _concurrent._TracedHalf.__call__
+
+
+def spied_traced_half(self, device, consts, *args):  # a half made from fwd + bwd, run from the callback
+    note(self.name, _concurrent._on(device, args))
+    return traced_half(self, device, consts, *args)
+
+
+_concurrent._dispatch = spy(_concurrent._dispatch)  # `dx.fuse` halves
+_concurrent._direct = spy(_concurrent._direct)  # halves made from fwd + bwd, eagerly
+_concurrent._TracedHalf.__call__ = spied_traced_half
 sim_a, sim_b = expensive(plain_a, "a"), expensive(plain_b, "b")
 x = jnp.array([0.3, -0.2, 0.8], jnp.float32)
 w = jnp.array([1.0, -2.0, 0.5], jnp.float32)
@@ -73,13 +92,13 @@ def one(sim, plain_=plain_a):
 # one site: forward on device 0, adjoint on device 1; eager and under jit (through the callback)
 loss, reference = one(sim_a)
 for wrap in (lambda f: f, eqx.filter_jit, jax.jit):
-    grad = check(loss, reference, [("_Primal", 0), ("_Adjoint", 1)], wrap)
+    grad = check(loss, reference, [("fwd", 0), ("bwd", 1)], wrap)
     assert grad.devices() == {devices[0]}, grad.devices()
 
 # two sites of one step: the second on the next pair of devices
 both = lambda x, w: jnp.sum(w * sim_a(x)) + jnp.sum(w * sim_b(2 * x))  # noqa: E731
 both_ref = lambda x, w: jnp.sum(w * plain_a(x)) + jnp.sum(w * plain_b(2 * x))  # noqa: E731
-pairs = [("_Primal", 0), ("_Adjoint", 1), ("_Primal", 2), ("_Adjoint", 3)]
+pairs = [("fwd", 0), ("bwd", 1), ("fwd", 2), ("bwd", 3)]
 for wrap in (lambda f: f, eqx.filter_jit):
     check(both, both_ref, pairs, wrap)
 
@@ -96,9 +115,9 @@ np.testing.assert_allclose(grad, jax.grad(reference)(x, w), rtol=1e-5, atol=1e-6
 
 # dx.set_devices: only the two given, in that order; one device keeps everything in place
 dx.set_devices([devices[2], devices[1]])
-check(both, both_ref, [("_Primal", 2), ("_Adjoint", 1), ("_Primal", 2), ("_Adjoint", 1)])
+check(both, both_ref, [("fwd", 2), ("bwd", 1), ("fwd", 2), ("bwd", 1)])
 dx.set_devices(devices[:1])
-check(both, both_ref, [("_Primal", 0), ("_Adjoint", 0), ("_Primal", 0), ("_Adjoint", 0)])
+check(both, both_ref, [("fwd", 0), ("bwd", 0), ("fwd", 0), ("bwd", 0)])
 dx.set_devices(None)
-check(loss, reference, [("_Primal", 0), ("_Adjoint", 1)])
+check(loss, reference, [("fwd", 0), ("bwd", 1)])
 print("ok")
