@@ -283,10 +283,16 @@ def test_error_fused_batch_wrong_shape():
 
 
 def test_error_bad_max_basis():
-    with pytest.raises(ValueError, match=re.escape("`deferax.filter_value_and_grad`: `max_basis` must be a non-negative int or None, but got -1.")):
-        dx.filter_value_and_grad(lambda p: p.sum(), max_basis=-1)
-    with pytest.raises(ValueError, match=re.escape("`ExpensiveFn(name='f')`: `max_basis` must be a non-negative int or None, but got -2.")):
-        dx.ExpensiveFn(fwd=jnp.sin, name="f", max_basis=-2)
+    # (a value of another type is refused before this check when the tests run with the
+    # jaxtyping hook on deferax, as pyproject.toml sets them up)
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match=re.escape(f"`deferax.filter_value_and_grad`: `max_basis` must be a non-negative int, but got {bad!r}.")):
+            dx.filter_value_and_grad(lambda p: p.sum(), max_basis=bad)
+    for bad in (-2, True):  # a function's None means "the transform's limit"
+        expected = f"`ExpensiveFn(name='f')`: `max_basis` must be a non-negative int (or None: the limit of `filter_value_and_grad`), but got {bad!r}."
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            dx.ExpensiveFn(fwd=jnp.sin, name="f", max_basis=bad)
+    dx.ExpensiveFn(fwd=jnp.sin, name="f", max_basis=None)
 
 
 # ----------------------------------------------------------------------------- property-based

@@ -105,7 +105,7 @@ BAD_SCHEDULE = "{where}: `schedule` must be one of 'auto', 'standard' or 'deferr
 
 NO_ARGS = "{where}: the function must be called with at least one positional argument, passed by position (the argument that is differentiated)."
 
-BAD_MAX_BASIS = "{where}: `max_basis` must be a non-negative int or None, but got {found!r}."
+BAD_MAX_BASIS = "{where}: `max_basis` must be {allowed}, but got {found!r}."
 
 ANNOTATION = """{where}: {what} does not match its annotation.
   expected: {expected}

@@ -143,13 +143,14 @@ class ExpensiveFn(eqx.Module):
                 raise TypeError(_errors.NOT_CALLABLE.format(call=self._call, impl=impl, found=value))
             if value is not None:
                 check_signature(self._call, impl, value)
-        if self.max_basis is not None and (not isinstance(self.max_basis, int) or self.max_basis < 0):
-            raise ValueError(_errors.BAD_MAX_BASIS.format(where=self._call, found=self.max_basis))
+        if self.max_basis is not None and (not isinstance(self.max_basis, int) or isinstance(self.max_basis, bool) or self.max_basis < 0):
+            allowed = "a non-negative int (or None: the limit of `filter_value_and_grad`)"
+            raise ValueError(_errors.BAD_MAX_BASIS.format(where=self._call, allowed=allowed, found=self.max_basis))
         if self.adjoint is not None and self.bwd is not None:
             raise TypeError(_errors.BOTH_ADJOINTS.format(call=self._call))
         if self.combine is not None and self.adjoint is None:
             raise TypeError(_errors.ONLY_WITH_ADJOINT.format(call=self._call, what="combine"))
-        if self.max_tangents is not None and (not isinstance(self.max_tangents, int) or self.max_tangents < 0):
+        if self.max_tangents is not None and (not isinstance(self.max_tangents, int) or isinstance(self.max_tangents, bool) or self.max_tangents < 0):
             raise ValueError(_errors.BAD_MAX_TANGENTS.format(call=self._call, found=self.max_tangents))
         if self.prefer is not None and self.prefer not in _tangents.STRATEGIES:
             raise ValueError(_errors.BAD_PREFER.format(call=self._call, found=self.prefer))

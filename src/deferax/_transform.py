@@ -250,7 +250,7 @@ def _check_settings(schedule, max_basis):
     if schedule not in _SCHEDULES:
         raise ValueError(_errors.BAD_SCHEDULE.format(where=_WHERE, found=schedule))
     if not isinstance(max_basis, int) or isinstance(max_basis, bool) or max_basis < 0:
-        raise ValueError(_errors.BAD_MAX_BASIS.format(where=_WHERE, found=max_basis))
+        raise ValueError(_errors.BAD_MAX_BASIS.format(where=_WHERE, allowed="a non-negative int", found=max_basis))
 
 
 def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "auto", max_basis: int = DEFAULT_MAX_BASIS):
