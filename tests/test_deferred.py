@@ -265,6 +265,13 @@ def test_has_aux_sees_real_outputs(counter):
     grads, aux = dx.filter_grad(loss, has_aux=True)(P0)
     assert_tree_allclose(aux["y"], ref(P0))
     assert_tree_allclose(grads, eqx.filter_grad(loss, has_aux=True)(P0)[0])
+    # the pair as a list, which JAX and Equinox unpack too
+    as_list = lambda p: list(loss(p))  # noqa: E731
+    (value, aux), grads = dx.filter_value_and_grad(as_list, has_aux=True)(P0)
+    (value_e, aux_e), grads_e = eqx.filter_value_and_grad(as_list, has_aux=True)(P0)
+    (value_r, _), grads_r = jax.value_and_grad(lambda p: (jnp.sum(W * ref(p)), None), has_aux=True)(P0)
+    assert_tree_allclose((value, aux, grads), (value_e, aux_e, grads_e))
+    assert_tree_allclose((value, grads), (value_r, grads_r))
 
 
 class Design(eqx.Module):
@@ -441,6 +448,25 @@ def test_error_non_scalar_loss():
     f = make(ref, ("fwd", "bwd", "fused"))
     with pytest.raises(TypeError, match=re.escape("`deferax.filter_value_and_grad`: the differentiated function must return a real scalar, but it returned float64[4].")):
         dx.filter_value_and_grad(lambda p: f(p))(P0)
+
+
+def test_error_wrong_out_declared():
+    """A wrong `out=` that makes the user's code fail while it is traced is reported as
+    Equinox reports it (which runs `fwd` first), eager and under `jit`, not as the shape
+    mismatch it caused; a trace error with a right `out=` stands as it is."""
+    wrong = jax.ShapeDtypeStruct((5,), P0.dtype)
+    expected = "`ExpensiveFn(name='declared')`: `fwd` returned an output that does not match the output structure.\nExpected float64[5], found float64[4]."
+    f = dx.ExpensiveFn(fwd=ref, fused=lambda x, ct: (ref(x), ct), out=wrong, name="declared")
+    loss = lambda p: jnp.sum(W * f(p))  # noqa: E731
+    for transform in (dx.filter_value_and_grad(loss), eqx.filter_jit(dx.filter_value_and_grad(loss)), eqx.filter_value_and_grad(loss)):
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            transform(P0)
+    with pytest.raises(ValueError, match=re.escape(expected)) as info:
+        dx.filter_value_and_grad(loss)(P0)
+    assert isinstance(info.value.__cause__, TypeError)  # what failed in the loss, kept
+    right = dx.ExpensiveFn(fwd=ref, out=jax.ShapeDtypeStruct((4,), P0.dtype), name="declared")
+    with pytest.raises(TypeError, match="incompatible shapes"):
+        dx.filter_value_and_grad(lambda p: jnp.sum(jnp.ones(3) * right(p)))(P0)
 
 
 WEIGHTS = jnp.array([1.0, 2.0, 3.0, 4.0])

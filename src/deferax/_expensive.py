@@ -199,6 +199,20 @@ class ExpensiveFn(eqx.Module):
                 _errors.NO_OUT.format(call=self._call, why=f"`fwd` is not JAX-traceable: {type(e).__name__}")
             ) from e
 
+    def check_out(self, x: PyTree, error: Exception) -> None:
+        """After `error` in a trace that used the declared `out=` for `x` (structures): raise
+        the mismatch between `out=` and what `fwd` returns, if there is one and `fwd` can be
+        traced; otherwise nothing (`error` stands). (A `fused` alone cannot tell: it takes
+        a cotangent shaped by `out=`.)"""
+        try:
+            real = jax.eval_shape(self.fwd, x)
+        except Exception:  # no `fwd`, or not traceable: `out=` is all there is to go by
+            return
+        try:
+            self._check("fwd", "an output", real, self.out_struct(x), "the output structure")
+        except ValueError as mismatch:
+            raise mismatch from error
+
     def _check(self, impl: str, what: str, found: PyTree, expected: PyTree, against: str) -> None:
         found_def = jtu.tree_structure(found)
         expected_def = jtu.tree_structure(expected)

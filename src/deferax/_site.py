@@ -14,6 +14,8 @@ Everything else (the implementations, the structures) is the static `Spec`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -404,6 +406,25 @@ def _struct(a) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
 
 
+_DECLARED: contextvars.ContextVar[list | None] = contextvars.ContextVar("deferax_declared", default=None)
+
+
+@contextlib.contextmanager
+def declared_outputs_checked():
+    """Inside: a trace of the user's function. If it fails, and a site whose output
+    structure was declared (`out=`) was called in it, the declaration is checked against
+    what `fwd` (or `fused`) really returns: a wrong `out=` is the error raised then, naming
+    the call, rather than what it made fail in the user's code (a shape mismatch there)."""
+    seen: list = []
+    with _jaxpr.setting(_DECLARED, seen):
+        try:
+            yield
+        except Exception as e:
+            for fn, x in seen:
+                fn.check_out(x, e)
+            raise
+
+
 def call(fn: Any, x: Any) -> Any:
     """`fn(x)` as one `site_p` equation (on concrete arrays outside any transformation,
     simply `fwd(x)`: no output structure is needed to run it)."""
@@ -413,6 +434,8 @@ def call(fn: Any, x: Any) -> Any:
     fn_leaves, fn_tree = jtu.tree_flatten(fn_dynamic)
     x_leaves, x_tree = jtu.tree_flatten(x)
     x_structs = tuple(_struct(a) for a in x_leaves)
+    if fn.out is not None and _DECLARED.get() is not None:
+        _DECLARED.get().append((fn, jtu.tree_unflatten(x_tree, list(x_structs))))
     y_struct = fn.out_struct(jtu.tree_unflatten(x_tree, list(x_structs)))
     y_leaves, y_tree = jtu.tree_flatten(y_struct)
     spec = Spec(static, fn_tree, x_tree, x_structs, y_tree, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in y_leaves))

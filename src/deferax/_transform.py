@@ -77,7 +77,7 @@ def _trace(fun, x, args, kwargs, has_aux) -> _Traced:
     def flat(*leaves_):
         out = fun(eqx.combine(jtu.tree_unflatten(diff_tree, list(leaves_)), nondiff), *args, **kwargs)
         if has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
+            if not (isinstance(out, tuple | list) and len(out) == 2):  # (as JAX and Equinox unpack it)
                 raise TypeError(_errors.NOT_PAIR.format(where=_WHERE, found=_errors.tree_text(out)))
             value, aux = out
         else:
@@ -88,7 +88,8 @@ def _trace(fun, x, args, kwargs, has_aux) -> _Traced:
         return [jnp.asarray(value), *[a for a in aux_leaves if _is_traced(a)]]
 
     structs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), weak_type=getattr(a, "weak_type", False)) for a in leaves]
-    closed, _ = _jaxpr.trace(flat, *structs)
+    with _site.declared_outputs_checked():
+        closed, _ = _jaxpr.trace(flat, *structs)
     closed = _jaxpr.inline(closed, (_site.SITE,))
     program, consts = _jaxpr.open_consts(closed)
     return _Traced(program, consts, list(leaves), diff_tree, box["aux"] if has_aux else None)
