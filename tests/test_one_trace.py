@@ -175,6 +175,71 @@ def test_static_arguments_equal_but_not_identical(first, second, counter):
         assert_tree_allclose(got, eqx.filter_value_and_grad(lambda p, s: program(plain(p), p, s))(P0, s))
 
 
+class _Signed(eqx.Module):
+    """An implementation with a Python-number setting that `==` cannot tell from another."""
+
+    s: float
+
+    def __call__(self, x, ct=None):
+        sign = np.copysign(1.0, self.s) * (2.0 if self.s is True else 1.0)
+        return sign * ref(x) if ct is None else (sign * ref(x), jax.vjp(lambda x: sign * ref(x), x)[1](ct)[0])
+
+
+@pytest.mark.parametrize("first, second", [(0.0, -0.0), (1, True)])
+def test_implementation_settings_equal_but_not_identical(first, second):
+    """A new `ExpensiveFn` whose implementation differs only by `0.0` against `-0.0` (or `1`
+    against `True`) is a new program, not the cached one."""
+    for s in (first, second, first):
+        f = dx.ExpensiveFn(fwd=_Signed(s), fused=_Signed(s), name="signed")
+        sign = np.copysign(1.0, s) * (2.0 if s is True else 1.0)
+        got = dx.filter_value_and_grad(lambda p, f=f: jnp.sum(W * f(p)))(P0)
+        assert_tree_allclose(got, jax.value_and_grad(lambda p, sign=sign: jnp.sum(W * sign * plain(p)))(P0))
+
+
+RULE_SCALE = 1.0  # read by the custom_jvp rule below; rebound by the test
+
+
+@jax.custom_jvp
+def _scaled_tanh(x):
+    return jnp.tanh(x)
+
+
+@_scaled_tanh.defjvp
+def _scaled_tanh_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return jnp.tanh(x), RULE_SCALE * t / jnp.cosh(x) ** 2  # a deliberately "wrong" rule that reads a global
+
+
+def test_custom_jvp_rules_in_the_loss_hit_the_cache_and_are_read_afresh(counter):
+    """`jax.nn.relu`, `jax.nn.softmax` and a user `custom_jvp` in the loss: the second call
+    with the same program reuses the compiled stages (their rules are new objects every
+    trace, keyed by what they compute); a rule that reads a rebound global is a new program."""
+    global RULE_SCALE
+    from deferax import _transform
+
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    loss = lambda p: jnp.sum(W * f(p)) + jnp.sum(jax.nn.relu(p)) + jnp.sum(jax.nn.softmax(p) * W) + jnp.sum(_scaled_tanh(p))  # noqa: E731
+    reference = lambda p: jnp.sum(W * plain(p)) + jnp.sum(jax.nn.relu(p)) + jnp.sum(jax.nn.softmax(p) * W) + jnp.sum(_scaled_tanh(p))  # noqa: E731
+    step = dx.filter_value_and_grad(loss)
+    _transform._CACHE.clear()
+    try:
+        for scale, new_entries in ((1.0, 1), (1.0, 0), (3.0, 1), (3.0, 0), (1.0, 0)):
+            RULE_SCALE = scale
+            before = len(_transform._CACHE)
+            counter.reset()
+            got = step(P0)
+            assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}
+            assert_tree_allclose(got, jax.value_and_grad(reference)(P0))
+            assert len(_transform._CACHE) - before == new_entries, scale
+        # a rule with symbolic zeros sees which tangents are zero: not keyed, still right
+        sym = jax.custom_jvp(jnp.sin)
+        sym.defjvp(lambda primals, tangents: (jnp.sin(primals[0]), jnp.cos(primals[0]) * tangents[0]), symbolic_zeros=True)
+        for _ in range(2):
+            assert_tree_allclose(dx.filter_value_and_grad(lambda p: jnp.sum(sym(p) * f(p)))(P0), jax.value_and_grad(lambda p: jnp.sum(sym(p) * plain(p)))(P0))
+    finally:
+        RULE_SCALE = 1.0
+
+
 def test_typechecking_switched_on_after_a_first_call_with_it_off():
     from jaxtyping import Array, Float
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
+
 import numpy as np
 from jax._src import core as _core
 
@@ -37,10 +40,40 @@ def _jaxpr_key(jaxpr) -> tuple:
     head = (tuple(var(v) for v in jaxpr.constvars), tuple((var(v), _aval_key(v.aval)) for v in jaxpr.invars))
     eqns = tuple(
         (str(e.primitive), tuple(var(v) for v in e.invars), tuple((var(v), _aval_key(v.aval)) for v in e.outvars),
-         tuple(sorted((k, _param_key(p)) for k, p in e.params.items())))
+         tuple(sorted((k, _jvp_rule_key(e) if k == "jvp_jaxpr_fun" else _param_key(p)) for k, p in e.params.items())))
         for e in jaxpr.eqns
     )  # fmt: skip
     return head, eqns, tuple(var(v) for v in jaxpr.outvars)
+
+
+_IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_keying_a_rule", default=False)
+
+
+def _jvp_rule_key(eqn) -> tuple:
+    """A `custom_jvp` rule (`jax.nn.relu`, `jax.nn.softmax`, the user's own) by what it
+    computes: its program traced now, as differentiation will trace it (the trace is
+    memoized on the equation, so that is the very program used). A new function object
+    each trace, it would otherwise never match. With `symbolic_zeros` the rule sees which
+    tangents are zero, and a trace for one pattern says nothing of another: not keyed.
+
+    The stages differentiate the program once: a rule inside a rule's program (`relu`'s
+    rule calls `relu`) is evaluated, never differentiated, so it is not keyed (keying it
+    would trace it again, and its own rule, without end)."""
+    if _IN_RULE.get():
+        return ("rule inside a rule",)
+    if eqn.params.get("symbolic_zeros", True):
+        raise _Unkeyable
+    try:
+        jaxpr, consts, out_zeros = eqn.params["jvp_jaxpr_fun"].call_wrapped(*([False] * len(eqn.invars)))
+    except Exception:  # (another JAX's internals: nothing to key on)
+        raise _Unkeyable from None
+    if any(isinstance(c, _core.Tracer) for c in consts):
+        raise _Unkeyable
+    token = _IN_RULE.set(True)
+    try:
+        return ("jvp rule", _jaxpr_key(jaxpr), tuple(_value_key(np.asarray(c)) for c in consts), tuple(out_zeros))
+    finally:
+        _IN_RULE.reset(token)
 
 
 def _value_key(value) -> tuple:
@@ -62,6 +95,10 @@ def _param_key(p):
         return _value_key(p)
     if isinstance(p, _core.Tracer):
         raise _Unkeyable
+    if dataclasses.is_dataclass(p) and not isinstance(p, type):
+        # field by field (an `ExpensiveFn` and its implementations are dataclasses): a number
+        # among them by its bits, as a literal, where `==` would take 0.0 for -0.0 and 1 for True
+        return ("dataclass", type(p), tuple((f.name, _param_key(getattr(p, f.name))) for f in dataclasses.fields(p)))
     try:
         hash(p)
     except TypeError:
