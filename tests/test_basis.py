@@ -282,6 +282,33 @@ def test_error_fused_batch_wrong_shape():
         dx.filter_value_and_grad(loss)(P0)
 
 
+SHARED = {
+    # several sites' outputs meet in one linear combination before the nonlinearity: that
+    # combination is on every site's frontier, and each must get its cotangent
+    "square of a sum": (2, lambda ys: (jnp.sum(ys[0]) + jnp.sum(ys[1])) ** 2),
+    "sum inside": (2, lambda ys: jnp.sum(ys[0] + ys[1]) ** 2),
+    "sine of a difference": (2, lambda ys: jnp.sin(jnp.sum(ys[0]) - 3.0 * jnp.sum(ys[1]))),
+    "three sites": (3, lambda ys: jnp.log1p((jnp.sum(ys[0]) + jnp.sum(ys[1]) - jnp.sum(ys[2])) ** 2)),
+    "shared and own": (2, lambda ys: (lambda a: jnp.sin(a) * jnp.cos(a + jnp.sum(ys[1])))(jnp.sum(ys[0]))),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARED))
+def test_sites_that_share_a_frontier_variable(case):
+    n, head = SHARED[case]
+    counter = Counter()
+    fs = [sim(jnp.sin, counter, name=f"sim{i}") for i in range(n)]
+    loss = lambda x: head([f((i + 1) * x) for i, f in enumerate(fs)])  # noqa: E731
+    reference = lambda x: head([jnp.sin((i + 1) * x) for i in range(n)])  # noqa: E731
+    assert [s.schedule for s in dx.explain(loss, P0).sites] == ["deferred-basis"] * n
+    for step in (dx.filter_value_and_grad(loss), eqx.filter_jit(dx.filter_value_and_grad(loss))):
+        counter.reset()
+        got = jax.block_until_ready(step(P0))
+        jax.effects_barrier()
+        assert counter.counts == {"primal": n, "adjoint": n}
+        assert_tree_allclose(got, jax.value_and_grad(reference)(P0), rtol=1e-9, atol=1e-12)
+
+
 def test_error_bad_max_basis():
     # (a value of another type is refused before this check when the tests run with the
     # jaxtyping hook on deferax, as pyproject.toml sets them up)

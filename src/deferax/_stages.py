@@ -309,7 +309,11 @@ def stage3(analysis: Analysis, has_diff: list[bool], ins: list, results) -> tupl
                 # the output is a constant here; the operands get their cotangent where the
                 # frontier variables are made
                 handlers[analysis.sites[k]] = lambda eqn, ops, k=k: (operands.__setitem__(k, ops), ys[k])[1]
-                wraps |= _frontier_wraps(analysis, k, operands, diff_cts[k])
+                for v, wrap in _frontier_wraps(analysis, k, operands, diff_cts[k]).items():
+                    # A variable on several sites' frontiers (`sum(f(x)) + sum(f(2 * x))`
+                    # before a square): each site's wrapper in turn, all given its cotangent.
+                    before = wraps.get(v)
+                    wraps[v] = wrap if before is None else (lambda z, wrap=wrap, before=before: wrap(before(z)))
             else:
                 handlers[analysis.sites[k]] = lambda eqn, ops, spec=spec, k=k: replay(
                     ops, ys[k], _site.operand_cotangents(spec, ops, diff_cts[k])
