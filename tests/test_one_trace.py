@@ -210,10 +210,11 @@ def _scaled_tanh_jvp(primals, tangents):
     return jnp.tanh(x), RULE_SCALE * t / jnp.cosh(x) ** 2  # a deliberately "wrong" rule that reads a global
 
 
-def test_custom_jvp_rules_in_the_loss_hit_the_cache_and_are_read_afresh(counter):
+def test_custom_rules_in_the_loss_and_the_cache(counter):
     """`jax.nn.relu`, `jax.nn.softmax` and a user `custom_jvp` in the loss: the second call
     with the same program reuses the compiled stages (their rules are new objects every
-    trace, keyed by what they compute); a rule that reads a rebound global is a new program."""
+    trace, keyed by what they compute); a rule that reads a rebound global is a new program.
+    A `custom_vjp` (its backward rule cannot be keyed) is not cached, and still right."""
     global RULE_SCALE
     from deferax import _transform
 
@@ -231,6 +232,15 @@ def test_custom_jvp_rules_in_the_loss_hit_the_cache_and_are_read_afresh(counter)
             assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}
             assert_tree_allclose(got, jax.value_and_grad(reference)(P0))
             assert len(_transform._CACHE) - before == new_entries, scale
+        # a custom_vjp's backward rule cannot be keyed: not cached, run uncompiled, still right
+        clipped = jax.custom_vjp(lambda x: x)
+        clipped.defvjp(lambda x: (x, None), lambda _, ct: (jnp.clip(ct, -1.0, 1.0),))
+        for _ in range(2):
+            before = len(_transform._CACHE)
+            counter.reset()
+            got = dx.filter_value_and_grad(lambda p: jnp.sum(W * f(clipped(p))))(P0)
+            assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1} and len(_transform._CACHE) == before
+            assert_tree_allclose(got, jax.value_and_grad(lambda p: jnp.sum(W * plain(clipped(p))))(P0))
         # a rule with symbolic zeros sees which tangents are zero: not keyed, still right
         sym = jax.custom_jvp(jnp.sin)
         sym.defjvp(lambda primals, tangents: (jnp.sin(primals[0]), jnp.cos(primals[0]) * tangents[0]), symbolic_zeros=True)

@@ -135,7 +135,8 @@ def _analysis(traced: _Traced, schedule, max_basis, eager: bool):
                 return compiled.analysis, compiled
     analysis = analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE)
     _record.log_plan(analysis.plan)  # a new program (or one traced under a transformation)
-    if not eager:
+    if not eager or key is None:
+        # (a program that cannot be keyed would be compiled for one call: run uncompiled)
         return analysis, None
     compiled = _Compiled(analysis, traced.has_diff())
     if key is not None:
@@ -160,12 +161,12 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int, x, args, 
     results = None
     if analysis.deferred:
         with _stage("deferax stage 1: operands and cotangents"):
-            operands, cts = (compiled.stage1 if eager else ft.partial(_stages.stage1, analysis))(ins)
+            operands, cts = (compiled.stage1 if compiled is not None else ft.partial(_stages.stage1, analysis))(ins)
         with _stage("deferax stage 2: expensive calls"):
             ys, diff_cts = _stages.stage2(analysis, operands, cts, eager=eager)
         results = (cts, ys, diff_cts)
     with _stage("deferax stage 3: value and gradients"):
-        if eager and compiled.stage3 is not None:
+        if compiled is not None and compiled.stage3 is not None:
             outs, grads = compiled.stage3(ins, results)
         else:
             outs, grads = _stages.stage3(analysis, traced.has_diff(), ins, results)

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 from jax._src import core as _core
+from jax._src import linear_util as _lu
 
 
 class _Unkeyable(Exception):
@@ -93,7 +94,9 @@ def _param_key(p):
         return ("dict", tuple(sorted((k, _param_key(v)) for k, v in p.items())))
     if isinstance(p, bool | int | float | complex | np.generic | np.ndarray):
         return _value_key(p)
-    if isinstance(p, _core.Tracer):
+    if isinstance(p, _core.Tracer | _lu.WrappedFun):
+        # (a wrapped function, a `custom_vjp`'s backward rule, is made anew by every trace:
+        # keyed by identity, it would never match again and only fill the cache)
         raise _Unkeyable
     if dataclasses.is_dataclass(p) and not isinstance(p, type):
         # field by field (an `ExpensiveFn` and its implementations are dataclasses): a number
