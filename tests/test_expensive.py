@@ -396,21 +396,37 @@ def test_error_nothing_given_names_the_class():
 
 
 def test_error_64_bit_output_declared_with_x64_off():
-    """With JAX's 64-bit mode off, a float64 `out=` cannot match: the message says why
-    (in a subprocess: the test suite runs with x64 on)."""
+    """With JAX's 64-bit mode off, a float64 `out=` (or a host's `adjoint_out=`) cannot be
+    met: the message names the call and says why, eagerly and under `jit`, where JAX's own
+    error named nothing of the user's (in a subprocess: the test suite runs with x64 on)."""
     import subprocess
     import sys
 
     code = """
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, numpy as np
 import deferax as dx
-f = dx.ExpensiveFn(fwd=jnp.sin, bwd=lambda x, y, ct: ct, out=jax.ShapeDtypeStruct((3,), jnp.float64), name="f64")
-try:
-    jax.grad(lambda x: jnp.sum(f(x)))(jnp.ones(3))
-except ValueError as e:
-    print(e)
+wide = jax.ShapeDtypeStruct((3,), jnp.float64)
+f = dx.ExpensiveFn(fwd=jnp.sin, bwd=lambda x, y, ct: ct, out=wide, name="f64")
+h = dx.host(np.sin, adjoint=lambda x, ct: ct, out=jax.ShapeDtypeStruct((3,), jnp.float32), adjoint_out=wide, name="h64")
+for label, run in (
+    ("grad", lambda: jax.grad(lambda x: jnp.sum(f(x)))(jnp.ones(3))),
+    ("jit", lambda: jax.jit(dx.filter_value_and_grad(lambda x: jnp.sum(f(x))))(jnp.ones(3))),
+    ("host jit", lambda: jax.jit(dx.filter_value_and_grad(lambda x: jnp.sum(h(x))))(jnp.ones(3))),
+):
+    try:
+        run()
+    except ValueError as e:
+        print(label, "|", str(e).replace(chr(10), " "))
 """
     out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "Expected float64[3], found float32[3]." in out.stdout
-    assert "JAX's 64-bit mode is off (`jax_enable_x64`), so JAX computes in 32 bits: declare 32-bit dtypes in `out=`" in out.stdout
+    hint = (
+        "a 64-bit dtype. JAX's 64-bit mode is off (`jax_enable_x64`), so JAX computes in 32 bits: declare 32-bit dtypes in "
+        "`out=`, or turn it on first with `jax.config.update(\"jax_enable_x64\", True)`."
+    )
+    lines = out.stdout.splitlines()
+    assert lines == [
+        f"grad | `ExpensiveFn(name='f64')`: `out=` declares float64[3], {hint}",
+        f"jit | `ExpensiveFn(name='f64')`: `out=` declares float64[3], {hint}",
+        f"host jit | `ExpensiveFn(name='h64')`: `adjoint_out=` declares float64[3], {hint}",
+    ], out.stdout

@@ -537,6 +537,23 @@ def test_wrong_structure_from_fused():
         run(lambda x: jnp.sum(f(x)), X0)
 
 
+def test_wrong_result_from_combine_is_combines():
+    """`combine` is the user's; the `bwd` and `fused` that deferax makes from it are not."""
+    f = dx.host(np.sin, adjoint=lambda x, ct: np.cos(x) * ct, combine=lambda x, y, p: p[:2], out=jax.ShapeDtypeStruct((3,), jnp.float64), name="sim")
+    expected = (
+        "`ExpensiveFn(name='sim')`: `combine` returned a cotangent that does not match the input `x`.\n"
+        "Expected float64[3], found float64[2].\n"
+        "`combine(x, y, partial)` must return a cotangent with the structure, shapes and dtypes of `x`."
+    )
+    for loss, transform in (
+        (lambda x: jnp.sum(f(x)), dx.filter_grad),  # deferred: the fused made from fwd + adjoint
+        (lambda x: jnp.sum(f(x) ** 2), jax.grad),  # standard: the bwd made from adjoint + combine
+        (lambda x: jnp.sum(f(x) ** 2), lambda g: eqx.filter_jit(dx.filter_grad(g))),
+    ):
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            transform(loss)(X0)
+
+
 def test_vectorized_result_without_the_batch_axis():
     f = dx.host(lambda x: x[0], out=jax.ShapeDtypeStruct((3,), jnp.float64), vectorized=True, name="sim")
     expected = (

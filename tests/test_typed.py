@@ -204,6 +204,19 @@ def test_typed_fwd_returning_wrong_shape():
     expect(info, where="`ExpensiveFn(name='fdtd')` `fwd`", what="the return value", expected="Float[Array, 'nx ny']", found="float64[5, 4]", bindings="nx=4, ny=5")
 
 
+@pytest.mark.parametrize("weights", [None, jnp.ones((4, 5))], ids=["sum", "weighted"])
+def test_typed_fwd_returning_wrong_shape_on_the_deferred_schedule(weights):
+    """Without `out=`, the output structure comes from tracing `fwd`: its annotations are
+    checked there, so the error is `fwd`'s, as Equinox (which runs it) reports it, and not
+    `fused`'s cotangent or a shape mismatch in the loss."""
+    f = dx.ExpensiveFn(fwd=bad_fwd, bwd=fdtd_adjoint, fused=fdtd_fused, name="fdtd")
+    loss = (lambda x: jnp.sum(f(x))) if weights is None else (lambda x: jnp.sum(weights * f(x)))
+    for run in (dx.filter_value_and_grad(loss), eqx.filter_value_and_grad(loss), lambda x: dx.explain(loss, x)):
+        with pytest.raises(dx.AnnotationError) as info:
+            run(jnp.ones((4, 5)))
+        expect(info, where="`ExpensiveFn(name='fdtd')` `fwd`", what="the return value", expected="Float[Array, 'nx ny']", found="float64[5, 4]", bindings="nx=4, ny=5")
+
+
 def test_typed_fused_checked_on_deferred_schedule():
     f = dx.ExpensiveFn(fwd=fdtd, bwd=fdtd_adjoint, fused=bad_fused, name="fdtd")
     with pytest.raises(dx.AnnotationError) as info:

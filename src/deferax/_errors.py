@@ -126,5 +126,7 @@ ONLY_WITH_ADJOINT = "{call}: `{what}` was given without `adjoint`; `combine` and
 X64_OFF = """JAX's 64-bit mode is off (`jax_enable_x64`), so JAX computes in 32 bits: declare 32-bit dtypes in `out=`, or turn it
 on first with `jax.config.update("jax_enable_x64", True)`."""
 
+WIDE_DECLARED = """{call}: {what} declares {found}, a 64-bit dtype. """ + X64_OFF
+
 BAD_DEVICES = """`deferax.set_devices`: `devices` must be None (every local device) or a non-empty list of `jax.Device`s, such as
 `jax.local_devices()[:2]`, but got {found}."""

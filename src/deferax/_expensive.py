@@ -184,16 +184,18 @@ class ExpensiveFn(eqx.Module):
     def out_struct(self, x: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
         """The structure of `self(x)`: declared by `out`, or inferred from `fwd`."""
         if self.out is not None:
-            if callable(self.out):
-                out = self.out(_struct(x))
-                if not all(isinstance(s, jax.ShapeDtypeStruct) for s in jtu.tree_leaves(out)):
-                    raise TypeError(_errors.BAD_OUT.format(call=self._call, found=out))
-                return out
-            return self.out
+            out = self.out(_struct(x)) if callable(self.out) else self.out
+            if callable(self.out) and not all(isinstance(s, jax.ShapeDtypeStruct) for s in jtu.tree_leaves(out)):
+                raise TypeError(_errors.BAD_OUT.format(call=self._call, found=out))
+            check_declared_width(self._call, "`out=`", out)
+            return out
         if self.fwd is None:
             raise TypeError(_errors.NO_OUT.format(call=self._call, why="`fwd` was not given"))
         try:
-            return jax.eval_shape(self.fwd, x)
+            # (with `fwd`'s annotations checked, as when it runs: a wrong shape is its error)
+            return jax.eval_shape(lambda x_: self._typed_call("fwd", self.fwd, (x_,)), x)
+        except _typed.AnnotationError:
+            raise
         except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError) as e:
             raise TypeError(
                 _errors.NO_OUT.format(call=self._call, why=f"`fwd` is not JAX-traceable: {type(e).__name__}")
@@ -214,41 +216,10 @@ class ExpensiveFn(eqx.Module):
             raise mismatch from error
 
     def _check(self, impl: str, what: str, found: PyTree, expected: PyTree, against: str) -> None:
-        found_def = jtu.tree_structure(found)
-        expected_def = jtu.tree_structure(expected)
-        if found_def != expected_def:
-            detail = f"Expected structure {expected_def}, found {found_def}."
-        else:
-            lines = []
-            paths = jtu.tree_flatten_with_path(expected)[0]
-            for (path, e), f in zip(paths, jtu.tree_leaves(found), strict=True):
-                fs = jax.ShapeDtypeStruct(jnp.shape(f), jnp.result_type(f))
-                if fs.shape != e.shape or fs.dtype != e.dtype:
-                    where = f" at {jtu.keystr(path)}" if path else ""
-                    lines.append(f"Expected {_errors.shape_text(e)}{where}, found {_errors.shape_text(fs)}.")
-            if not lines:
-                return
-            wide = (np.float64, np.complex128, np.int64, np.uint64)
-            if not jax.config.jax_enable_x64 and any(np.dtype(e.dtype) in wide for e in jtu.tree_leaves(expected)):
-                lines.append(_errors.X64_OFF)
-            detail = "\n".join(lines)
-        raise ValueError(
-            _errors.MISMATCH.format(
-                call=self._call, impl=impl, what=what, against=against, detail=detail, rule=_errors.RULES[impl]
-            )
-        )
+        check_tree(self._call, impl, what, found, expected, against)
 
     def _check_ct_x(self, impl: str, ct_x: PyTree, x: PyTree) -> PyTree:
-        """Check a returned input cotangent and fill in float0 zeros for integer inputs."""
-        expected = _struct(x)
-        if jtu.tree_structure(ct_x) == jtu.tree_structure(x):
-            ct_x = jtu.tree_map(lambda c, a: c if _differentiable(a) else jnp.zeros(jnp.shape(a)), ct_x, x)
-            expected = jtu.tree_map(
-                lambda s: s if jnp.issubdtype(s.dtype, jnp.inexact) else jax.ShapeDtypeStruct(s.shape, jnp.result_type(float)),
-                expected,
-            )
-        self._check(impl, "a cotangent", ct_x, expected, "the input `x`")
-        return jtu.tree_map(lambda c, a: c if _differentiable(a) else _tangents.zero_like(a), ct_x, x)
+        return check_ct_x(self._call, impl, ct_x, x)
 
     # ------------------------------------------------------------------ implementations, derived where needed
 
@@ -365,6 +336,55 @@ class ExpensiveFn(eqx.Module):
         x = jtu.tree_map(jnp.asarray, x)
         return _site.call(self, x)
 
+
+
+def check_tree(call: str, impl: str, what: str, found: PyTree, expected: PyTree, against: str) -> None:
+    """Raise, naming `call` and `impl`, where `found` differs from `expected` (structures) in
+    structure, shape or dtype."""
+    found_def = jtu.tree_structure(found)
+    expected_def = jtu.tree_structure(expected)
+    if found_def != expected_def:
+        detail = f"Expected structure {expected_def}, found {found_def}."
+    else:
+        lines = []
+        paths = jtu.tree_flatten_with_path(expected)[0]
+        for (path, e), f in zip(paths, jtu.tree_leaves(found), strict=True):
+            fs = jax.ShapeDtypeStruct(jnp.shape(f), jnp.result_type(f))
+            if fs.shape != e.shape or fs.dtype != e.dtype:
+                where = f" at {jtu.keystr(path)}" if path else ""
+                lines.append(f"Expected {_errors.shape_text(e)}{where}, found {_errors.shape_text(fs)}.")
+        if not lines:
+            return
+        if not jax.config.jax_enable_x64 and any(np.dtype(e.dtype) in _WIDE for e in jtu.tree_leaves(expected)):
+            lines.append(_errors.X64_OFF)
+        detail = "\n".join(lines)
+    raise ValueError(
+        _errors.MISMATCH.format(
+            call=call, impl=impl, what=what, against=against, detail=detail, rule=_errors.RULES[impl]
+        )
+    )
+
+_WIDE = (np.float64, np.complex128, np.int64, np.uint64)
+
+
+def check_declared_width(call: str, what: str, declared: PyTree) -> None:
+    """Refuse a declared 64-bit structure while JAX's 64-bit mode is off (JAX would compute in
+    32 bits, and a callback declared wider fails with an error that names nothing of ours)."""
+    if not jax.config.jax_enable_x64 and any(np.dtype(s.dtype) in _WIDE for s in jtu.tree_leaves(declared)):
+        raise ValueError(_errors.WIDE_DECLARED.format(call=call, what=what, found=_errors.tree_text(declared)))
+
+
+def check_ct_x(call: str, impl: str, ct_x: PyTree, x: PyTree) -> PyTree:
+    """Check a returned input cotangent and fill in float0 zeros for integer inputs."""
+    expected = _struct(x)
+    if jtu.tree_structure(ct_x) == jtu.tree_structure(x):
+        ct_x = jtu.tree_map(lambda c, a: c if _differentiable(a) else jnp.zeros(jnp.shape(a)), ct_x, x)
+        expected = jtu.tree_map(
+            lambda s: s if jnp.issubdtype(s.dtype, jnp.inexact) else jax.ShapeDtypeStruct(s.shape, jnp.result_type(float)),
+            expected,
+        )
+    check_tree(call, impl, "a cotangent", ct_x, expected, "the input `x`")
+    return jtu.tree_map(lambda c, a: c if _differentiable(a) else _tangents.zero_like(a), ct_x, x)
 
 
 def check_signature(call: str, impl: str, fn: Any) -> None:

@@ -17,7 +17,7 @@ from jaxtyping import PyTree
 
 from . import _errors, _executor, _jaxpr
 from ._concurrent import is_concrete
-from ._expensive import ExpensiveFn, _struct, check_signature
+from ._expensive import ExpensiveFn, _struct, check_ct_x, check_declared_width, check_signature
 from ._host_jobs import Runner
 
 NO_OUT = """{call}: host functions cannot be traced by JAX, so the output's shape and dtype must be declared with `out=`,
@@ -75,12 +75,16 @@ class _Host(eqx.Module):
         )  # fmt: skip
 
     def _out(self, x: PyTree) -> PyTree:
-        return self.out(_struct(x)) if callable(self.out) else self.out
+        declared = self.out(_struct(x)) if callable(self.out) else self.out
+        check_declared_width(self.call, "`out=`", declared)
+        return declared
 
     def _adjoint_out(self, x: PyTree) -> PyTree:
         if self.adjoint_out is None:
             return _struct(x)
-        return self.adjoint_out(_struct(x)) if callable(self.adjoint_out) else self.adjoint_out
+        declared = self.adjoint_out(_struct(x)) if callable(self.adjoint_out) else self.adjoint_out
+        check_declared_width(self.call, "`adjoint_out=`", declared)
+        return declared
 
     def _run(self, kind: str, args: tuple, result: PyTree) -> PyTree:
         runner = self._runner()
@@ -90,19 +94,26 @@ class _Host(eqx.Module):
         # (with the caller's context: the site's name and schedule, for the recording)
         return jax.pure_callback(_jaxpr.carry_context(ft.partial(runner, kind, result, arg_structs)), result, *args, vmap_method="broadcast_all")
 
+    def _combine(self, x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
+        """`combine(x, y, partial)`; a wrong result is reported as `combine`'s (it would
+        otherwise be blamed on the `bwd` or `fused` made from it, which the user never wrote)."""
+        if self.combine is _identity:
+            return partial
+        return check_ct_x(self.call, "combine", self.combine(x, y, partial), x)
+
     def fwd(self, x: PyTree) -> PyTree:
         return self._run("fwd", (x,), self._out(x))
 
     def bwd(self, x: PyTree, y: PyTree, ct_y: PyTree) -> PyTree:
         if self.host_adjoint is not None:
-            return self.combine(x, y, self._run("adjoint", (x, ct_y), self._adjoint_out(x)))
+            return self._combine(x, y, self._run("adjoint", (x, ct_y), self._adjoint_out(x)))
         return self._run("bwd", (x, y, ct_y), _struct(x))
 
     def fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
         if self.host_fused is not None:
             return self._run("fused", (x, ct_y), (self._out(x), _struct(x)))
         y, partial = self._run("fwd+adjoint", (x, ct_y), (self._out(x), self._adjoint_out(x)))
-        return y, self.combine(x, y, partial)
+        return y, self._combine(x, y, partial)
 
     def jvp(self, x: PyTree, t_x: PyTree) -> tuple[PyTree, PyTree]:
         return self._run("jvp", (x, t_x), (self._out(x), self._out(x)))
@@ -118,7 +129,7 @@ class _Host(eqx.Module):
         batched = lambda struct: jtu.tree_map(lambda s: jax.ShapeDtypeStruct((k, *s.shape), s.dtype), struct)  # noqa: E731
         if self.host_fwd is not None and self.host_adjoint is not None:
             y, partials = self._run("fwd+adjoints", (x, cts), (self._out(x), batched(self._adjoint_out(x))))
-            return y, jax.vmap(lambda p: self.combine(x, y, p))(partials)
+            return y, jax.vmap(lambda p: self._combine(x, y, p))(partials)
         return self._run("fused*k", (x, cts), (self._out(x), batched(_struct(x))))
 
 
