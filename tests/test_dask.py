@@ -162,13 +162,13 @@ def test_exception_on_a_worker_reaches_the_caller(executor, tmp_path):
     loss = linear_loss(solver(tmp_path, executor, fail="raise"))
     message = re.escape(
         "`ExpensiveFn(name='fdfd')`: the host function `fwd` raised LinAlgError: Singular matrix (on a Dask worker).\n"
-        "The original exception came back from the worker and is chained as `__cause__`."
+        "The original exception came back from the worker and is this error's `original` (and its `__cause__`)."
     )
     step = dx.filter_value_and_grad(loss)
     for _ in range(2):
         with pytest.raises(dx.HostError, match=message) as info:
             step(-X0)
-        assert isinstance(info.value.__cause__, np.linalg.LinAlgError)
+        assert isinstance(info.value.__cause__, np.linalg.LinAlgError) and info.value.original is info.value.__cause__
     # under jit, JAX wraps it: a `JaxRuntimeError` when the first (compiling) call fails, on
     # every failing call after it too; a plain `ValueError` for failing calls after a first
     # call that succeeded (JAX's C++ fast path). The message contains deferax's.

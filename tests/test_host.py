@@ -373,6 +373,9 @@ def test_exception_in_host_function_is_a_python_exception(fail, schedule):
         run(loss, -X0, schedule)
     original = caused_by(info.value, np.linalg.LinAlgError)
     assert str(original) == "Singular matrix"
+    assert info.value.original is original  # whatever JAX's backward pass put in the chain
+    if fail == "fwd" or schedule == "auto":  # (not on JAX's backward pass: there its own record is the cause)
+        assert info.value.__cause__ is original
     # the executor (deferax's thread pool) is still usable
     assert_tree_allclose(run(loss, X0, schedule), eqx.filter_value_and_grad(linear_loss(reference))(X0), rtol=1e-12, atol=1e-12)
 

@@ -58,8 +58,9 @@ class HostError(RuntimeError):
     """A host implementation of an [`deferax.ExpensiveFn`][] failed.
 
     Raised when a host function raised an exception (on a thread, a process or a Dask
-    worker; the message carries the original exception's type and message, and on a thread
-    the original exception is chained as `__cause__`), when the worker running it was lost,
+    worker; the message carries the original exception's type and message, and the original
+    exception is the error's `original`, and its `__cause__` unless JAX's backward pass has
+    put its own there), when the worker running it was lost,
     or when it did not finish within the `timeout=` given to [`deferax.host`][]. The
     message names the `ExpensiveFn` and the implementation (`fwd`, `adjoint`, `bwd`,
     `fused`).
@@ -71,9 +72,13 @@ class HostError(RuntimeError):
     Catch `(jax.errors.JaxRuntimeError, ValueError)` there.
     """
 
+    def __init__(self, message: str, original: BaseException | None = None):
+        super().__init__(message)
+        self.original = original
+
 
 RAISED = """{call}: the host function `{impl}` raised {error} (on {where}).
-The original exception {chained}."""
+The original exception {chained} this error's `original` (and its `__cause__`)."""
 
 LOST = """{call}: the host function `{impl}` did not complete: the worker running it was lost ({error}, on {where}).
 {advice}"""
@@ -165,9 +170,9 @@ def _failure(call: str, executor: cf.Executor, job: Job, e: BaseException) -> Ho
             advice = ADVICE_DASK
         else:
             advice = ADVICE_OTHER
-        return HostError(LOST.format(call=call, impl=job.impl, error=_error(e), where=where, advice=advice))
-    chained = "is chained as `__cause__`" if isinstance(executor, cf.ThreadPoolExecutor) else "came back from the worker and is chained as `__cause__`"
-    return HostError(RAISED.format(call=call, impl=job.impl, error=_error(e), where=where, chained=chained))
+        return HostError(LOST.format(call=call, impl=job.impl, error=_error(e), where=where, advice=advice), e)
+    chained = "is" if isinstance(executor, cf.ThreadPoolExecutor) else "came back from the worker and is"
+    return HostError(RAISED.format(call=call, impl=job.impl, error=_error(e), where=where, chained=chained), e)
 
 
 def run(
