@@ -3,6 +3,7 @@
 `eqx.filter_jit`, with execution counts."""
 
 import functools as ft
+import re
 import threading
 
 import equinox as eqx
@@ -636,3 +637,17 @@ def test_inside_an_enclosing_derivative_the_standard_schedule_is_used(counter):
     assert_tree_allclose(jax.jacrev(dx.filter_grad(loss))(P0), jax.hessian(reference)(P0))
     assert_tree_allclose(jax.jit(jax.jacrev(dx.filter_grad(loss)))(P0), jax.hessian(reference)(P0))
     assert_tree_allclose(jax.grad(jax.jit(lambda p: dx.filter_value_and_grad(loss)(p)[0]))(P0), jax.grad(reference)(P0))
+    # schedule='deferred' asked for explicitly: a site whose deferred call leaves the program
+    # cannot be differentiated, and the error says which and what to do (it was JAX's
+    # "Pure callbacks do not support JVP"); a JAX-native `fused` can be, and is
+    expected = (
+        "`deferax.filter_value_and_grad`: schedule='deferred' was requested inside an enclosing differentiation (`jax.grad`,\n"
+        "`jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' deferred calls\n"
+        "run outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from `fwd` +\n"
+        "`bwd`, or a host function): `fused`. Use schedule='auto': under differentiation it keeps them standard."
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        jax.jacrev(dx.filter_grad(loss, schedule="deferred"))(P0)
+    native = dx.ExpensiveFn(fwd=ref, bwd=lambda x, y, ct: adjoint(x, ct), fused=lambda x, ct: (ref(x), adjoint(x, ct)), name="native")
+    native_loss = lambda p: jnp.sum(W * native(p)) + jnp.sum(p**3)  # noqa: E731
+    assert_tree_allclose(jax.jacrev(dx.filter_grad(native_loss, schedule="deferred"))(P0), jax.hessian(reference)(P0))

@@ -94,6 +94,11 @@ Give `jvp_batch(x, t_xs) -> (y, t_ys)` to compute it once."""
 
 NOT_SCALAR = "{where}: the differentiated function must return a real scalar, but it returned {found}."
 
+DEFERRED_UNDER_DIFFERENTIATION = """{where}: schedule='deferred' was requested inside an enclosing differentiation (`jax.grad`,
+`jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' deferred calls
+run outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from `fwd` +
+`bwd`, or a host function): {sites}. Use schedule='auto': under differentiation it keeps them standard."""
+
 CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sites cannot be deferred:
 {lines}
 Use schedule='auto' to defer what can be and keep the rest standard, or restructure the loss so that the

@@ -94,6 +94,21 @@ def _basis_cotangents(program, variables, ins, ys, k):
 # ----------------------------------------------------------------------------- stage 2
 
 
+def leaves_program(analysis: Analysis, k: int) -> bool:
+    """Whether site `k`'s stage-2 work runs outside the XLA program anyway: on the host
+    (`dx.host`), or as two compiled halves on threads (`dx.fuse`, or a `fused` made from
+    `fwd` and `adjoint`/`bwd`). Such work leaves through a callback, which JAX cannot
+    differentiate."""
+    static = analysis.spec(k).static
+    if k in analysis.early:
+        impl = static.fwd
+    elif analysis.derived(k):
+        return True
+    else:
+        impl = static.fused_batch if k in analysis.basis and static.fused_batch is not None else static.fused
+    return isinstance(impl, Fused) or getattr(getattr(impl, "__self__", None), "runs_on_host", False)
+
+
 def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[dict, dict]:
     """`(ys, diff_cts)` by position: each site's output leaves and, for a deferred site, the
     cotangents of the differentiable leaves of its input (stacked for a basis site).
@@ -145,20 +160,7 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
             return [first, *(f.result() for f in futures)]
         return [guarded(k, operands_, cts_) for k in positions]
 
-    def leaves_program(k):
-        """Whether the site's expensive work runs outside the XLA program anyway: on the
-        host (`dx.host`), or as two compiled halves on threads (`dx.fuse`, or a `fused`
-        made from `fwd` and `adjoint`/`bwd`)."""
-        static = analysis.spec(k).static
-        if k in analysis.early:
-            impl = static.fwd
-        elif analysis.derived(k):
-            return True
-        else:
-            impl = static.fused_batch if k in analysis.basis and static.fused_batch is not None else static.fused
-        return isinstance(impl, Fused) or getattr(getattr(impl, "__self__", None), "runs_on_host", False)
-
-    gather = len(positions) > 1 and all(leaves_program(k) for k in positions)
+    gather = len(positions) > 1 and all(leaves_program(analysis, k) for k in positions)
     if eager:
         results = run_all(operands, cts)
     elif gather:

@@ -152,12 +152,17 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int, x, args, 
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
     traced = _trace(fun, x, args, kwargs, has_aux)
     ins = traced.ins()
-    if schedule == "auto" and _jaxpr.under_differentiation():
+    differentiated = _jaxpr.under_differentiation()
+    if schedule == "auto" and differentiated:
         # An enclosing `jax.grad`/`jax.jacfwd` would differentiate the deferred calls (a
         # `fused`, a callback) themselves: the standard schedule is what it can differentiate.
         schedule = "standard"
     eager = _jaxpr.is_eager() and is_concrete(ins)
     analysis, compiled = _analysis(traced, schedule, max_basis, eager)
+    outside = [analysis.spec(k).name for k in analysis.deferred if _stages.leaves_program(analysis, k)] if differentiated else []
+    if outside:
+        sites = ", ".join(f"`{name}`" for name in outside)
+        raise ValueError(_errors.DEFERRED_UNDER_DIFFERENTIATION.format(where=_WHERE, sites=sites))
     results = None
     if analysis.deferred:
         with _stage("deferax stage 1: operands and cotangents"):
