@@ -52,7 +52,8 @@ class Call:
     - `impl`: `"fwd"`, `"bwd"`, `"adjoint"`, `"combine"`, `"fused"`, `"fused_batch"`,
       `"jvp"` or `"jvp_batch"`;
     - `schedule`: the schedule it ran for (`"standard"`, `"deferred"`,
-      `"deferred-basis"`, `"forward"`);
+      `"deferred-basis"`, `"forward-basis"`, or `"forward"` for a `jvp` called by
+      forward-mode differentiation on the standard strategy);
     - `start`, `end`: seconds since the recording began; `None` for a call inside a
       compiled program, which is counted but cannot be timed;
     - `thread`: the thread it ran on (for a host job: the executor);
@@ -176,6 +177,9 @@ def _draw(ax, timeline: Timeline, title: str | None) -> None:
 @contextlib.contextmanager
 def record() -> Iterator[Timeline]:
     """Record every expensive call made while inside, on any thread, into a [`deferax.Timeline`][].
+
+    The recording is the process's, not the opening thread's: recordings open at the same
+    time on two threads each see the calls of both.
 
     !!! Example
 

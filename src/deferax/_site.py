@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _errors, _jaxpr, _tangents
+from . import _errors, _jaxpr, _record, _tangents
 from ._concurrent import is_concrete
 
 SITE = "deferax_site"
@@ -326,7 +326,8 @@ def _basis_impl(*operands, spec: Spec):
     """`(y, J)` over every batch level: the output and its `n` unit-tangent directions."""
 
     def one(fn_leaves, x_leaves):
-        y, jac = _tangents.jacobian(spec.fn(fn_leaves), spec.x(x_leaves))
+        with _record.site(spec.name, "forward-basis"):  # (the recording names the strategy as `explain` does)
+            y, jac = _tangents.jacobian(spec.fn(fn_leaves), spec.x(x_leaves))
         return [*jtu.tree_leaves(y), *jtu.tree_leaves(jac)]
 
     axes_of = lambda level: (list(level[: spec.n_fn]), list(level[spec.n_fn :]))  # noqa: E731
