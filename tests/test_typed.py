@@ -62,6 +62,19 @@ def test_wrong_rank():
     expect(info, where="`Linear.__call__`", what="argument `x`", expected="Float[Array, 'in']", found="float64[3, 3]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
 
 
+class ScaledLinear(Linear):
+    """A subclass that inherits the annotated `__call__`."""
+
+    scale: float = 2.0
+
+
+def test_inherited_method_named_by_the_instance_class():
+    m = ScaledLinear(jnp.ones((2, 3)), jnp.zeros(2))
+    with pytest.raises(dx.AnnotationError) as info:
+        m(jnp.ones(4))
+    expect(info, where="`ScaledLinear.__call__`", what="argument `x`", expected="Float[Array, 'in']", found="float64[4]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
+
+
 def test_wrong_size_of_named_dimension_bound_by_a_field():
     with pytest.raises(dx.AnnotationError) as info:
         linear()(jnp.ones(4))

@@ -206,14 +206,14 @@ def _check_call(signature, hints, where, args, kwargs, self_fields, call):
     return result
 
 
-def _typed_method(cls_name: str, name: str, method: Callable) -> Callable:
-    where = f"`{cls_name}.{name}`"
-
+def _typed_method(name: str, method: Callable) -> Callable:
     @typing.no_type_check  # runs in the caller's jaxtyping bindings
     @ft.wraps(method)
     def checked(self, *args, **kwargs):
         if not typechecking_enabled():
             return method(self, *args, **kwargs)
+        # named by the instance's class: a subclass inherits the method, not the name
+        where = f"`{type(self).__name__}.{name}`"
         return check_call(method, where, (self, *args), kwargs, self_fields=self)
 
     return checked
@@ -251,7 +251,7 @@ class TypedModule(eqx.Module):
             if not inspect.isfunction(attr) or (name.startswith("__") and name != "__call__"):
                 continue
             if getattr(attr, "__annotations__", None):
-                setattr(cls, name, _typed_method(cls.__name__, name, attr))
+                setattr(cls, name, _typed_method(name, attr))
 
     @typing.no_type_check  # runs in the caller's jaxtyping bindings
     def __check_init__(self):
