@@ -191,9 +191,13 @@ class ExpensiveFn(eqx.Module):
             return out
         if self.fwd is None:
             raise TypeError(_errors.NO_OUT.format(call=self._call, why="`fwd` was not given"))
+        fwd = self.fwd
+        if _typed.typechecking_enabled() and _annotated(fwd):
+            # `fwd`'s annotations checked, as when it runs: a wrong shape is its error. (A new
+            # function, traced each time; `fwd` itself is traced once and cached by JAX.)
+            fwd = lambda x_: self._typed_call("fwd", self.fwd, (x_,))  # noqa: E731
         try:
-            # (with `fwd`'s annotations checked, as when it runs: a wrong shape is its error)
-            return jax.eval_shape(lambda x_: self._typed_call("fwd", self.fwd, (x_,)), x)
+            return jax.eval_shape(fwd, x)
         except _typed.AnnotationError:
             raise
         except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError) as e:
@@ -336,6 +340,18 @@ class ExpensiveFn(eqx.Module):
         x = jtu.tree_map(jnp.asarray, x)
         return _site.call(self, x)
 
+
+
+def _annotated(fn: Any) -> bool:
+    """Whether `fn` has annotations that `ExpensiveFn._typed_call` checks (a `TypedModule`
+    checks its own, wherever it is called)."""
+    if isinstance(fn, _typed.TypedModule):
+        return False
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        return bool(getattr(fn, "__annotations__", None))
+    if isinstance(fn, eqx.Module):
+        return bool(getattr(type(fn).__call__, "__annotations__", None))
+    return False
 
 
 def check_tree(call: str, impl: str, what: str, found: PyTree, expected: PyTree, against: str) -> None:
