@@ -181,6 +181,36 @@ def test_halves_made_from_fwd_and_bwd_read_what_they_read_afresh(kind):
         SCALE, SOURCE[:] = 1.0, 1.0
 
 
+def test_two_sites_of_halves_under_jit_are_compiled_and_read_at_trace_time():
+    """Two sites made from `fwd` + `adjoint` under `jit` leave the program through one
+    callback: their halves are what was traced with the program (compiled once: the Python
+    of `fwd` does not run again on later calls), reading a global at trace time, as plain
+    JAX does."""
+    global SCALE
+    runs = Counter()
+
+    def fwd(x):
+        runs.counts["python fwd"] += 1  # (once per trace, not per run, when compiled)
+        return _reads_globals(x)
+
+    fs = [dx.ExpensiveFn(fwd=fwd, adjoint=_reads_globals_adjoint, name=f"sim{i}") for i in range(2)]
+    loss = lambda x: jnp.sum(W * fs[0](x)) + jnp.sum(W * fs[1](2.0 * x))  # noqa: E731
+    reference = lambda x: jnp.sum(W * _reads_globals(x)) + jnp.sum(W * _reads_globals(2.0 * x))  # noqa: E731
+    assert dx.explain(loss, X).stages == (("sim0: fwd + adjoint", "sim1: fwd + adjoint"),)
+    try:
+        for scale in (1.0, -2.0):
+            SCALE = scale
+            step, step_reference = _jitted_afresh(dx.filter_value_and_grad(loss)), _jitted_afresh(jax.value_and_grad(reference))
+            assert_tree_allclose(step(X), step_reference(X), rtol=1e-6)
+            runs.reset()
+            SCALE = 10.0  # after the trace: neither compiled program sees it
+            for _ in range(2):
+                assert_tree_allclose(step(X), step_reference(X), rtol=1e-6)
+            assert runs.counts["python fwd"] == 0
+    finally:
+        SCALE = 1.0
+
+
 class _Scaled(eqx.Module):
     """An implementation that is a Module holding an array (its configuration)."""
 

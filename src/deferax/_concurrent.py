@@ -50,7 +50,7 @@ class Fused(eqx.Module):
     def vmapped(self, x: PyTree, ct_y: PyTree, x_axes: list) -> tuple[PyTree, PyTree]:
         """The call under `jax.vmap` levels (outermost first; `x_axes` gives each level's
         `in_axes` for `x`, `ct_y` is batched at 0 at every level): the whole batch's
-        forward and the whole batch's adjoint, each compiled once, on two threads."""
+        forward and the whole batch's adjoint, on two threads."""
         fwd = _Vmapped(self.fwd, tuple(_frozen((axes,)) for axes in x_axes))
         adjoint = _Vmapped(self.adjoint, tuple(_frozen((axes, 0)) for axes in x_axes))
         y, partial = _concurrently(fwd, adjoint, x, ct_y, compiled=self.compiled)
@@ -127,19 +127,48 @@ def _direct(batched: bool, f, *args):
 class _TracedHalf:
     """A half traced now, inside the caller's trace, and compiled at its first run from the
     callback: what it reads (a global, a NumPy array) is read at trace time, as when the
-    standard schedule traces the implementation into the surrounding program. Values it
-    closes over that are tracers of that program enter the callback as operands."""
+    standard schedule traces the implementation into the surrounding program. Constants it
+    closes over stay in the compiled program, except tracers of the surrounding program,
+    which enter the callback as operands (`consts`)."""
 
     def __init__(self, name: str, f, *args):
         self.name = name
         with _record.timed_outside():  # (recorded around the run, not here)
             closed, self.out = _jaxpr.trace(lambda *a: f(*a), *args)
-        program, self.consts = _jaxpr.open_consts(closed)
-        self.run = jax.jit(lambda consts, leaves: _jaxpr.interpret(program, [*consts, *leaves]))
+        program, consts = _jaxpr.open_consts(closed)
+        traced = [isinstance(c, jax.core.Tracer) for c in consts]
+        self.consts = [c for c, t in zip(consts, traced, strict=True) if t]
+        kept = [c for c, t in zip(consts, traced, strict=True) if not t]
+
+        def run(given, leaves):
+            it_given, it_kept = iter(given), iter(kept)
+            return _jaxpr.interpret(program, [next(it_given) if t else next(it_kept) for t in traced] + list(leaves))
+
+        self.run = jax.jit(run)
 
     def __call__(self, device, consts, *args):
         outs = self.run(*_on(device, (list(consts), jtu.tree_leaves(args))))
         return jtu.tree_unflatten(jtu.tree_structure(self.out), outs)
+
+
+# Several sites gathered into one callback under `jit` (`_stages.stage2`): while their
+# shapes are traced, each site's halves made from `fwd` and `bwd` are traced and kept by
+# slot in the dict of `_PREPARING`; the callback then runs them as traced (`_PREPARED`).
+_PREPARING: contextvars.ContextVar[dict | None] = contextvars.ContextVar("deferax_preparing", default=None)
+_PREPARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("deferax_prepared", default=None)
+
+
+def preparing(prepared: dict):
+    """Inside: the halves traced here for made-from-`fwd`-and-`bwd` sites are kept in `prepared`."""
+    return _jaxpr.setting(_PREPARING, prepared)
+
+
+def running_prepared(prepared: dict):
+    """Inside (the gathered callback): the halves kept in `prepared` run as they were traced,
+    those that closed over no tracer of the surrounding program (the others, which could
+    not be passed on, run as they are)."""
+    usable = {i: h for i, h in prepared.items() if h is not None and not h[0].consts and not h[1].consts}
+    return _jaxpr.setting(_PREPARED, usable)
 
 
 _SERIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_serial", default=False)
@@ -219,6 +248,10 @@ def _on(device, tree):
     return jtu.tree_map(lambda a: jax.device_put(a, device) if isinstance(a, jax.Array | np.ndarray) else a, tree)
 
 
+def _is_tracer(leaf) -> bool:
+    return isinstance(leaf, jax.core.Tracer)
+
+
 def _concurrently(fwd_fn, adjoint_fn, x, ct, *, batched: bool = False, compiled: bool = True):
     """`(fwd_fn(x), adjoint_fn(x, ct))` at the same time (`adjoint_fn` vmapped over the
     leading axis of `ct` when `batched`). `compiled`: each half is compiled once per
@@ -229,9 +262,10 @@ def _concurrently(fwd_fn, adjoint_fn, x, ct, *, batched: bool = False, compiled:
     run = _dispatch if compiled else _direct
 
     fwd_name, adjoint_name = getattr(fwd_fn, "impl", "fwd"), getattr(adjoint_fn, "impl", "adjoint")
-    # The halves' own arrays (an `eqx.Module` implementation's fields) travel with `x`:
-    # under `jit` or `vmap` they may be tracers, which must enter the callback as operands.
-    arrays, static = eqx.partition((fwd_fn, adjoint_fn), eqx.is_array)
+    # The halves' own arrays (an `eqx.Module` implementation's fields) that are tracers (the
+    # model passed through `jit`, or batched by `vmap`) enter the callback as operands;
+    # concrete ones stay where they are.
+    arrays, static = eqx.partition((fwd_fn, adjoint_fn), _is_tracer)
 
     def fwd(arrays_, x_, device=fwd_device):
         f, _ = eqx.combine(arrays_, static)
@@ -244,12 +278,20 @@ def _concurrently(fwd_fn, adjoint_fn, x, ct, *, batched: bool = False, compiled:
             return run(batched, *_on(device, (a, x_, ct_)))
 
     if is_concrete((arrays, x, ct)):
+        prepared = _PREPARED.get()
+        entry = None if compiled or prepared is None else prepared.get(_SLOT.get())
+        if entry is not None:  # (in a gathered callback: the halves as they were traced)
+            traced_fwd, traced_adjoint = entry
+            every, _ = eqx.partition((fwd_fn, adjoint_fn), eqx.is_array)  # (all were tracers then)
+            call_fwd = lambda: traced_fwd(fwd_device, [], every, x)  # noqa: E731
+            call_adjoint = lambda: traced_adjoint(adjoint_device, [], every, x, ct)  # noqa: E731
+        else:
+            call_fwd = lambda: fwd(arrays, x)  # noqa: E731
+            call_adjoint = lambda: adjoint(arrays, x, ct)  # noqa: E731
         # the results go back to the device `x` is on (when the halves were placed)
         home = (_record.device_of(x) or jax.local_devices()[0]) if fwd_device is not None else None
-        first = lambda: _on(home, _record.call(fwd_name, lambda: jax.block_until_ready(fwd(arrays, x)), False, fwd_device))  # noqa: E731
-        second = _jaxpr.carry_context(
-            lambda: _on(home, _record.call(adjoint_name, lambda: jax.block_until_ready(adjoint(arrays, x, ct)), False, adjoint_device))
-        )
+        first = lambda: _on(home, _record.call(fwd_name, lambda: jax.block_until_ready(call_fwd()), False, fwd_device))  # noqa: E731
+        second = _jaxpr.carry_context(lambda: _on(home, _record.call(adjoint_name, lambda: jax.block_until_ready(call_adjoint()), False, adjoint_device)))
         return _both(first, second, one_at_a_time)
 
     # Traced (inside jit or vmap): leave the program through one host callback, which runs
@@ -264,6 +306,10 @@ def _concurrently(fwd_fn, adjoint_fn, x, ct, *, batched: bool = False, compiled:
     else:
         traced_fwd = _TracedHalf(fwd_name, lambda a, x_: fwd(a, x_, None), arrays, x)
         traced_adjoint = _TracedHalf(adjoint_name, lambda a, x_, ct_: adjoint(a, x_, ct_, None), arrays, x, ct)
+        preparing_ = _PREPARING.get()
+        if preparing_ is not None:  # (kept for the gathered callback; a second call of one slot: not used)
+            index = _SLOT.get()
+            preparing_[index] = None if index in preparing_ else (traced_fwd, traced_adjoint)
         y_struct, ct_struct = traced_fwd.out, traced_adjoint.out
         half_fwd = ft.partial(traced_fwd, fwd_device)
         half_adjoint = ft.partial(traced_adjoint, adjoint_device)

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _executor, _jaxpr, _record, _site, _tangents
 from ._analysis import Analysis, zeros
-from ._concurrent import Fused, serial, slot
+from ._concurrent import Fused, preparing, running_prepared, serial, slot
 
 # The threads that run the sites of one step together; each waits for its site's calls
 # (which `dx.fuse` halves run on another pool, so that no thread waits for its own pool).
@@ -165,11 +165,20 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
         results = run_all(operands, cts)
     elif gather:
         mine = ({k: operands[k] for k in positions}, {k: cts.get(k) for k in positions})
-        # (traced in this thread: JAX's tracing state does not reach the pool's threads)
-        shapes = jax.eval_shape(lambda m: [one(k, *m) for k in positions], mine)
+
+        def traced(i, k, m):
+            with slot(i):
+                return one(k, *m)
+
+        # (traced in this thread: JAX's tracing state does not reach the pool's threads);
+        # the halves made from `fwd` and `bwd` are traced here, with the program, and kept
+        prepared: dict = {}
+        with preparing(prepared):
+            shapes = jax.eval_shape(lambda m: [traced(i, k, m) for i, k in enumerate(positions)], mine)
 
         def host(concrete):
-            return jtu.tree_map(np.asarray, run_all(*concrete))
+            with running_prepared(prepared):
+                return jtu.tree_map(np.asarray, run_all(*concrete))
 
         results = jax.pure_callback(host, shapes, mine, vmap_method="sequential")
     else:
