@@ -2,6 +2,7 @@
 `eqx.filter_value_and_grad` of the same program (float64), eagerly and under
 `eqx.filter_jit`, with execution counts."""
 
+import dataclasses
 import functools as ft
 import re
 import threading
@@ -197,6 +198,29 @@ def test_implementation_settings_equal_but_not_identical(first, second):
         assert_tree_allclose(got, jax.value_and_grad(lambda p, sign=sign: jnp.sum(W * sign * plain(p)))(P0))
 
 
+@dataclasses.dataclass
+class _Tolerance:
+    """A mutable (not frozen) implementation: its settings can change after a call."""
+
+    scale: float
+
+    def __call__(self, x, ct=None):
+        return self.scale * ref(x) if ct is None else (self.scale * ref(x), self.scale * jax.vjp(ref, x)[1](ct)[0])
+
+
+def test_mutable_implementations_are_not_merged_by_their_current_settings():
+    """Two mutable implementations with equal settings are different objects: after one is
+    changed, a program with the other must not run it (nor the reverse)."""
+    a, b = _Tolerance(1.0), _Tolerance(1.0)
+    fa = dx.ExpensiveFn(fwd=a, fused=a, name="tol")
+    fb = dx.ExpensiveFn(fwd=b, fused=b, name="tol")
+    expected = lambda scale: jax.value_and_grad(lambda p: jnp.sum(W * scale * plain(p)))(P0)  # noqa: E731
+    assert_tree_allclose(dx.filter_value_and_grad(lambda p: jnp.sum(W * fa(p)))(P0), expected(1.0))
+    a.scale = 3.0
+    assert_tree_allclose(dx.filter_value_and_grad(lambda p: jnp.sum(W * fb(p)))(P0), expected(1.0))
+    assert_tree_allclose(dx.filter_value_and_grad(lambda p: jnp.sum(W * fa(p)))(P0), expected(3.0))
+
+
 RULE_SCALE = 1.0  # read by the custom_jvp rule below; rebound by the test
 
 
@@ -249,6 +273,29 @@ def test_custom_rules_in_the_loss_and_the_cache(counter):
             assert_tree_allclose(dx.filter_value_and_grad(lambda p: jnp.sum(sym(p) * f(p)))(P0), jax.value_and_grad(lambda p: jnp.sum(sym(p) * plain(p)))(P0))
     finally:
         RULE_SCALE = 1.0
+
+
+KEY = jax.random.key(3)
+
+
+@jax.custom_jvp
+def _keyed(x):
+    return x
+
+
+@_keyed.defjvp
+def _keyed_jvp(primals, tangents):  # its rule closes over a PRNG key: a constant of an extended dtype
+    return primals[0], tangents[0] * (1.0 + jax.random.uniform(KEY, (), dtype=primals[0].dtype))
+
+
+def test_custom_jvp_rule_with_a_prng_key_constant(counter):
+    """A rule whose program holds a PRNG key cannot be keyed by its constants' bytes: the
+    program is not cached, and the result is still right."""
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    loss = lambda p: jnp.sum(W * f(p)) + jnp.sum(_keyed(p))  # noqa: E731
+    reference = lambda p: jnp.sum(W * plain(p)) + jnp.sum(_keyed(p))  # noqa: E731
+    for _ in range(2):
+        assert_tree_allclose(dx.filter_value_and_grad(loss)(P0), jax.value_and_grad(reference)(P0))
 
 
 def test_typechecking_switched_on_after_a_first_call_with_it_off():
@@ -643,8 +690,8 @@ def test_inside_an_enclosing_derivative_the_standard_schedule_is_used(counter):
     expected = (
         "`deferax.filter_value_and_grad`: schedule='deferred' was requested inside an enclosing differentiation (`jax.grad`,\n"
         "`jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' deferred calls\n"
-        "run outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from `fwd` +\n"
-        "`bwd`, or a host function): `fused`. Use schedule='auto': under differentiation it keeps them standard."
+        "run outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from `fwd` and\n"
+        "`bwd` or `adjoint`, or a host function): `fused`. Use schedule='auto': under differentiation it keeps them standard."
     )
     with pytest.raises(ValueError, match=re.escape(expected)):
         jax.jacrev(dx.filter_grad(loss, schedule="deferred"))(P0)

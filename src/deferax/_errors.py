@@ -96,8 +96,8 @@ NOT_SCALAR = "{where}: the differentiated function must return a real scalar, bu
 
 DEFERRED_UNDER_DIFFERENTIATION = """{where}: schedule='deferred' was requested inside an enclosing differentiation (`jax.grad`,
 `jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' deferred calls
-run outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from `fwd` +
-`bwd`, or a host function): {sites}. Use schedule='auto': under differentiation it keeps them standard."""
+run outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from `fwd` and
+`bwd` or `adjoint`, or a host function): {sites}. Use schedule='auto': under differentiation it keeps them standard."""
 
 CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sites cannot be deferred:
 {lines}

@@ -139,11 +139,10 @@ def _analysis(traced: _Traced, schedule, max_basis, eager: bool):
         # (a program that cannot be keyed would be compiled for one call: run uncompiled)
         return analysis, None
     compiled = _Compiled(analysis, traced.has_diff())
-    if key is not None:
-        with _CACHE_LOCK:
-            _CACHE[key] = compiled
-            if len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
+    with _CACHE_LOCK:
+        _CACHE[key] = compiled
+        if len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
     return analysis, compiled
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 
+import equinox as eqx
 import numpy as np
 from jax._src import core as _core
 from jax._src import linear_util as _lu
@@ -72,20 +73,23 @@ def _jvp_rule_key(eqn) -> tuple:
         raise _Unkeyable
     token = _IN_RULE.set(True)
     try:
-        return ("jvp rule", _jaxpr_key(jaxpr), tuple(_value_key(np.asarray(c)) for c in consts), tuple(out_zeros))
+        return ("jvp rule", _jaxpr_key(jaxpr), tuple(_value_key(c) for c in consts), tuple(out_zeros))
     finally:
         _IN_RULE.reset(token)
 
 
 def _value_key(value) -> tuple:
     """By type and exact bits: `-0.0` differs from `0.0`, `1` from `True`."""
-    a = np.asarray(value)
+    try:
+        a = np.asarray(value)
+    except TypeError:  # an extended dtype (a PRNG key) has no bytes to compare
+        raise _Unkeyable from None
     return (type(value).__name__, str(a.dtype), a.shape, a.tobytes())
 
 
 def _param_key(p):
     if isinstance(p, _core.ClosedJaxpr):
-        return ("closed", _jaxpr_key(p.jaxpr), tuple(_value_key(np.asarray(c)) for c in p.consts))
+        return ("closed", _jaxpr_key(p.jaxpr), tuple(_value_key(c) for c in p.consts))
     if isinstance(p, _core.Jaxpr):
         return ("jaxpr", _jaxpr_key(p))
     if isinstance(p, tuple | list):
@@ -98,9 +102,11 @@ def _param_key(p):
         # (a wrapped function, a `custom_vjp`'s backward rule, is made anew by every trace:
         # keyed by identity, it would never match again and only fill the cache)
         raise _Unkeyable
-    if dataclasses.is_dataclass(p) and not isinstance(p, type):
-        # field by field (an `ExpensiveFn` and its implementations are dataclasses): a number
-        # among them by its bits, as a literal, where `==` would take 0.0 for -0.0 and 1 for True
+    if isinstance(p, eqx.Module) or (dataclasses.is_dataclass(p) and not isinstance(p, type) and p.__dataclass_params__.frozen):
+        # field by field (an `ExpensiveFn` and its Module implementations are immutable
+        # dataclasses): a number among them by its bits, as a literal, where `==` would take
+        # 0.0 for -0.0 and 1 for True. (A mutable one can change after its program is
+        # cached: by identity below, or not keyed at all.)
         return ("dataclass", type(p), tuple((f.name, _param_key(getattr(p, f.name))) for f in dataclasses.fields(p)))
     try:
         hash(p)
