@@ -467,6 +467,18 @@ def test_error_wrong_out_declared():
     right = dx.ExpensiveFn(fwd=ref, out=jax.ShapeDtypeStruct((4,), P0.dtype), name="declared")
     with pytest.raises(TypeError, match="incompatible shapes"):
         dx.filter_value_and_grad(lambda p: jnp.sum(jnp.ones(3) * right(p)))(P0)
+    # the Equinox pattern: the function inside the differentiated model, its arrays traced
+    inside = dx.ExpensiveFn(fwd=_ScaledRef(jnp.ones(4)), fused=lambda x, ct: (ref(x), ct), out=wrong, name="declared")
+    model_loss = lambda m: jnp.sum(W * m[1](m[0]))  # noqa: E731
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        dx.filter_value_and_grad(model_loss)((P0, inside))
+
+
+class _ScaledRef(eqx.Module):
+    s: jax.Array
+
+    def __call__(self, x):
+        return self.s * ref(x)
 
 
 WEIGHTS = jnp.array([1.0, 2.0, 3.0, 4.0])

@@ -78,7 +78,7 @@ class HostError(RuntimeError):
 
 
 RAISED = """{call}: the host function `{impl}` raised {error} (on {where}).
-The original exception {chained} this error's `original` (and its `__cause__`)."""
+The original exception {chained} this error's `original`."""
 
 LOST = """{call}: the host function `{impl}` did not complete: the worker running it was lost ({error}, on {where}).
 {advice}"""

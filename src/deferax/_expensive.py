@@ -10,7 +10,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 from jaxtyping import PyTree
 
 from . import _errors, _record, _site, _tangents, _typed
@@ -211,7 +210,7 @@ class ExpensiveFn(eqx.Module):
         traced; otherwise nothing (`error` stands). (A `fused` alone cannot tell: it takes
         a cotangent shaped by `out=`.)"""
         try:
-            real = jax.eval_shape(self.fwd, x)
+            real = eqx.filter_eval_shape(lambda fwd, x_: fwd(x_), self.fwd, x)  # (its arrays may be structures)
         except Exception:  # no `fwd`, or not traceable: `out=` is all there is to go by
             return
         try:
@@ -371,7 +370,7 @@ def check_tree(call: str, impl: str, what: str, found: PyTree, expected: PyTree,
                 lines.append(f"Expected {_errors.shape_text(e)}{where}, found {_errors.shape_text(fs)}.")
         if not lines:
             return
-        if not jax.config.jax_enable_x64 and any(np.dtype(e.dtype) in _WIDE for e in jtu.tree_leaves(expected)):
+        if not jax.config.jax_enable_x64 and any(str(e.dtype) in _WIDE for e in jtu.tree_leaves(expected)):
             lines.append(_errors.X64_OFF)
         detail = "\n".join(lines)
     raise ValueError(
@@ -380,13 +379,13 @@ def check_tree(call: str, impl: str, what: str, found: PyTree, expected: PyTree,
         )
     )
 
-_WIDE = (np.float64, np.complex128, np.int64, np.uint64)
+_WIDE = ("float64", "complex128", "int64", "uint64")
 
 
 def check_declared_width(call: str, what: str, declared: PyTree) -> None:
     """Refuse a declared 64-bit structure while JAX's 64-bit mode is off (JAX would compute in
     32 bits, and a callback declared wider fails with an error that names nothing of ours)."""
-    if not jax.config.jax_enable_x64 and any(np.dtype(s.dtype) in _WIDE for s in jtu.tree_leaves(declared)):
+    if not jax.config.jax_enable_x64 and any(str(s.dtype) in _WIDE for s in jtu.tree_leaves(declared)):
         raise ValueError(_errors.WIDE_DECLARED.format(call=call, what=what, found=_errors.tree_text(declared)))
 
 

@@ -435,9 +435,11 @@ def call(fn: Any, x: Any) -> Any:
     fn_leaves, fn_tree = jtu.tree_flatten(fn_dynamic)
     x_leaves, x_tree = jtu.tree_flatten(x)
     x_structs = tuple(_struct(a) for a in x_leaves)
-    if fn.out is not None and _DECLARED.get() is not None:
-        _DECLARED.get().append((fn, jtu.tree_unflatten(x_tree, list(x_structs))))
     y_struct = fn.out_struct(jtu.tree_unflatten(x_tree, list(x_structs)))
+    if fn.out is not None and _DECLARED.get() is not None:
+        # (abstract: the function's arrays may be tracers of this trace, gone if it fails)
+        abstract = eqx.combine(jtu.tree_unflatten(fn_tree, [_struct(a) for a in fn_leaves]), static)
+        _DECLARED.get().append((abstract, jtu.tree_unflatten(x_tree, list(x_structs))))
     y_leaves, y_tree = jtu.tree_flatten(y_struct)
     spec = Spec(static, fn_tree, x_tree, x_structs, y_tree, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in y_leaves))
     y = site_p.bind(*fn_leaves, *x_leaves, spec=spec)
