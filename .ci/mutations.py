@@ -51,7 +51,7 @@ MUTATIONS = [
     ),
     (
         "Fused.batched running the forward once per cotangent",
-        [("_concurrent.py", "        y, partials = _concurrently(self.fwd, self.adjoint, _apply_batched, x, cts)", "        [_apply(self.fwd, x) for _ in range(jtu.tree_leaves(cts)[0].shape[0] - 1)]\n        y, partials = _concurrently(self.fwd, self.adjoint, _apply_batched, x, cts)")],
+        [("_concurrent.py", "        y, partials = _concurrently(self.fwd, self.adjoint, x, cts, batched=True, compiled=self.compiled)", "        [_dispatch(False, self.fwd, x) for _ in range(jtu.tree_leaves(cts)[0].shape[0] - 1)]\n        y, partials = _concurrently(self.fwd, self.adjoint, x, cts, batched=True, compiled=self.compiled)")],
         ["tests/test_basis.py"],
     ),
     (
@@ -79,7 +79,7 @@ MUTATIONS = [
     ),
     (
         "a dx.fuse adjoint half left out of the recording",
-        [("_concurrent.py", "_record.call(adjoint_name, lambda: jax.block_until_ready(adjoint(x, ct)), False, adjoint_device)", "jax.block_until_ready(adjoint(x, ct))")],
+        [("_concurrent.py", "_record.call(adjoint_name, lambda: jax.block_until_ready(call_adjoint()), False, adjoint_device)", "jax.block_until_ready(call_adjoint())")],
         ["tests/test_record.py"],
     ),
     (
@@ -91,6 +91,16 @@ MUTATIONS = [
         "an ExpensiveFn's configuration arrays marked trainable",
         [("_expensive.py", "jtu.tree_map(lambda _: False, node) if isinstance(node, ExpensiveFn) else ", "")],
         ["tests/test_training.py"],
+    ),
+    (
+        "a variable on several basis sites' frontiers given only the last site's wrapper",
+        [("_stages.py", "wraps[v] = wrap if before is None else (lambda z, wrap=wrap, before=before: wrap(before(z)))", "wraps[v] = wrap")],
+        ["tests/test_basis.py"],
+    ),
+    (
+        "the halves made from fwd + bwd compiled once per function (stale when what they read changes)",
+        [("_expensive.py", "        return Derived(_Primal(self)", "        return Fused(_Primal(self)")],
+        ["tests/test_concurrent.py"],
     ),
 ]
 
