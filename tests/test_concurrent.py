@@ -211,6 +211,25 @@ def test_two_sites_of_halves_under_jit_are_compiled_and_read_at_trace_time():
         SCALE = 1.0
 
 
+def test_two_sites_of_halves_under_jit_with_traced_values():
+    """Two sites made from `fwd` + `adjoint` under `jit`: one whose implementation closes
+    over a value of the jitted function (it cannot run from one callback for both: each
+    leaves through its own), and under `vmap` inside `jit`; against plain JAX."""
+
+    def step(s, x):
+        scaled = dx.ExpensiveFn(fwd=lambda x: s * jnp.sin(x), adjoint=lambda x, ct: s * ct * jnp.cos(x), name="closes_over_s")
+        other = dx.ExpensiveFn(fwd=plain, adjoint=lambda x, ct: A.T @ (ct * (1 - jnp.tanh(A @ x) ** 2)), name="other")
+        return dx.filter_value_and_grad(lambda x: jnp.sum(W * scaled(x)) + jnp.sum(W * other(2.0 * x)))(x)
+
+    def reference(s, x):
+        return jax.value_and_grad(lambda x: jnp.sum(W * s * jnp.sin(x)) + jnp.sum(W * plain(2.0 * x)))(x)
+
+    assert_tree_allclose(jax.jit(step)(3.0, X), reference(3.0, X))
+    xs = jnp.stack([X, 2.0 * X, -X])
+    assert_tree_allclose(jax.jit(jax.vmap(lambda x: step(3.0, x)))(xs), jax.vmap(lambda x: reference(3.0, x))(xs))
+    assert_tree_allclose(jax.jit(jax.vmap(step))(jnp.array([1.0, -2.0]), jnp.stack([X, X])), jax.vmap(reference)(jnp.array([1.0, -2.0]), jnp.stack([X, X])))
+
+
 class _Scaled(eqx.Module):
     """An implementation that is a Module holding an array (its configuration)."""
 

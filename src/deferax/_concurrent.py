@@ -163,12 +163,15 @@ def preparing(prepared: dict):
     return _jaxpr.setting(_PREPARING, prepared)
 
 
+def all_runnable(prepared: dict) -> bool:
+    """Whether every half kept in `prepared` can run from the gathered callback: traced once
+    for its site, and closing over no value of the surrounding trace."""
+    return all(h is not None and not h[0].consts and not h[1].consts for h in prepared.values())
+
+
 def running_prepared(prepared: dict):
-    """Inside (the gathered callback): the halves kept in `prepared` run as they were traced,
-    those that closed over no tracer of the surrounding program (the others, which could
-    not be passed on, run as they are)."""
-    usable = {i: h for i, h in prepared.items() if h is not None and not h[0].consts and not h[1].consts}
-    return _jaxpr.setting(_PREPARED, usable)
+    """Inside (the gathered callback): the halves kept in `prepared` run as they were traced."""
+    return _jaxpr.setting(_PREPARED, prepared)
 
 
 _SERIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_serial", default=False)

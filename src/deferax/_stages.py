@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _executor, _jaxpr, _record, _site, _tangents
 from ._analysis import Analysis, zeros
-from ._concurrent import Fused, preparing, running_prepared, serial, slot
+from ._concurrent import Fused, all_runnable, preparing, running_prepared, serial, slot
 
 # The threads that run the sites of one step together; each waits for its site's calls
 # (which `dx.fuse` halves run on another pool, so that no thread waits for its own pool).
@@ -161,6 +161,7 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
         return [guarded(k, operands_, cts_) for k in positions]
 
     gather = len(positions) > 1 and all(leaves_program(analysis, k) for k in positions)
+    results = None
     if eager:
         results = run_all(operands, cts)
     elif gather:
@@ -180,8 +181,11 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
             with running_prepared(prepared):
                 return jtu.tree_map(np.asarray, run_all(*concrete))
 
-        results = jax.pure_callback(host, shapes, mine, vmap_method="sequential")
-    else:
+        # A half that closes over a value of the surrounding trace cannot run from one
+        # callback for all: then each site leaves through its own, which takes that value.
+        if all_runnable(prepared):
+            results = jax.pure_callback(host, shapes, mine, vmap_method="sequential")
+    if results is None:
         results = [guarded(k, operands, cts) for k in positions]
     ys = {k: r[0] for k, r in zip(positions, results, strict=True)}
     diff_cts = {k: r[1] for k, r in zip(positions, results, strict=True)}
