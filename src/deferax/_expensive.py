@@ -237,15 +237,13 @@ class ExpensiveFn(eqx.Module):
             return _record.call(impl, lambda: self._typed_call(impl, fn, args), not is_concrete(args))
 
     def _typed_call(self, impl: str, fn: Any, args: tuple) -> Any:
-        if isinstance(fn, _typed.TypedModule) or not _typed.typechecking_enabled():
+        checked = _checked_function(fn) if _typed.typechecking_enabled() else None
+        if checked is None:
             return fn(*args)
         where = f"{self._call} `{impl}`"
-        if inspect.isfunction(fn) or inspect.ismethod(fn):
+        if checked is fn:
             return _typed.check_call(fn, where, args, {})
-        method = type(fn).__call__ if isinstance(fn, eqx.Module) else None
-        if isinstance(fn, eqx.Module) and inspect.isfunction(method):
-            return _typed.check_call(method, where, (fn, *args), {}, call=lambda *_: fn(*args))
-        return fn(*args)
+        return _typed.check_call(checked, where, (fn, *args), {}, call=lambda *_: fn(*args))  # a Module's `__call__`
 
     def primal(self, x: PyTree) -> PyTree:
         """Compute `y = f(x)` with `fwd`, or with `fused` and a zero cotangent."""
@@ -341,16 +339,24 @@ class ExpensiveFn(eqx.Module):
 
 
 
-def _annotated(fn: Any) -> bool:
-    """Whether `fn` has annotations that `ExpensiveFn._typed_call` checks (a `TypedModule`
-    checks its own, wherever it is called)."""
+def _checked_function(fn: Any) -> Any:
+    """The function whose annotations `ExpensiveFn._typed_call` checks for an implementation
+    `fn`: `fn` itself (a function or a method), a Module's `__call__`, or None (a
+    `TypedModule` checks its own wherever it is called; other callables are not checked)."""
     if isinstance(fn, _typed.TypedModule):
-        return False
+        return None
     if inspect.isfunction(fn) or inspect.ismethod(fn):
-        return bool(getattr(fn, "__annotations__", None))
-    if isinstance(fn, eqx.Module):
-        return bool(getattr(type(fn).__call__, "__annotations__", None))
-    return False
+        return fn
+    method = type(fn).__call__ if isinstance(fn, eqx.Module) else None
+    return method if inspect.isfunction(method) else None
+
+
+def _annotated(fn: Any) -> bool:
+    """Whether `fn` has annotations that `ExpensiveFn._typed_call` would check."""
+    return bool(getattr(_checked_function(fn), "__annotations__", None))
+
+
+_WIDE = ("float64", "complex128", "int64", "uint64")  # (by name: an extended dtype has no NumPy one)
 
 
 def check_tree(call: str, impl: str, what: str, found: PyTree, expected: PyTree, against: str) -> None:
@@ -378,8 +384,6 @@ def check_tree(call: str, impl: str, what: str, found: PyTree, expected: PyTree,
             call=call, impl=impl, what=what, against=against, detail=detail, rule=_errors.RULES[impl]
         )
     )
-
-_WIDE = ("float64", "complex128", "int64", "uint64")
 
 
 def check_declared_width(call: str, what: str, declared: PyTree) -> None:

@@ -414,8 +414,9 @@ _DECLARED: contextvars.ContextVar[list | None] = contextvars.ContextVar("deferax
 def declared_outputs_checked():
     """Inside: a trace of the user's function. If it fails, and a site whose output
     structure was declared (`out=`) was called in it, the declaration is checked against
-    what `fwd` (or `fused`) really returns: a wrong `out=` is the error raised then, naming
-    the call, rather than what it made fail in the user's code (a shape mismatch there)."""
+    what `fwd` really returns (where it can be traced): a wrong `out=` is the error raised
+    then, naming the call, rather than what it made fail in the user's code (a shape
+    mismatch there)."""
     seen: list = []
     with _jaxpr.setting(_DECLARED, seen):
         try:
@@ -435,11 +436,12 @@ def call(fn: Any, x: Any) -> Any:
     fn_leaves, fn_tree = jtu.tree_flatten(fn_dynamic)
     x_leaves, x_tree = jtu.tree_flatten(x)
     x_structs = tuple(_struct(a) for a in x_leaves)
-    y_struct = fn.out_struct(jtu.tree_unflatten(x_tree, list(x_structs)))
+    x_struct = jtu.tree_unflatten(x_tree, list(x_structs))
+    y_struct = fn.out_struct(x_struct)
     if fn.out is not None and _DECLARED.get() is not None:
         # (abstract: the function's arrays may be tracers of this trace, gone if it fails)
         abstract = eqx.combine(jtu.tree_unflatten(fn_tree, [_struct(a) for a in fn_leaves]), static)
-        _DECLARED.get().append((abstract, jtu.tree_unflatten(x_tree, list(x_structs))))
+        _DECLARED.get().append((abstract, x_struct))
     y_leaves, y_tree = jtu.tree_flatten(y_struct)
     spec = Spec(static, fn_tree, x_tree, x_structs, y_tree, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in y_leaves))
     y = site_p.bind(*fn_leaves, *x_leaves, spec=spec)
