@@ -1,9 +1,11 @@
 """Everything that reads jaxprs or touches JAX internals lives in this package.
 
 `jax.extend.core` and `jax._src` carry no compatibility promise across JAX releases, so a
-JAX upgrade should have to touch this folder only. The tested JAX range is pinned in
-`pyproject.toml`. One file a concern:
+JAX upgrade should have to touch this folder only, and mostly its `_internals` module. The
+tested JAX range is pinned in `pyproject.toml`. One file a concern:
 
+- `_internals`: every JAX name used here, from its public home where one exists; the only
+  file that imports `jax._src`, and the one that knows how the releases differ;
 - `_program`: tracing a function once; reading, rewriting and interpreting the program;
 - `_primitives`: defining a primitive and the helpers its rules need;
 - `_dependence`: which values depend on which sources, and the user line that made it so;

@@ -9,7 +9,7 @@ import contextvars
 def local_config() -> dict:
     """The JAX configuration values set in this thread only (by a context manager such as
     `jax.numpy_dtype_promotion("strict")`)."""
-    from jax._src import config
+    from ._internals import config
 
     values = {}
     for name, state in config.config_states.items():
@@ -22,7 +22,7 @@ def local_config() -> dict:
 @contextlib.contextmanager
 def apply_config(values: dict):
     """Set, in this thread, every JAX configuration value of `values` that differs here."""
-    from jax._src import config
+    from ._internals import config
 
     with contextlib.ExitStack() as stack:
         for name, value in values.items():

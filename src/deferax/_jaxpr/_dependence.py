@@ -6,18 +6,16 @@ import dataclasses
 import linecache
 from collections.abc import Sequence
 
-from jax._src import core as _core
-from jax._src import source_info_util as _source_info_util
+from . import _internals as _core
 
 
 def under_differentiation() -> bool:
     """Whether an enclosing `jax.grad`, `jax.jvp`, `jax.linearize` ... is tracing the code
     running now (its trace is on the stack of the current one)."""
-    from jax._src.interpreters import ad
-
-    trace = _core.trace_ctx.trace
+    differentiating = (_core.JVPTrace, _core.linearize_trace_type())
+    trace = _core.current_trace()
     while trace is not None:
-        if isinstance(trace, ad.JVPTrace | ad.LinearizeTrace):
+        if isinstance(trace, differentiating):
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
@@ -25,7 +23,7 @@ def under_differentiation() -> bool:
 
 def is_eager() -> bool:
     """True when no transformation is active: operations run at once on concrete values."""
-    return isinstance(_core.trace_ctx.trace, _core.EvalTrace)
+    return isinstance(_core.current_trace(), _core.EvalTrace)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +44,7 @@ class Location:
 
 
 def _location(eqn) -> Location:
-    frame = _source_info_util.user_frame(eqn.source_info.traceback)
+    frame = _core.user_frame(eqn.source_info.traceback)
     name = str(eqn.primitive)
     if name in ("jit", "pjit") and "name" in eqn.params:
         name = f"jit({eqn.params['name']})"

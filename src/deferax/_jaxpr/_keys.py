@@ -7,8 +7,8 @@ import dataclasses
 
 import equinox as eqx
 import numpy as np
-from jax._src import core as _core
-from jax._src import linear_util as _lu
+
+from . import _internals as _core
 
 
 class _Unkeyable(Exception):
@@ -88,17 +88,16 @@ def _value_key(value) -> tuple:
 
 
 def _param_key(p):
-    if isinstance(p, _core.ClosedJaxpr):
-        return ("closed", _jaxpr_key(p.jaxpr), tuple(_value_key(c) for c in p.consts))
-    if isinstance(p, _core.Jaxpr):
-        return ("jaxpr", _jaxpr_key(p))
+    if _core.is_jaxpr(p):
+        jaxpr, consts = _core.open_and_consts(p)
+        return ("jaxpr", _jaxpr_key(jaxpr), tuple(_value_key(c) for c in consts))
     if isinstance(p, tuple | list):
         return (type(p).__name__, tuple(_param_key(q) for q in p))
     if isinstance(p, dict):
         return ("dict", tuple(sorted((k, _param_key(v)) for k, v in p.items())))
     if isinstance(p, bool | int | float | complex | np.generic | np.ndarray):
         return _value_key(p)
-    if isinstance(p, _core.Tracer | _lu.WrappedFun):
+    if isinstance(p, _core.Tracer | _core.WrappedFun):
         # (a wrapped function, a `custom_vjp`'s backward rule, is made anew by every trace:
         # keyed by identity, it would never match again and only fill the cache)
         raise _Unkeyable

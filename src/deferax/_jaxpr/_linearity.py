@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-from jax._src import core as _core
 
+from . import _internals as _core
 from ._dependence import _inner_jaxpr
 
 # Operations that are linear in their (single) data operand and need no coefficient.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax._src import core as _core
-from jax._src.interpreters import ad as _ad
+
+from . import _internals as _core
 
 
 def define_primitive(name, *, impl, abstract_eval, jvp=None, batch=None, transpose=None):
@@ -15,10 +15,9 @@ def define_primitive(name, *, impl, abstract_eval, jvp=None, batch=None, transpo
     compiled program; `abstract_eval(*avals, **params)` returns the output avals; `jvp(primals, tangents, **params)`, `batch(args,
     dims, **params)` and `transpose(cts, *args, **params)` follow JAX's conventions.
     """
-    from jax.extend.core import Primitive
     from jax.interpreters import ad, batching, mlir
 
-    p = Primitive(name)
+    p = _core.Primitive(name)
     p.multiple_results = True
     p.def_impl(impl)
     p.def_abstract_eval(abstract_eval)
@@ -34,12 +33,12 @@ def define_primitive(name, *, impl, abstract_eval, jvp=None, batch=None, transpo
 
 def is_zero(t) -> bool:
     """A symbolic zero tangent or cotangent."""
-    return type(t) is _ad.Zero
+    return type(t) is _core.Zero
 
 
 def instantiate(t, aval):
     """A symbolic zero as an array of zeros; anything else unchanged."""
-    if type(t) is _ad.Zero:
+    if type(t) is _core.Zero:
         if aval.dtype == jax.dtypes.float0:
             return np.zeros(aval.shape, jax.dtypes.float0)
         return jax.numpy.zeros(aval.shape, aval.dtype)
@@ -48,7 +47,7 @@ def instantiate(t, aval):
 
 def zero_tangent(aval):
     """A symbolic zero tangent for a value of type `aval`."""
-    return _ad.Zero(aval.to_tangent_aval())
+    return _core.Zero(aval.to_tangent_aval())
 
 
 def shaped(struct):
@@ -63,6 +62,4 @@ def is_not_mapped(dim) -> bool:
 
 def move_to_front(x, dim):
     """Move a batch dimension to axis 0 (a no-op when already there)."""
-    from jax._src.interpreters import batching
-
-    return batching.moveaxis(x, dim, 0)
+    return jax.numpy.moveaxis(x, dim, 0)

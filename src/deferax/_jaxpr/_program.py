@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-from jax._src import core as _core
-from jax._src import source_info_util as _source_info_util
+
+from . import _internals as _core
 
 
 def trace(fun, *structs):
@@ -18,8 +18,8 @@ def trace(fun, *structs):
 def bind_equation(eqn, args):
     """Evaluate one equation on `args` under the current trace, as `core.eval_jaxpr` does."""
     bind_params = eqn.primitive.get_bind_params(eqn.params)
-    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+    name_stack = _core.current_name_stack() + eqn.source_info.name_stack
+    with _core.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         out = eqn.primitive.bind(*args, **bind_params)
     return out if eqn.primitive.multiple_results else [out]
 
@@ -64,7 +64,7 @@ def substitute(closed, eqn_indices):
     effects = _core.join_effects(*(e.effects for e in eqns)) if eqns else _core.no_effects
     info = jaxpr.debug_info.with_unknown_names() if jaxpr.debug_info is not None else None
     new = jaxpr.replace(invars=[*jaxpr.invars, *extra], eqns=eqns, effects=effects, debug_info=info)
-    return _core.ClosedJaxpr(new, closed.consts)
+    return _core.close(new, closed.consts)
 
 
 def contains(eqn, primitives) -> bool:
@@ -89,7 +89,7 @@ def inline(closed, primitives):
         if key is None or key not in eqn.params or not contains(eqn, primitives):
             return None
         inner = eqn.params[key]
-        return (inner.jaxpr, inner.consts) if hasattr(inner, "jaxpr") else (inner, [])
+        return _core.open_and_consts(inner)
 
     if not any(body(e) is not None for e in closed.jaxpr.eqns):
         return closed
@@ -99,7 +99,7 @@ def inline(closed, primitives):
         for i, eqn in enumerate(closed_.jaxpr.eqns):
             found = body(eqn)
             if found is not None:
-                handlers[i] = lambda eqn, ins, found=found: flatten(_core.ClosedJaxpr(*found), ins)
+                handlers[i] = lambda eqn, ins, found=found: flatten(_core.close(*found), ins)
         return interpret(closed_, args, handlers)
 
     avals = [v.aval for v in closed.jaxpr.invars]
@@ -111,9 +111,7 @@ def open_consts(closed):
     """The same program with its constants turned into leading inputs, so that programs
     derived from it take them as arguments (and a compiled one can be reused when only
     their values change)."""
-    from jax._src.interpreters import partial_eval as pe
-
-    return _core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), []), list(closed.consts)
+    return _core.constvars_as_inputs(closed), list(closed.consts)
 
 
 def prune(closed, used_outputs: Sequence[bool]):
@@ -132,7 +130,7 @@ def prune(closed, used_outputs: Sequence[bool]):
     effects = _core.join_effects(*(e.effects for e in kept)) if kept else _core.no_effects
     info = jaxpr.debug_info.with_unknown_names() if jaxpr.debug_info is not None else None
     pruned = jaxpr.replace(eqns=kept, outvars=outvars, effects=effects, debug_info=info)
-    return _core.ClosedJaxpr(pruned, closed.consts)
+    return _core.close(pruned, closed.consts)
 
 
 def top_level(closed, name: str) -> list[int]:

@@ -1,0 +1,83 @@
+"""Every JAX name the jaxpr code uses, from its public home where one exists.
+
+This is the one file that imports `jax._src`, and the one that knows how JAX releases
+differ. Across the tested range (see `pyproject.toml`):
+
+- jax 0.12 merged `ClosedJaxpr` into `Jaxpr` (a `Jaxpr` carries its constants, and
+  `.jaxpr` of one returns itself); the old `ClosedJaxpr(jaxpr, consts)` constructor
+  survives there only as a deprecated alias. `close` and `is_jaxpr` work on every version.
+- The names below without a public home (the trace context, `join_effects`, `user_frame`,
+  the configuration states, `convert_constvars_jaxpr` before 0.12) are taken from
+  `jax._src`, so a JAX upgrade that moves them breaks this file only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jax._src import config as config
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info_util
+from jax.core import ShapedArray as ShapedArray
+from jax.core import Tracer as Tracer
+from jax.extend.core import DropVar as DropVar
+from jax.extend.core import Jaxpr as Jaxpr
+from jax.extend.core import Literal as Literal
+from jax.extend.core import Primitive as Primitive
+from jax.extend.core import Var as Var
+from jax.extend.core import jaxprs_in_params as jaxprs_in_params
+from jax.extend.core import no_effects as no_effects
+from jax.extend.linear_util import WrappedFun as WrappedFun
+from jax.extend.source_info_util import current_name_stack as current_name_stack
+from jax.extend.source_info_util import user_context as user_context
+from jax.interpreters.ad import JVPTrace as JVPTrace
+from jax.interpreters.ad import Zero as Zero
+
+# jax 0.12: one `Jaxpr` type, closed when constants are attached.
+_MERGED = hasattr(_core.Jaxpr, "with_consts")
+_CLOSED: type = _core.Jaxpr if _MERGED else _core.ClosedJaxpr
+
+user_frame = _source_info_util.user_frame
+join_effects = _core.join_effects
+EvalTrace = _core.EvalTrace
+
+
+def current_trace():
+    """The trace that operations run now are recorded on."""
+    return _core.trace_ctx.trace
+
+
+def linearize_trace_type() -> type:
+    from jax._src.interpreters import ad
+
+    return ad.LinearizeTrace
+
+
+def close(jaxpr, consts: Sequence[Any]):
+    """The closed program of `jaxpr`, its leading `len(consts)` inputs (its constvars)
+    bound to `consts`."""
+    if _MERGED:
+        return jaxpr.with_consts(list(consts))
+    return _core.ClosedJaxpr(jaxpr, list(consts))
+
+
+def is_jaxpr(p) -> bool:
+    """Whether `p` is a program, open or closed (as a parameter of an equation)."""
+    return isinstance(p, _core.Jaxpr | _CLOSED)
+
+
+def open_and_consts(p) -> tuple[Any, list]:
+    """`(jaxpr, consts)` of a program parameter: an open one has no constants."""
+    if isinstance(p, _CLOSED):
+        return p.jaxpr, list(p.consts)
+    return p, []
+
+
+def constvars_as_inputs(closed):
+    """The open program of `closed` with its constants as leading inputs."""
+    if _MERGED:
+        return closed.with_consts([])
+    from jax._src.interpreters import partial_eval as pe
+
+    return close(pe.convert_constvars_jaxpr(closed.jaxpr), [])
