@@ -310,35 +310,44 @@ def _frontier_wraps(analysis: Analysis, k: int, operands: dict, ct_xs: list) -> 
     return wraps
 
 
+def _replacements(analysis: Analysis, results) -> tuple[dict, dict]:
+    """`(handlers, wraps)` for `_jaxpr.interpret`: what stage 3 runs in place of the deferred
+    and early sites, and the wrappers of the basis sites' frontier variables. Made afresh
+    for each trace: the basis sites' operands recorded here are that trace's tracers, and
+    nothing may keep them alive after it (jax >= 0.11 checks for leaked tracers)."""
+    handlers, wraps, operands = {}, {}, {}
+    if results is None:
+        return handlers, wraps
+    cts, ys, diff_cts = results
+    for k in analysis.deferred + analysis.early:
+        spec = analysis.spec(k)
+        if k in analysis.early:
+            handlers[analysis.sites[k]] = lambda eqn, ops, spec=spec, k=k: given(spec)(ops, ys[k])
+        elif k in analysis.basis:
+            # the output is a constant here; the operands get their cotangent where the
+            # frontier variables are made
+            handlers[analysis.sites[k]] = lambda eqn, ops, k=k: (operands.__setitem__(k, ops), ys[k])[1]
+            for v, wrap in _frontier_wraps(analysis, k, operands, diff_cts[k]).items():
+                # A variable on several sites' frontiers (`sum(f(x)) + sum(f(2 * x))`
+                # before a square): each site's wrapper in turn, all given its cotangent.
+                before = wraps.get(v)
+                wraps[v] = wrap if before is None else (lambda z, wrap=wrap, before=before: wrap(before(z)))
+        else:
+            handlers[analysis.sites[k]] = lambda eqn, ops, spec=spec, k=k: replay(
+                ops, ys[k], _site.operand_cotangents(spec, ops, diff_cts[k])
+            )
+    return handlers, wraps
+
+
 def stage3(analysis: Analysis, has_diff: list[bool], ins: list, results) -> tuple:
     """`(outputs, grads)`: the program's outputs (value first) and the gradient of the value
     with respect to the inputs flagged in `has_diff`."""
-    handlers, wraps, operands = {}, {}, {}
-    if results is not None:
-        cts, ys, diff_cts = results
-        for k in analysis.deferred + analysis.early:
-            spec = analysis.spec(k)
-            if k in analysis.early:
-                handlers[analysis.sites[k]] = lambda eqn, ops, spec=spec, k=k: given(spec)(ops, ys[k])
-            elif k in analysis.basis:
-                # the output is a constant here; the operands get their cotangent where the
-                # frontier variables are made
-                handlers[analysis.sites[k]] = lambda eqn, ops, k=k: (operands.__setitem__(k, ops), ys[k])[1]
-                for v, wrap in _frontier_wraps(analysis, k, operands, diff_cts[k]).items():
-                    # A variable on several sites' frontiers (`sum(f(x)) + sum(f(2 * x))`
-                    # before a square): each site's wrapper in turn, all given its cotangent.
-                    before = wraps.get(v)
-                    wraps[v] = wrap if before is None else (lambda z, wrap=wrap, before=before: wrap(before(z)))
-            else:
-                handlers[analysis.sites[k]] = lambda eqn, ops, spec=spec, k=k: replay(
-                    ops, ys[k], _site.operand_cotangents(spec, ops, diff_cts[k])
-                )
     diff = [a for a, d in zip(ins, has_diff, strict=True) if d]
 
     def program(diff_):
         it = iter(diff_)
         full = [next(it) if d else a for a, d in zip(ins, has_diff, strict=True)]
-        outs = _jaxpr.interpret(analysis.program, full, handlers, wraps)
+        outs = _jaxpr.interpret(analysis.program, full, *_replacements(analysis, results))
         return outs[0], outs[1:]
 
     value, vjp, aux = jax.vjp(program, diff, has_aux=True)
