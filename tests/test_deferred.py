@@ -129,6 +129,40 @@ def test_nonlinear_downstream_is_standard_with_line(loss, marker, counter):
     assert counts == {"fwd": 1, "bwd": 1, "fused": 0}
 
 
+def test_explain_text_fits_100_columns():
+    """The table holds short cells and each reason is a numbered note under it, wrapped:
+    no line over 100 characters, even for long names, structures and reasons."""
+    long_name = "a_simulation_with_a_rather_long_descriptive_name"
+    f = make(ref, ("fwd", "bwd", "fused"), name=long_name)
+    g = dx.ExpensiveFn(fwd=lambda d: {"field_one": d["u"] * 2.0, "field_two": d["v"] + d["u"]}, name="tree")
+
+    def loss(p):
+        out = g({"u": p, "v": 2.0 * p})  # a pytree in and out: long shape cells
+        nonlinear = jnp.sum(f(p) ** 2) * jnp.sum(f(2.0 * p) ** 3)  # two long reasons
+        return nonlinear + jnp.sum(W * f(3.0 * p)) + jnp.sum(f(f(out["field_one"])))  # chained
+
+    plan = dx.explain(loss, P0)
+    text = str(plan)
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    reasons = list(dict.fromkeys(s.reason for s in plan.sites if s.reason))
+    assert len(reasons) >= 3 and any(s.schedule == "deferred" for s in plan.sites)
+    rows = text.splitlines()[3 : 3 + len(plan.sites)]
+    for site, row in zip(plan.sites, rows, strict=True):
+        assert row.startswith(f"{site.index}  ")
+        marker = f"[{reasons.index(site.reason) + 1}]" if site.reason else None
+        assert re.search(r"\[\d+\]$", row) is None if marker is None else row.endswith(marker), row
+    notes = text.split("\n[")[1:]  # each note, its wrapped lines rejoined
+    assert [" ".join(n.split("] ", 1)[1].split()).split(" expensive stages")[0] for n in notes] == [
+        " ".join(r.split()) for r in reasons
+    ]
+    # An extreme reason: one unbreakable 250-character word, a 60-character structure.
+    site = dx.Site(index=0, name="x" * 40, in_shapes="f" * 60, out_shapes="g" * 60, schedule="standard",
+                   reason="because " + "y" * 250)  # fmt: skip
+    extreme = str(dx.Plan(sites=(site,), stages=(("x: fwd",), ("x: bwd",)), requested="auto"))
+    assert max(len(line) for line in extreme.splitlines()) <= 100, extreme
+    assert "".join(extreme.split("[1] ", 1)[1].split()).startswith("because" + "y" * 250)
+
+
 def test_schedule_deferred_raises_naming_site_and_line():
     f = make(ref, ("fwd", "bwd", "fused"), name="fdtd")
     with pytest.raises(ValueError) as info:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import Literal
 
 import equinox as eqx
@@ -70,10 +71,21 @@ class Plan(eqx.Module):
         return tuple(s for s in self.sites if s.schedule in ("deferred", "deferred-basis"))
 
     def __str__(self) -> str:
-        header = ("#", "site", "input", "output", "vmap", "schedule", "reason")
+        """The plan as text no wider than 100 columns: a table of short cells, and under it
+        a numbered note for each site's reason."""
+        notes = list(dict.fromkeys(s.reason for s in self.sites if s.reason))  # one note a reason
+        note_of = {id(s): f"[{notes.index(s.reason) + 1}]" for s in self.sites if s.reason}
+        header = ("#", "site", "input", "output", "vmap", "schedule", "note")
         rows = [
-            (str(s.index), s.name, s.in_shapes, s.out_shapes, "x".join(map(str, s.batch)) or "-",
-             s.schedule + (f" (k={s.k})" if s.schedule == "deferred-basis" else f" (n={s.n})" if s.n is not None else ""), s.reason or "")
+            (
+                str(s.index),
+                _short(s.name, 16),
+                _short(s.in_shapes, _SHAPE),
+                _short(s.out_shapes, _SHAPE),
+                "x".join(map(str, s.batch)) or "-",
+                s.schedule + (f" k={s.k}" if s.schedule == "deferred-basis" else f" n={s.n}" if s.n is not None else ""),
+                note_of.get(id(s), ""),
+            )
             for s in self.sites
         ]
         if not any(s.batch for s in self.sites):  # no column for what no site has
@@ -81,16 +93,33 @@ class Plan(eqx.Module):
             rows = [r[:4] + r[5:] for r in rows]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        out = [f"deferax plan (schedule={self.requested!r}): {len(self.sites)} site(s), "
-               f"{len(self.deferred)} deferred"]
+        n = len(self.sites)
+        out = [f"deferax plan (schedule={self.requested!r}): {n} site{'' if n == 1 else 's'}, {len(self.deferred)} deferred"]
         out.append(line(header))
         out.append(line(tuple("-" * w for w in widths)))
         out.extend(line(r) for r in rows)
+        for i, note in enumerate(notes, 1):
+            out.extend(_wrap(note, f"[{i}] "))
         if self.stages:
             out.append("expensive stages, in order:")
             for i, stage in enumerate(self.stages, 1):
                 together = " (concurrently)" if len(stage) > 1 else ""
-                out.append(f"  {i}. {', '.join(stage)}{together}")
+                out.extend(_wrap(", ".join(stage) + together, f"  {i}. "))
         else:
             out.append("no expensive stages")
         return "\n".join(out)
+
+
+_WIDTH = 100  # columns: a terminal's, and the docs' code column
+_SHAPE = 24  # the widest shape cell; the full structure is the site's `in_shapes`/`out_shapes`
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _wrap(text: str, first: str) -> list[str]:
+    """`text` wrapped at `_WIDTH` columns after `first`, its later lines indented under it."""
+    return textwrap.wrap(
+        text, _WIDTH, initial_indent=first, subsequent_indent=" " * len(first), break_on_hyphens=False
+    )
