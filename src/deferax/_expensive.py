@@ -53,7 +53,7 @@ class ExpensiveFn(eqx.Module):
     | given | primal | reverse mode |
     | --- | --- | --- |
     | `fwd` only | `fwd` | JAX autodiff of `fwd` (forward mode works too) |
-    | `fwd`, `bwd` | `fwd` | `bwd` (deferred: `fwd` and `bwd` together when `bwd` does not read `y`) |
+    | `fwd`, `bwd` | `fwd` | `bwd` (deferred: `fwd` and `bwd` together when the jaxpr of `bwd` shows that it does not read `y` and calls nothing deferax cannot read, such as a host callback) |
     | `fwd`, `adjoint` (`combine`) | `fwd` | `combine(x, y, adjoint(x, ct))` (deferred: `fwd` and `adjoint` together) |
     | `fused` only | `fused(x, 0)[0]`: runs a wasted adjoint with a zero cotangent | `fused(x, ct)[1]`: recomputes the primal |
     | `fwd`, `fused` | `fwd` | `fused(x, ct)[1]`: recomputes the primal |
@@ -81,8 +81,11 @@ class ExpensiveFn(eqx.Module):
       `adjoint(x, ct_y) -> partial` does not get `y`, `combine(x, y, partial) -> ct_x` is
       the cheap step that does (default: `partial` is `ct_x`). Instead of `bwd`. With
       `fwd`, the deferred schedules run `fwd` and `adjoint` at the same time, as
-      [`deferax.fuse`][] does; so they do with a `bwd` whose jaxpr shows that it does not
-      read `y`.
+      [`deferax.fuse`][] does: giving `adjoint` declares that it needs nothing `fwd`
+      computes, `y` nor state kept between the calls (a factorisation in a Python object).
+      They do so with a `bwd` only when its jaxpr shows all it does: it does not read `y`
+      (nor pass it to `jax.debug.callback`), and it calls no host callback or other
+      function whose body deferax cannot read, which might reuse what `fwd` stored.
     - `max_tangents`: the most input numbers `n` for which reverse mode uses the
       forward-basis strategy (default 8 when `bwd` or `fused` is given too; no limit for a
       function with forward-mode implementations only).
