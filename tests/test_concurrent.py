@@ -297,7 +297,8 @@ class Workspace:
     """A host solver with one shared workspace: entering it twice at once corrupts the
     results. Records the most calls ever inside at once."""
 
-    def __init__(self):
+    def __init__(self, delay=0.05):
+        self.delay = delay
         self.buffer = np.zeros(4)
         self.inside = 0
         self.peak = 0
@@ -308,7 +309,7 @@ class Workspace:
             self.inside += 1
             self.peak = max(self.peak, self.inside)
         self.buffer[:] = rhs
-        time.sleep(0.05)  # another caller would overwrite the buffer meanwhile
+        time.sleep(self.delay)  # another caller would overwrite the buffer meanwhile
         out = np.linalg.solve(matrix, self.buffer.copy())
         with self.lock:
             self.inside -= 1
@@ -454,3 +455,46 @@ def test_debug_callback_on_y_in_bwd_sees_the_real_output():
         assert_tree_allclose(got, expected)
     assert_tree_allclose(standard, plain(X))
 
+
+def _unsafe_site(ws, how):
+    """A site on `ws`'s one shared workspace, whose forward and adjoint may run at once."""
+    if how == "host":
+        return ws.site()
+    matrix = np.asarray(A) + 4 * np.eye(4)
+    struct = jax.ShapeDtypeStruct((4,), jnp.float64)
+    fwd = lambda b: jax.pure_callback(lambda b_: ws._solve(matrix, b_), struct, b)  # noqa: E731
+    adjoint = lambda b, ct: jax.pure_callback(lambda ct_: ws._solve(matrix.T, ct_), struct, ct)  # noqa: E731
+    if how == "adjoint":
+        return dx.ExpensiveFn(fwd=fwd, adjoint=adjoint, name="solver")
+    return dx.ExpensiveFn(fwd=fwd, bwd=lambda b, y, ct: adjoint(b, ct), fused=dx.fuse(fwd, adjoint), name="solver")
+
+
+@pytest.mark.parametrize("how", ["host", "adjoint", "dx.fuse"])
+def test_concurrency_switched_off_after_the_step_was_compiled(how):
+    """`set_concurrency` is read when the step runs, not when it was compiled."""
+    ws = Workspace(delay=0.3)  # (long enough for the other half to start on a busy machine)
+    loss = linear(_unsafe_site(ws, how))
+    step = eqx.filter_jit(dx.filter_value_and_grad(loss))
+    step(X)  # compiled with concurrency on: the halves overlap (and corrupt the workspace)
+    assert ws.peak == 2
+    ws.peak = 0
+    dx.set_concurrency(False)
+    try:
+        got = step(X)
+    finally:
+        dx.set_concurrency(True)
+    assert ws.peak == 1
+    assert_tree_allclose(got, jax.value_and_grad(linear(solved))(X))
+    ws.peak = 0
+    step(X)
+    assert ws.peak == 2  # switched back on
+    # and the other way: compiled while it was off
+    dx.set_concurrency(False)
+    try:
+        step = eqx.filter_jit(dx.filter_value_and_grad(linear(_unsafe_site(ws, how))))
+        step(X)
+    finally:
+        dx.set_concurrency(True)
+    ws.peak = 0
+    step(X)
+    assert ws.peak == 2
