@@ -410,13 +410,18 @@ def bwd_blocks_fused(spec: Spec, fn_avals: list) -> str | None:
         return _READS_Y.format(through="")
     n_y = len(spec.y_structs)
     labels = [None] * (len(fn_avals) + spec.n_x) + ["y"] * n_y + [None] * n_y
-    if any("y" in d for d in _jaxpr.dependencies(closed, labels)):
+    if _returns_y(closed, labels):
         return _READS_Y.format(through="")
     for marks, location in _jaxpr.effect_dependencies(closed, labels):
         if "y" in marks:
             return _READS_Y.format(through=f" through {location}")
     opaque = _jaxpr.opaque_call(closed, (SITE, LINEAR, BASIS))
     return None if opaque is None else _OPAQUE_BWD.format(location=opaque)
+
+
+def _returns_y(closed, labels: list) -> bool:
+    """Whether an output of `bwd`'s program (`closed`, its inputs labelled) depends on `y`."""
+    return any("y" in d for d in _jaxpr.dependencies(closed, labels))
 
 
 # ----------------------------------------------------------------------------- binding
