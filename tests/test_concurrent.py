@@ -297,7 +297,8 @@ class Workspace:
     """A host solver with one shared workspace: entering it twice at once corrupts the
     results. Records the most calls ever inside at once."""
 
-    def __init__(self):
+    def __init__(self, delay=0.05):
+        self.delay = delay
         self.buffer = np.zeros(4)
         self.inside = 0
         self.peak = 0
@@ -308,7 +309,7 @@ class Workspace:
             self.inside += 1
             self.peak = max(self.peak, self.inside)
         self.buffer[:] = rhs
-        time.sleep(0.05)  # another caller would overwrite the buffer meanwhile
+        time.sleep(self.delay)  # another caller would overwrite the buffer meanwhile
         out = np.linalg.solve(matrix, self.buffer.copy())
         with self.lock:
             self.inside -= 1
@@ -361,3 +362,139 @@ def test_concurrency_switched_off_for_every_function():
     ws.peak = 0
     dx.filter_value_and_grad(loss)(X)
     assert ws.peak > 1  # switched back on
+
+
+# ----------------------------------------------------------------------------- what `fwd` and `bwd` may share
+
+
+B = np.array([1.0, -1.0, 2.0, 0.5])
+
+
+def kept_plain(x):
+    """What the solver below stands for, in plain JAX: `u = (A + 4 I + diag(x))^-1 b`."""
+    return jnp.linalg.solve(A + 4 * jnp.eye(4) + jnp.diag(x), B)
+
+
+class KeptState:
+    """The common host-solver pattern: `fwd` (a `jax.pure_callback`) solves and keeps its
+    matrix and field in the object; `bwd` ignores its `y` argument and reuses them. Right
+    when `bwd` runs after `fwd`; beside it, `bwd` would reuse the previous call's."""
+
+    def __init__(self):
+        self.kept = None
+        self.runs = {"fwd": 0, "bwd": 0}
+
+    def forward(self, x):
+        self.runs["fwd"] += 1
+        matrix = np.asarray(A) + 4 * np.eye(4) + np.diag(np.asarray(x))
+        time.sleep(0.05)  # an expensive solve
+        u = np.linalg.solve(matrix, B)
+        self.kept = (matrix, u)
+        return u
+
+    def adjoint(self, ct):
+        self.runs["bwd"] += 1
+        matrix, u = self.kept
+        return -np.linalg.solve(matrix.T, np.asarray(ct)) * u
+
+    def site(self):
+        struct = jax.ShapeDtypeStruct((4,), jnp.float64)
+        return dx.ExpensiveFn(
+            fwd=lambda x: jax.pure_callback(self.forward, struct, x),
+            bwd=lambda x, y, ct: jax.pure_callback(self.adjoint, struct, ct),  # no `y`: the object has it
+            name="kept",
+        )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_bwd_that_calls_what_deferax_cannot_read_runs_after_fwd(jit):
+    solver = KeptState()
+    solver.forward(np.asarray(2.0 * X))  # an earlier call left its state behind
+    loss = linear(solver.site())
+    (site,) = dx.explain(loss, X).sites
+    assert site.schedule == "standard"
+    assert site.reason.startswith("no `fused` implementation, and its `bwd` calls `pure_callback` at ")
+    assert site.reason.endswith(
+        ", whose body deferax cannot read: it may use what `fwd` left behind (a factorisation kept in a Python object), "
+        "so it runs after `fwd`. If it does not, give `adjoint(x, ct_y)` instead of `bwd`, or "
+        "`fused=dx.fuse(fwd, adjoint)`: they run at the same time"
+    )
+    step = dx.filter_value_and_grad(loss)
+    step = eqx.filter_jit(step) if jit else step
+    for x in (X, -X, X):
+        solver.runs = {"fwd": 0, "bwd": 0}
+        got = jax.block_until_ready(step(x))
+        assert solver.runs == {"fwd": 1, "bwd": 1}
+        assert_tree_allclose(got, jax.value_and_grad(linear(kept_plain))(x))
+
+
+def test_debug_callback_on_y_in_bwd_sees_the_real_output():
+    """A `jax.debug.callback` on `y` inside `bwd` sees what it sees on the standard schedule
+    (Equinox's), not the zeros a `fused` made from `fwd` and a `y`-free `bwd` would pass."""
+    seen = []
+
+    def bwd(x, y, ct):
+        jax.debug.callback(lambda y_: seen.append(np.asarray(y_)), y)
+        return A.T @ (ct * (1 - jnp.tanh(A @ x) ** 2))
+
+    f = dx.ExpensiveFn(fwd=plain, bwd=bwd, name="shows_y")
+    (site,) = dx.explain(linear(f), X).sites
+    assert site.schedule == "standard"
+    assert site.reason.startswith("no `fused` implementation, and its `bwd` reads `y` through `debug_callback` at ")
+    assert site.reason.endswith(" (give `adjoint` and `combine`, or `fused`)")
+    expected = eqx.filter_value_and_grad(linear(f))(X)
+    jax.effects_barrier()
+    (standard,) = seen
+    seen.clear()
+    for step in (dx.filter_value_and_grad(linear(f)), eqx.filter_jit(dx.filter_value_and_grad(linear(f)))):
+        got = step(X)
+        jax.effects_barrier()
+        (shown,) = seen
+        seen.clear()
+        assert_tree_allclose(shown, standard)
+        assert_tree_allclose(got, expected)
+    assert_tree_allclose(standard, plain(X))
+
+
+def _unsafe_site(ws, how):
+    """A site on `ws`'s one shared workspace, whose forward and adjoint may run at once."""
+    if how == "host":
+        return ws.site()
+    matrix = np.asarray(A) + 4 * np.eye(4)
+    struct = jax.ShapeDtypeStruct((4,), jnp.float64)
+    fwd = lambda b: jax.pure_callback(lambda b_: ws._solve(matrix, b_), struct, b)  # noqa: E731
+    adjoint = lambda b, ct: jax.pure_callback(lambda ct_: ws._solve(matrix.T, ct_), struct, ct)  # noqa: E731
+    if how == "adjoint":
+        return dx.ExpensiveFn(fwd=fwd, adjoint=adjoint, name="solver")
+    return dx.ExpensiveFn(fwd=fwd, bwd=lambda b, y, ct: adjoint(b, ct), fused=dx.fuse(fwd, adjoint), name="solver")
+
+
+@pytest.mark.parametrize("how", ["host", "adjoint", "dx.fuse"])
+def test_concurrency_switched_off_after_the_step_was_compiled(how):
+    """`set_concurrency` is read when the step runs, not when it was compiled."""
+    ws = Workspace(delay=0.3)  # (long enough for the other half to start on a busy machine)
+    loss = linear(_unsafe_site(ws, how))
+    step = eqx.filter_jit(dx.filter_value_and_grad(loss))
+    step(X)  # compiled with concurrency on: the halves overlap (and corrupt the workspace)
+    assert ws.peak == 2
+    ws.peak = 0
+    dx.set_concurrency(False)
+    try:
+        got = step(X)
+    finally:
+        dx.set_concurrency(True)
+    assert ws.peak == 1
+    assert_tree_allclose(got, jax.value_and_grad(linear(solved))(X))
+    ws.peak = 0
+    step(X)
+    assert ws.peak == 2  # switched back on
+    # and the other way: compiled while it was off
+    dx.set_concurrency(False)
+    try:
+        step = eqx.filter_jit(dx.filter_value_and_grad(linear(_unsafe_site(ws, how))))
+        step(X)
+    finally:
+        dx.set_concurrency(True)
+    ws.peak = 0
+    step(X)
+    assert ws.peak == 2

@@ -11,7 +11,7 @@ import pytest
 import deferax as dx
 import deferax._analysis
 
-from .helpers import assert_tree_allclose, finite_difference_grad, make
+from .helpers import Counter, assert_tree_allclose, finite_difference_grad, make
 
 
 def ref(x):
@@ -594,3 +594,46 @@ def test_stage_order_runs_independent_standard_forwards_with_fused(counter):
         jax.effects_barrier()
         assert c1.as_dict() == {"fwd": 1, "bwd": 1, "fused": 0}
         assert c2.as_dict() == {"fwd": 1, "bwd": 1, "fused": 0}
+
+
+READS = "x"  # which argument `_branching_bwd` computes from; rebound by the test
+
+
+def _branching_bwd(x, y, ct):
+    """The derivative of `exp`, from `x` or (reading `y`) from `y`, as a global says."""
+    return ct * (jnp.exp(x) if READS == "x" else y)
+
+
+def test_rebinding_a_global_that_bwd_branches_on_is_not_stale():
+    """Whether `bwd` reads `y` is decided afresh: `explain` and the step agree, on the same
+    function and on a new `ExpensiveFn` made from the same `bwd`."""
+    global READS
+    plain = lambda p: jnp.sum(W * jnp.exp(p)) + jnp.sum(p**2)  # noqa: E731
+    runs = Counter()
+
+    def fwd(p):
+        runs.tick("fwd")
+        return jnp.exp(p)
+
+    def bwd(p, y, ct):
+        runs.tick("bwd")
+        return _branching_bwd(p, y, ct)
+
+    def loss_of(f):
+        return lambda p: jnp.sum(W * f(p)) + jnp.sum(p**2)
+
+    f = dx.ExpensiveFn(fwd=fwd, bwd=bwd, name="exp")
+    step = dx.filter_value_and_grad(loss_of(f))
+    try:
+        for reads, schedule in (("x", "deferred"), ("y", "standard"), ("x", "deferred")):
+            READS = reads
+            for g in (f, dx.ExpensiveFn(fwd=fwd, bwd=bwd, name="exp")):
+                assert dx.explain(loss_of(g), P0).sites[0].schedule == schedule
+                for run in (step, dx.filter_value_and_grad(loss_of(g))):
+                    runs.reset()
+                    got = run(P0)
+                    jax.effects_barrier()
+                    assert runs.as_dict() == {"fwd": 1, "bwd": 1, "fused": 0}
+                    assert_tree_allclose(got, jax.value_and_grad(plain)(P0))
+    finally:
+        READS = "x"

@@ -265,14 +265,41 @@ def test_error_bad_out():
 
 
 def test_error_no_out_for_fused_only():
-    f = dx.ExpensiveFn(fused=lambda x, ct: (x, ct), name="solver")
-    with pytest.raises(TypeError, match=match("`ExpensiveFn(name='solver')`: the output shape is unknown. With no `fwd` to trace (`fwd` was not given), declare it with `out=`")):
+    def solve_both(x, ct):
+        return x, ct
+
+    f = dx.ExpensiveFn(fused=solve_both, bwd=lambda x, y, ct: ct, name="solver")
+    with pytest.raises(TypeError, match=match(
+        "`ExpensiveFn(name='solver')`: the output shape is unknown. With nothing to infer it from (no `fwd` or `jvp` was given, "
+        "and `fused` takes a cotangent shaped like the output), declare it with `out=`, a pytree of\n"
+        "`jax.ShapeDtypeStruct` (or a function from the input's structure to one):\n\n"
+        "    dx.ExpensiveFn(bwd=..., fused=solve_both, out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))"
+    )):  # fmt: skip
         f(jnp.ones(3))
+
+
+def test_error_no_out_for_untraceable_jvp():
+    """A `jvp`-only function infers its output from `jvp`; one that JAX cannot trace needs `out=`."""
+
+    def host_jvp(x, t):
+        return jnp.asarray(np.sin(np.asarray(x))), t
+
+    f = dx.ExpensiveFn(jvp=host_jvp, name="host")
+    with pytest.raises(TypeError, match=match(
+        "`ExpensiveFn(name='host')`: the output shape is unknown. With nothing to infer it from (`jvp` is not JAX-traceable: "
+        "TracerArrayConversionError), declare it with `out=`, a pytree of\n`jax.ShapeDtypeStruct` (or a function from the "
+        "input's structure to one):\n\n    dx.ExpensiveFn(jvp=host_jvp, out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))"
+    )):  # fmt: skip
+        jax.jit(f)(jnp.ones(3))
+    assert_tree_allclose(dx.ExpensiveFn(jvp=host_jvp, out=lambda s: s)(jnp.ones(3)), jnp.sin(jnp.ones(3)))
 
 
 def test_error_no_out_for_untraceable_fwd():
     f = dx.ExpensiveFn(fwd=lambda x: np.sin(np.asarray(x)), bwd=lambda x, y, ct: ct, name="host")
     text = "(`fwd` is not JAX-traceable: TracerArrayConversionError), declare it with `out=`"
+    example = "\n\n    dx.ExpensiveFn(fwd=..., bwd=..., out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))"
+    with pytest.raises(TypeError, match=match(text + ", a pytree of\n`jax.ShapeDtypeStruct` (or a function from the input's structure to one):" + example)):
+        jax.jit(f)(jnp.ones(3))
     jitted = jax.jit(jax.grad(lambda x: jnp.sum(f(x))))
     for _ in range(2):  # raised while tracing: a second call traces again and raises the same
         with pytest.raises(TypeError, match=match(text)):

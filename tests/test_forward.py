@@ -31,7 +31,7 @@ OUT = jax.eval_shape(ref, X)
 
 def make(given, counter, **kwargs):
     chosen = {k: v for k, v in reference_impls(ref, counter).items() if k in given}
-    if "fwd" not in given:
+    if not {"fwd", "jvp", "jvp_batch"} & set(given):  # (`jvp` alone tells the output's structure)
         kwargs["out"] = OUT
     return dx.ExpensiveFn(**chosen, name="sim", **kwargs)
 
@@ -137,6 +137,25 @@ def test_reverse_mode_strategy_and_counts(given, jit):
         assert counts(counter) == expected
         assert_tree_allclose(got, jax.value_and_grad(loss_of(ref))(X))
     assert_tree_allclose(jax.jacrev(lambda x: f(x)["power"])(X), jax.jacrev(lambda x: ref(x)["power"])(X))
+
+
+@pytest.mark.parametrize("given", [("jvp",), ("jvp_batch",), ("fused", "jvp")], ids="+".join)
+def test_output_structure_inferred_from_jvp(given):
+    """Without `fwd` or `out=`, the output's structure is what `jvp` (or `jvp_batch`)
+    returns, found by tracing it: nothing runs until the function is called."""
+    counter = Counter()
+    impls = reference_impls(ref, counter)
+    f = dx.ExpensiveFn(**{k: impls[k] for k in given}, name="sim")
+    assert f.out_struct(X) == OUT
+    assert counts(counter) == {}
+    counter.reset()
+    assert_tree_allclose(f(X), ref(X))  # eagerly: the primal from one call, with a zero tangent (or cotangent)
+    assert counts(counter) == {given[0]: 1}
+    for run in (dx.filter_value_and_grad(loss_of(f)), jax.jit(jax.value_and_grad(loss_of(f)))):
+        counter.reset()
+        got = run(X)
+        assert counts(counter) == {given[-1]: 1}  # forward-basis: one call for the output and its tangents
+        assert_tree_allclose(got, jax.value_and_grad(loss_of(ref))(X))
 
 
 def test_reverse_mode_under_vmap_both_ways():

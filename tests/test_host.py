@@ -574,6 +574,14 @@ def test_construction_errors():
     out = jax.ShapeDtypeStruct((3,), jnp.float64)
     with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: host functions cannot be traced by JAX, so the output's shape and dtype must be declared with `out=`")):
         dx.host(lambda x: x, name="sim")
+
+    def solve_both(x, ct):
+        return x, ct
+
+    with pytest.raises(TypeError, match=re.escape("to one):\n\n    dx.host(fused=solve_both, out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))")):
+        dx.host(fused=solve_both, name="sim")
+    with pytest.raises(TypeError, match=re.escape("to one):\n\n    dx.host(fwd=..., adjoint=..., out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))")):
+        dx.host(lambda x: x, adjoint=lambda x, ct: ct, name="sim")
     with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: nothing computes the output. Give the forward host function `fwd(x) -> y`")):
         dx.host(adjoint=lambda x, ct: ct, out=out, name="sim")
     with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both.")):

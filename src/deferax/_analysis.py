@@ -79,20 +79,38 @@ class Analysis:
         return bool(self.nested) or len(self.deferred) < len(self.sites) or bool(self.early)
 
 
-def analyse(program, n_consts: int, *, schedule: str, max_basis: int, where: str) -> Analysis:
-    """Run the static check on `program` (`J`, with its constants as leading inputs)."""
+def analyse(program, n_consts: int, *, schedule: str, max_basis: int, where: str, bwds: tuple | None = None) -> Analysis:
+    """Run the static check on `program` (`J`, with its constants as leading inputs).
+    `bwds`: what `bwd_decisions(program)` returned, if it was called already."""
     jaxpr = program.jaxpr
     sites = tuple(_jaxpr.top_level(program, _site.SITE))
     nested = tuple(i for i, e in enumerate(jaxpr.eqns) if str(e.primitive) != _site.SITE and _jaxpr.contains(e, (_site.SITE,)))
     specs = [_site.spec_of(jaxpr.eqns[i]) for i in sites]
-    check = _Check(program, n_consts, sites, nested, specs, schedule, max_basis, where)
+    bwds = bwd_decisions(program) if bwds is None else bwds
+    check = _Check(program, n_consts, sites, nested, specs, schedule, max_basis, where, bwds)
     return check.run()
 
 
+def bwd_decisions(program) -> tuple:
+    """What the check reads beyond the program's equations: for each top-level site with
+    `fwd` and `bwd` only, why no `fused` can be made from them (None when one can), from
+    the program of `bwd` traced now (a global that it branches on may have been rebound
+    since the last call); None for the other sites. A key for the compiled stages covers it."""
+    decisions = []
+    for i in _jaxpr.top_level(program, _site.SITE):
+        eqn = program.jaxpr.eqns[i]
+        spec = _site.spec_of(eqn)
+        static = spec.static
+        derivable = static.fwd is not None and static.bwd is not None and static.fused is None and static.fused_batch is None
+        blocked = _site.bwd_blocks_fused(spec, [v.aval for v in eqn.invars[: spec.n_fn]]) if derivable and static.prefer is None else None
+        decisions.append(blocked)
+    return tuple(decisions)
+
+
 class _Check:
-    def __init__(self, program, n_consts, sites, nested, specs, schedule, max_basis, where):
+    def __init__(self, program, n_consts, sites, nested, specs, schedule, max_basis, where, bwds):
         self.program, self.n_consts, self.sites, self.nested, self.specs = program, n_consts, sites, nested, specs
-        self.schedule, self.max_basis, self.where = schedule, max_basis, where
+        self.schedule, self.max_basis, self.where, self.bwds = schedule, max_basis, where, bwds
         self.n_in = len(program.jaxpr.invars)
         self.eqn_labels = {i: ("y", k) for k, i in enumerate(sites)} | {i: ("n", i) for i in nested}
         self._substituted = None
@@ -168,16 +186,14 @@ class _Check:
 
     def _underivable(self, k) -> str | None:
         """Why no `fused` can be made from the other implementations (None when one can:
-        `fwd` with `adjoint`, or `fwd` with a `bwd` that does not read `y`)."""
+        `fwd` with `adjoint`, or `fwd` with a `bwd` that does not read `y` and calls
+        nothing deferax cannot read)."""
         static = self.specs[k].static
         if static.fwd is None or (static.adjoint is None and static.bwd is None):
             return "no `fused` implementation"
-        if static.adjoint is not None:
+        if static.adjoint is not None or self.bwds[k] is None:
             return None
-        eqn = self.program.jaxpr.eqns[self.sites[k]]
-        if _site.bwd_reads_y(self.specs[k], [v.aval for v in eqn.invars[: self.specs[k].n_fn]]):
-            return "no `fused` implementation, and its `bwd` reads `y` (give `adjoint` and `combine`, or `fused`)"
-        return None
+        return f"no `fused` implementation, and {self.bwds[k]}"
 
     def _source(self, label) -> str:
         if label[0] == "y":

@@ -182,11 +182,13 @@ def serial():
     return _jaxpr.setting(_SERIAL, True)
 
 
-def _both(first, second, one_at_a_time: bool):
+def _both(first, second, serial_: bool):
     """`(first(), second())`: `second` on a thread of the pool while `first` runs here (one
     hand-off, not two), or one after the other (under the lock that keeps implementations
-    that are not thread-safe apart)."""
-    if one_at_a_time:
+    that are not thread-safe apart) for a function that is not thread-safe (`serial_`) or
+    while concurrency is switched off (read now, when the halves run, also from a program
+    compiled before `set_concurrency` was called)."""
+    if serial_ or not _executor.concurrency_enabled():
         with _executor.SERIAL_LOCK:
             return first(), second()
     other = _POOL.submit(second)
@@ -260,7 +262,7 @@ def _concurrently(fwd_fn, adjoint_fn, x, ct, *, batched: bool = False, compiled:
     leading axis of `ct` when `batched`). `compiled`: each half is compiled once per
     function and input structure (`dx.fuse`); otherwise each is called as the standard
     schedule calls an implementation: eagerly as it is, and under a trace, traced now."""
-    one_at_a_time = _SERIAL.get() or not _executor.concurrency_enabled()  # read now (while tracing, if traced)
+    serial_ = _SERIAL.get()  # (the function's own: read while tracing, if traced)
     fwd_device, adjoint_device = placement()
     run = _dispatch if compiled else _direct
 
@@ -295,7 +297,7 @@ def _concurrently(fwd_fn, adjoint_fn, x, ct, *, batched: bool = False, compiled:
         home = (_record.device_of(x) or jax.local_devices()[0]) if fwd_device is not None else None
         first = lambda: _on(home, _record.call(fwd_name, lambda: jax.block_until_ready(call_fwd()), False, fwd_device))  # noqa: E731
         second = _jaxpr.carry_context(lambda: _on(home, _record.call(adjoint_name, lambda: jax.block_until_ready(call_adjoint()), False, adjoint_device)))
-        return _both(first, second, one_at_a_time)
+        return _both(first, second, serial_)
 
     # Traced (inside jit or vmap): leave the program through one host callback, which runs
     # the two compiled halves on two threads (with the caller's context, read while
@@ -328,7 +330,7 @@ def _concurrently(fwd_fn, adjoint_fn, x, ct, *, batched: bool = False, compiled:
     )
 
     def host(consts_, arrays_, x_, ct_):
-        return _both(lambda: run_fwd(consts_[0], arrays_, x_), lambda: run_adjoint(consts_[1], arrays_, x_, ct_), one_at_a_time)
+        return _both(lambda: run_fwd(consts_[0], arrays_, x_), lambda: run_adjoint(consts_[1], arrays_, x_, ct_), serial_)
 
     return jax.pure_callback(host, (y_struct, ct_struct), consts, arrays, x, ct, vmap_method="sequential")
 

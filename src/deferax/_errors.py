@@ -30,10 +30,23 @@ NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, `fuse
     dx.ExpensiveFn(fwd=simulate, bwd=adjoint)   # or
     dx.ExpensiveFn(fused=simulate_and_adjoint, out=jax.ShapeDtypeStruct((n,), jnp.float64))"""
 
-NO_OUT = """{call}: the output shape is unknown. With no `fwd` to trace ({why}), declare it with `out=`, a pytree of
+NO_OUT = """{call}: the output shape is unknown. With nothing to infer it from ({why}), declare it with `out=`, a pytree of
 `jax.ShapeDtypeStruct` (or a function from the input's structure to one):
 
-    dx.ExpensiveFn(fused=..., out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))"""
+    {example}"""
+
+
+def out_example(make: str, impls: dict[str, Any]) -> str:
+    """How to declare `out=` beside the implementations given (by their names; `...` for a
+    lambda): `dx.ExpensiveFn(fused=solve, out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))`."""
+
+    def shown(fn: Any) -> str:
+        name = getattr(fn, "__name__", "")
+        return name if name.isidentifier() else "..."
+
+    given = [f"{impl}={shown(fn)}" for impl, fn in impls.items() if fn is not None]
+    return f"{make}({', '.join([*given, 'out=jax.ShapeDtypeStruct((nx, ny), jnp.float64)'])})"
+
 
 NOT_CALLABLE = "{call}: `{impl}` must be a callable or None, but got {found!r}."
 

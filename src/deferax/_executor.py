@@ -36,6 +36,8 @@ def set_concurrency(enabled: bool) -> None:
     and Fortran solvers) gives wrong results when entered twice at once. Forbid it for one
     function with `ExpensiveFn(thread_safe=False)` or `dx.host(..., thread_safe=False)`,
     or for all of them here; the schedules stay the same, their calls run one at a time.
+    It is read when the calls run, so it holds for steps compiled (`jax.jit`,
+    `eqx.filter_jit`) before it was called too.
     """
     global _CONCURRENT
     _CONCURRENT = bool(enabled)

@@ -53,7 +53,7 @@ class ExpensiveFn(eqx.Module):
     | given | primal | reverse mode |
     | --- | --- | --- |
     | `fwd` only | `fwd` | JAX autodiff of `fwd` (forward mode works too) |
-    | `fwd`, `bwd` | `fwd` | `bwd` (deferred: `fwd` and `bwd` together when `bwd` does not read `y`) |
+    | `fwd`, `bwd` | `fwd` | `bwd` (deferred: `fwd` and `bwd` together when the jaxpr of `bwd` shows that it does not read `y` and calls nothing deferax cannot read, such as a host callback) |
     | `fwd`, `adjoint` (`combine`) | `fwd` | `combine(x, y, adjoint(x, ct))` (deferred: `fwd` and `adjoint` together) |
     | `fused` only | `fused(x, 0)[0]`: runs a wasted adjoint with a zero cotangent | `fused(x, ct)[1]`: recomputes the primal |
     | `fwd`, `fused` | `fwd` | `fused(x, ct)[1]`: recomputes the primal |
@@ -67,7 +67,8 @@ class ExpensiveFn(eqx.Module):
       implementation's `__name__`.
     - `out`: the output's structure, a pytree of `jax.ShapeDtypeStruct`, or a function from
       the input's structure (a pytree of `jax.ShapeDtypeStruct`) to it. Optional when `fwd`
-      is JAX-traceable: it is then inferred with `jax.eval_shape`.
+      (or, without one, `jvp` or `jvp_batch`) is JAX-traceable: it is then inferred with
+      `jax.eval_shape`.
     - `fused_batch`: optional `fused_batch(x, cts) -> (y, ct_xs)`, where `cts` stacks `k`
       cotangents on a leading axis and `ct_xs` stacks their input cotangents: the primal
       once, `k` adjoints. Used by the `"deferred-basis"` schedule; without it, `fused` is
@@ -81,8 +82,11 @@ class ExpensiveFn(eqx.Module):
       `adjoint(x, ct_y) -> partial` does not get `y`, `combine(x, y, partial) -> ct_x` is
       the cheap step that does (default: `partial` is `ct_x`). Instead of `bwd`. With
       `fwd`, the deferred schedules run `fwd` and `adjoint` at the same time, as
-      [`deferax.fuse`][] does; so they do with a `bwd` whose jaxpr shows that it does not
-      read `y`.
+      [`deferax.fuse`][] does: giving `adjoint` declares that it needs nothing `fwd`
+      computes, `y` nor state kept between the calls (a factorisation in a Python object).
+      They do so with a `bwd` only when its jaxpr shows all it does: it does not read `y`
+      (nor pass it to `jax.debug.callback`), and it calls no host callback or other
+      function whose body deferax cannot read, which might reuse what `fwd` stored.
     - `max_tangents`: the most input numbers `n` for which reverse mode uses the
       forward-basis strategy (default 8 when `bwd` or `fused` is given too; no limit for a
       function with forward-mode implementations only).
@@ -181,28 +185,36 @@ class ExpensiveFn(eqx.Module):
     # ------------------------------------------------------------------ shapes and checks
 
     def out_struct(self, x: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
-        """The structure of `self(x)`: declared by `out`, or inferred from `fwd`."""
+        """The structure of `self(x)`: declared by `out`, or inferred from `fwd` (or, without
+        one, from what `jvp` or `jvp_batch` returns)."""
         if self.out is not None:
             out = self.out(_struct(x)) if callable(self.out) else self.out
             if callable(self.out) and not all(isinstance(s, jax.ShapeDtypeStruct) for s in jtu.tree_leaves(out)):
                 raise TypeError(_errors.BAD_OUT.format(call=self._call, found=out))
             check_declared_width(self._call, "`out=`", out)
             return out
-        if self.fwd is None:
-            raise TypeError(_errors.NO_OUT.format(call=self._call, why="`fwd` was not given"))
-        fwd = self.fwd
-        if _typed.typechecking_enabled() and _annotated(fwd):
+        impl = next((impl for impl in ("fwd", "jvp", "jvp_batch") if getattr(self, impl) is not None), None)
+        if impl is None:
+            raise TypeError(self._no_out("no `fwd` or `jvp` was given, and `fused` takes a cotangent shaped like the output"))
+        if impl != "fwd":
+            fwd = lambda x_: _tangents.primal_of(self, x_)[1]  # noqa: E731
+        elif _typed.typechecking_enabled() and _annotated(self.fwd):
             # `fwd`'s annotations checked, as when it runs: a wrong shape is its error. (A new
             # function, traced each time; `fwd` itself is traced once and cached by JAX.)
             fwd = lambda x_: self._typed_call("fwd", self.fwd, (x_,))  # noqa: E731
+        else:
+            fwd = self.fwd
         try:
             return jax.eval_shape(fwd, x)
         except _typed.AnnotationError:
             raise
         except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError) as e:
-            raise TypeError(
-                _errors.NO_OUT.format(call=self._call, why=f"`fwd` is not JAX-traceable: {type(e).__name__}")
-            ) from e
+            raise TypeError(self._no_out(f"`{impl}` is not JAX-traceable: {type(e).__name__}")) from e
+
+    def _no_out(self, why: str) -> str:
+        impls = ("fwd", "bwd", "fused", "fused_batch", "jvp", "jvp_batch", "adjoint", "combine")
+        example = _errors.out_example("dx.ExpensiveFn", {impl: getattr(self, impl) for impl in impls})
+        return _errors.NO_OUT.format(call=self._call, why=why, example=example)
 
     def check_out(self, x: PyTree, error: Exception) -> None:
         """After `error` in a trace that used the declared `out=` for `x` (structures): raise
@@ -253,8 +265,7 @@ class ExpensiveFn(eqx.Module):
             except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError) as e:
                 if self.out is not None:
                     raise
-                why = f"`fwd` is not JAX-traceable: {type(e).__name__}"
-                raise TypeError(_errors.NO_OUT.format(call=self._call, why=why)) from e
+                raise TypeError(self._no_out(f"`fwd` is not JAX-traceable: {type(e).__name__}")) from e
             if self.out is not None:  # otherwise the output structure *is* fwd's: nothing to check
                 self._check("fwd", "an output", y, self.out_struct(x), "the output structure")
             return y

@@ -23,7 +23,7 @@ from ._host_jobs import Runner
 NO_OUT = """{call}: host functions cannot be traced by JAX, so the output's shape and dtype must be declared with `out=`,
 a pytree of `jax.ShapeDtypeStruct` (or a function from the input's structure to one):
 
-    dx.host(simulate, adjoint=simulate_adjoint, out=jax.ShapeDtypeStruct((nx, ny), jnp.complex128))"""
+    {example}"""
 
 NO_PRIMAL = """{call}: nothing computes the output. Give the forward host function `fwd(x) -> y`, or `fused(x, ct_y) -> (y, ct_x)`:
 
@@ -248,7 +248,7 @@ def host(
     if fwd is None and fused is None and jvp is None and jvp_batch is None:
         raise TypeError(NO_PRIMAL.format(call=call))
     if out is None:
-        raise TypeError(NO_OUT.format(call=call))
+        raise TypeError(NO_OUT.format(call=call, example=_errors.out_example("dx.host", impls)))
     if adjoint is not None and bwd is not None:
         raise TypeError(_errors.BOTH_ADJOINTS.format(call=call))
     for what, value in (("combine", combine), ("adjoint_out", adjoint_out)):

@@ -30,6 +30,7 @@ from ._concurrent import is_concrete
 
 SITE = "deferax_site"
 LINEAR = "deferax_site_linear"
+BASIS = "deferax_site_forward_basis"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,7 +351,7 @@ def _basis_jvp(primals, tangents, spec: Spec):
 
 
 basis_p = _jaxpr.define_primitive(
-    "deferax_site_forward_basis", impl=_basis_impl, abstract_eval=_basis_abstract, jvp=_basis_jvp, batch=_basis_batch
+    BASIS, impl=_basis_impl, abstract_eval=_basis_abstract, jvp=_basis_jvp, batch=_basis_batch
 )
 
 
@@ -382,9 +383,21 @@ def structs_of(avals: list) -> list:
     return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
 
 
-def bwd_reads_y(spec: Spec, fn_avals: list) -> bool:
-    """Whether the site's `bwd(x, y, ct_y)` depends on `y`, read from its jaxpr (one that
-    cannot be traced, a host function, counts as reading it)."""
+_READS_Y = "its `bwd` reads `y`{through} (give `adjoint` and `combine`, or `fused`)"
+
+_OPAQUE_BWD = """its `bwd` calls {location}, whose body deferax cannot read: it may use what `fwd` left behind \
+(a factorisation kept in a Python object), so it runs after `fwd`. If it does not, give `adjoint(x, ct_y)` instead \
+of `bwd`, or `fused=dx.fuse(fwd, adjoint)`: they run at the same time"""
+
+
+def bwd_blocks_fused(spec: Spec, fn_avals: list) -> str | None:
+    """Why no `fused` can be made from the site's `fwd` and `bwd(x, y, ct_y)`, read from the
+    jaxpr of `bwd` traced now; None when one can. It can when `bwd` does not read `y` (in
+    what it returns, nor in an effect such as `jax.debug.callback`, which would see the
+    zeros it is given instead) and everything it calls can be read: a host callback may use
+    what `fwd` kept (its state), and must run after it. A `bwd` that cannot be traced (a
+    host function) counts as reading `y`."""
+
     def bwd(fn_leaves, x_leaves, y_leaves, ct_leaves):
         fn = spec.fn(fn_leaves)
         y = jtu.tree_unflatten(spec.y_tree, list(y_leaves))
@@ -394,9 +407,20 @@ def bwd_reads_y(spec: Spec, fn_avals: list) -> bool:
     try:
         closed = jax.make_jaxpr(bwd)(structs_of(fn_avals), list(spec.x_structs), list(spec.y_structs), list(spec.y_structs))
     except Exception:  # noqa: BLE001 - not JAX-traceable: assume the worst
-        return True
+        return _READS_Y.format(through="")
     n_y = len(spec.y_structs)
     labels = [None] * (len(fn_avals) + spec.n_x) + ["y"] * n_y + [None] * n_y
+    if _returns_y(closed, labels):
+        return _READS_Y.format(through="")
+    for marks, location in _jaxpr.effect_dependencies(closed, labels):
+        if "y" in marks:
+            return _READS_Y.format(through=f" through {location}")
+    opaque = _jaxpr.opaque_call(closed, (SITE, LINEAR, BASIS))
+    return None if opaque is None else _OPAQUE_BWD.format(location=opaque)
+
+
+def _returns_y(closed, labels: list) -> bool:
+    """Whether an output of `bwd`'s program (`closed`, its inputs labelled) depends on `y`."""
     return any("y" in d for d in _jaxpr.dependencies(closed, labels))
 
 

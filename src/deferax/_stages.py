@@ -139,10 +139,14 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
         return fused(spec, operands_[k], cts_[k], analysis.derived(k))
 
     def guarded(k, operands_, cts_):
-        """`one(k)`, one call at a time for a function that is not thread-safe."""
-        if analysis.spec(k).static.thread_safe and _executor.concurrency_enabled():
+        """`one(k)`, one call at a time for a function that is not thread-safe, or while
+        concurrency is switched off (which its halves read again when they run)."""
+        if not analysis.spec(k).static.thread_safe:
+            with _executor.SERIAL_LOCK, serial():
+                return one(k, operands_, cts_)
+        if _executor.concurrency_enabled():
             return one(k, operands_, cts_)
-        with _executor.SERIAL_LOCK, serial():
+        with _executor.SERIAL_LOCK:
             return one(k, operands_, cts_)
 
     def placed(i, k, operands_, cts_):

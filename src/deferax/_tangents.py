@@ -158,14 +158,21 @@ def jacobian(fn: Any, x: Any) -> tuple[Any, Any]:
     return tangents(fn, x, unit_tangents(x))
 
 
-def primal(fn: Any, x: Any) -> Any:
-    """`y` from the forward-mode implementations alone (a wasted zero tangent)."""
+def primal_of(fn: Any, x: Any) -> tuple[str, Any]:
+    """`(impl, y)`: `y` from the forward-mode implementation `impl` alone (a wasted zero
+    tangent), unchecked."""
     zero = jtu.tree_map(zero_like, x)
     if fn.jvp is not None:
-        y, _ = _pair(fn, "jvp", fn._invoke("jvp", x, zero))
-    else:
-        y, _ = _pair(fn, "jvp_batch", fn._invoke("jvp_batch", x, jtu.tree_map(lambda t: t[None], zero)))
-    fn._check("jvp" if fn.jvp is not None else "jvp_batch", "an output `y`", y, fn.out_struct(x), "the output structure")
+        return "jvp", _pair(fn, "jvp", fn._invoke("jvp", x, zero))[0]
+    return "jvp_batch", _pair(fn, "jvp_batch", fn._invoke("jvp_batch", x, jtu.tree_map(lambda t: t[None], zero)))[0]
+
+
+def primal(fn: Any, x: Any) -> Any:
+    """`y` from the forward-mode implementations alone (a wasted zero tangent), checked
+    against the declared output structure (without one, the structure *is* theirs)."""
+    impl, y = primal_of(fn, x)
+    if fn.out is not None:
+        fn._check(impl, "an output `y`", y, fn.out_struct(x), "the output structure")
     return y
 
 

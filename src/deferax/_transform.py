@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _errors, _jaxpr, _record, _site, _stages
-from ._analysis import Analysis, analyse
+from ._analysis import Analysis, analyse, bwd_decisions
 from ._concurrent import is_concrete
 from ._plan import Plan
 
@@ -121,19 +121,21 @@ _CACHE_LOCK = threading.Lock()
 def _analysis(traced: _Traced, schedule, max_basis, eager: bool):
     """The analysis of a traced program (and, eagerly, its compiled stages: from the cache
     when the same program was seen before)."""
-    key = None
+    key, bwds = None, None
     if eager:
         key = _jaxpr.structural_key(traced.program)
         if key is not None:
-            # which inputs are constants and which are differentiated is not in the equations
-            key = (key, len(traced.consts), schedule, max_basis)
+            # which inputs are constants and which are differentiated is not in the equations,
+            # nor whether each `bwd` (traced now) lets a `fused` be made from it
+            bwds = bwd_decisions(traced.program)
+            key = (key, len(traced.consts), schedule, max_basis, bwds)
             with _CACHE_LOCK:
                 compiled = _CACHE.get(key)
                 if compiled is not None:
                     _CACHE.move_to_end(key)
             if compiled is not None:
                 return compiled.analysis, compiled
-    analysis = analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE)
+    analysis = analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE, bwds=bwds)
     _record.log_plan(analysis.plan)  # a new program (or one traced under a transformation)
     if not eager or key is None:
         # (a program that cannot be keyed would be compiled for one call: run uncompiled)

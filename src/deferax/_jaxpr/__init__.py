@@ -19,9 +19,11 @@ from ._config import carry_context as carry_context
 from ._config import local_config as local_config
 from ._config import setting as setting
 from ._dependence import dependencies as dependencies
+from ._dependence import effect_dependencies as effect_dependencies
 from ._dependence import first_culprit as first_culprit
 from ._dependence import input_marks as input_marks
 from ._dependence import is_eager as is_eager
+from ._dependence import opaque_call as opaque_call
 from ._dependence import under_differentiation as under_differentiation
 from ._keys import structural_key as structural_key
 from ._linearity import frontier_size as frontier_size

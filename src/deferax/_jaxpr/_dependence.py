@@ -67,14 +67,16 @@ def _inner_jaxpr(eqn):
     return getattr(inner, "jaxpr", inner)
 
 
-def _mark(jaxpr, in_marks: Sequence[frozenset], eqn_labels=None) -> tuple[list[frozenset], list[list[frozenset]]]:
+def _mark(jaxpr, in_marks: Sequence[frozenset], eqn_labels=None, effects=None) -> tuple[list[frozenset], list[list[frozenset]]]:
     """Forward dependency analysis over `jaxpr`.
 
     Returns the marks (sets of source labels) of the outputs, and for each equation the
     marks of its inputs. A call-like equation is analysed inside; any other equation marks
     every output with the union of its inputs' marks (conservative, so always sound).
     `eqn_labels` maps the index of a top-level equation to a label that its outputs carry
-    as well (an expensive call: its outputs are sources).
+    as well (an expensive call: its outputs are sources). `effects`, a list, receives
+    `(marks, equation)` for each operation with an effect, at any depth (one with a body
+    other than a call's: the union of its inputs' marks).
     """
     empty: frozenset = frozenset()
     marks: dict = dict(zip(jaxpr.invars, in_marks, strict=True))
@@ -90,9 +92,11 @@ def _mark(jaxpr, in_marks: Sequence[frozenset], eqn_labels=None) -> tuple[list[f
         if i in eqn_labels:
             outs = [frozenset().union(*ins) | {eqn_labels[i]}] * len(eqn.outvars)
         elif inner is not None and len(inner.invars) == len(ins):
-            outs = _mark(inner, ins)[0]
+            outs = _mark(inner, ins, effects=effects)[0]
         else:
             outs = [frozenset().union(*ins)] * len(eqn.outvars)
+            if effects is not None and eqn.effects:
+                effects.append((frozenset().union(*ins), eqn))
         marks.update(zip(eqn.outvars, outs, strict=True))
         eqn_ins.append(ins)
     return [read(v) for v in jaxpr.outvars], eqn_ins
@@ -110,6 +114,37 @@ def dependencies(closed, in_labels: Sequence[object], eqn_labels=None) -> list[f
     operations connects it to the input, whatever the values.
     """
     return _mark(closed.jaxpr, _in_marks(in_labels), eqn_labels)[0]
+
+
+def effect_dependencies(closed, in_labels: Sequence[object]) -> list[tuple[frozenset, Location]]:
+    """The operations of `closed` with an effect (a `jax.debug.callback`, an `io_callback`:
+    what they do shows outside the outputs), each with the labels of the inputs it takes
+    and where the user wrote it."""
+    effects: list = []
+    _mark(closed.jaxpr, _in_marks(in_labels), effects=effects)
+    return [(marks, _location(eqn)) for marks, eqn in effects]
+
+
+# Primitives whose body deferax cannot read: a host callback, a foreign function. What they
+# compute, and what they keep between calls (a factorisation in a Python object), is unknown.
+_OPAQUE = ("pure_callback", "io_callback", "ffi_call", "custom_call")
+
+
+def opaque_call(closed, also: Sequence[str] = ()) -> Location | None:
+    """The first operation of `closed`, at any depth, whose body cannot be read (a host
+    callback, a foreign function, or a primitive named in `also`); None if there is none."""
+
+    def find(jaxpr):
+        for eqn in jaxpr.eqns:
+            if str(eqn.primitive) in _OPAQUE or str(eqn.primitive) in also:
+                return _location(eqn)
+            for sub in _core.jaxprs_in_params(eqn.params):
+                found = find(sub)
+                if found is not None:
+                    return found
+        return None
+
+    return find(closed.jaxpr)
 
 
 def input_marks(closed, in_labels: Sequence[object], eqn_labels=None) -> list[list[frozenset]]:
