@@ -272,6 +272,50 @@ def test_vectorized_site_beside_fused_halves_under_vmap():
     assert timeline.counts("halves") == {"fwd": 4, "adjoint": 4}
 
 
+def test_typed_prng_key_reaches_host_functions_as_its_data():
+    """A typed PRNG key in a host site's input arrives as its raw data (`uint32`), as
+    `jax.pure_callback` hands it, eagerly, under `jit` and under `vmap` of a key batch;
+    against plain JAX. A key in `out=` is refused: NumPy cannot hold one."""
+    runs = Runs()
+
+    def solve(x):
+        p, data = x
+        runs.tick("fwd", data)
+        return 2.0 * p + float(data.sum() % 7)
+
+    def adjoint(x, ct):
+        runs.tick("adjoint", x[1])
+        return 2.0 * ct, np.zeros_like(x[1])
+
+    f = dx.host(solve, adjoint=adjoint, out=jax.ShapeDtypeStruct((3,), jnp.float64), name="keyed")
+    w = jnp.array([1.0, -2.0, 0.5])
+    loss = lambda p, key: jnp.sum(w * f((p, key))) + jnp.sum(p**2)  # noqa: E731
+    reference = lambda p, key: jnp.sum(w * (2.0 * p + (jnp.sum(jax.random.key_data(key)) % 7).astype(p.dtype))) + jnp.sum(p**2)  # noqa: E731
+    key = jax.random.key(3)
+    assert dx.explain(loss, X0, key).sites[0].schedule == "deferred"
+    for jit in (False, True):
+        runs.shapes.clear()
+        fn = dx.filter_value_and_grad(loss)
+        got = (eqx.filter_jit(fn) if jit else fn)(X0, key)
+        assert_tree_allclose(got, eqx.filter_value_and_grad(reference)(X0, key), rtol=1e-12, atol=1e-12)
+        assert runs.shapes == {"fwd": [(2,)], "adjoint": [(2,)]}
+    keys = jax.random.split(key, 3)
+    runs.shapes.clear()
+    got = jax.vmap(dx.filter_value_and_grad(loss), in_axes=(None, 0))(X0, keys)
+    assert_tree_allclose(got, jax.vmap(eqx.filter_value_and_grad(reference), in_axes=(None, 0))(X0, keys), rtol=1e-12, atol=1e-12)
+    assert runs.shapes == {"fwd": [(2,)] * 3, "adjoint": [(2,)] * 3}
+
+    g = dx.host(lambda x: x, out=jax.eval_shape(lambda: jax.random.key(0)), name="split")
+    with pytest.raises(TypeError) as info:
+        g(X0)
+    assert str(info.value) == (
+        "`ExpensiveFn(name='split')`: `out=` declares a typed PRNG key (key<fry>[]), but a host function returns NumPy arrays, which cannot\n"
+        "hold one (nor can `jax.pure_callback` return one). Declare the key's raw data, and wrap it after the call:\n\n"
+        "    data = sim(x)                       # out=jax.ShapeDtypeStruct((2,), jnp.uint32)\n"
+        "    key = jax.random.wrap_key_data(data)"
+    )
+
+
 def test_bwd_that_needs_the_output_stays_standard():
     runs = Runs()
 
