@@ -128,7 +128,8 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
     part of the surrounding program, where XLA:CPU runs them one after another; when there
     are several and all of them leave the program anyway (host functions, `dx.fuse`, a
     `fused` made from `fwd` and `adjoint`), they leave it through one callback that runs
-    them all concurrently.
+    them all concurrently; under a `vmap` of the whole step, on the whole batch (each host
+    site's functions get it in one submission, other halves run one example after another).
     """
     positions = analysis.deferred + analysis.early
 
