@@ -6,6 +6,7 @@ import re
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import deferax as dx
@@ -637,3 +638,98 @@ def test_rebinding_a_global_that_bwd_branches_on_is_not_stale():
                     assert_tree_allclose(got, jax.value_and_grad(plain)(P0))
     finally:
         READS = "x"
+
+
+# ----------------------------------------------------------------------------- typed PRNG keys
+
+
+def noisy(p, key):
+    """`ref(p)` scaled by noise drawn from a typed PRNG key."""
+    return ref(p) * (1.0 + 0.1 * jax.random.normal(key, p.shape))
+
+
+def keyed(counter):
+    """A site whose input `(p, key)` and output `{"y", "key"}` hold a typed key (`key<fry>`)."""
+
+    def fwd(x):
+        counter.tick("fwd")
+        p, key = x
+        return {"y": noisy(p, key), "key": jax.random.split(key)[0]}
+
+    def bwd(x, y, ct):
+        counter.tick("bwd")
+        p, key = x
+        (ct_p,) = jax.vjp(lambda p: noisy(p, key), p)[1](ct["y"])
+        return ct_p, np.zeros(key.shape, jax.dtypes.float0)  # a key's cotangent, as JAX's
+
+    def fused(x, ct):
+        counter.tick("fused")
+        p, key = x
+        return {"y": noisy(p, key), "key": jax.random.split(key)[0]}, (jax.vjp(lambda p: noisy(p, key), p)[1](ct["y"])[0], np.zeros(key.shape, jax.dtypes.float0))
+
+    return dx.ExpensiveFn(fwd=fwd, bwd=bwd, fused=fused, name="keyed")
+
+
+def keyed_plain(x):
+    p, key = x
+    return {"y": noisy(p, key), "key": jax.random.split(key)[0]}
+
+
+def keyed_loss(f, square):
+    """Keys in the differentiated argument, in the site's input and output, in a
+    non-differentiated argument and in aux."""
+
+    def loss(params, data_key):
+        out = f((params["p"], params["key"]))
+        y = out["y"] ** 2 if square else out["y"]
+        value = jnp.sum(W * y) + jnp.sum(jax.random.uniform(out["key"], (4,)) * params["p"]) + jnp.sum(jax.random.normal(data_key, (4,)))
+        return value, {"key": out["key"], "data_key": data_key, "draw": jax.random.normal(out["key"], ())}
+
+    return loss
+
+
+@pytest.mark.parametrize("square", [False, True], ids=["linear", "square"])
+def test_typed_prng_keys_in_inputs_outputs_and_aux(counter, square):
+    """New-style keys (`jax.random.key`, an extended dtype) anywhere in the program, as
+    Equinox handles them: float0 cotangents, no gradient for the key; eagerly, under
+    `eqx.filter_jit` and under `vmap` over a batch of keys."""
+    f = keyed(counter)
+    loss, reference = keyed_loss(f, square), keyed_loss(keyed_plain, square)
+    params = {"p": P0, "key": jax.random.key(0)}
+    data_key = jax.random.key(1)
+    site = dx.explain(dx.filter_value_and_grad(loss, has_aux=True), params, data_key).sites[0]
+    assert (site.schedule, site.in_shapes, site.out_shapes) == ("standard" if square else "deferred", "(float64[4], key<fry>[])", "(key<fry>[], float64[4])")
+    expected_counts = {"fwd": 1, "bwd": 1, "fused": 0} if square else {"fwd": 0, "bwd": 0, "fused": 1}
+
+    def same(got, expected):
+        (value, aux), grads = got
+        (value_, aux_), grads_ = expected
+        assert_tree_allclose((value, aux["draw"], grads["p"]), (value_, aux_["draw"], grads_["p"]))
+        assert grads["key"] is None and grads_["key"] is None
+        for a, b in zip(jax.tree.leaves((aux["key"], aux["data_key"])), jax.tree.leaves((aux_["key"], aux_["data_key"])), strict=True):
+            assert jax.random.key_data(a).tolist() == jax.random.key_data(b).tolist()
+
+    for jit in (False, True):
+        got_fn = dx.filter_value_and_grad(loss, has_aux=True)
+        ref_fn = eqx.filter_value_and_grad(reference, has_aux=True)
+        if jit:
+            got_fn, ref_fn = eqx.filter_jit(got_fn), eqx.filter_jit(ref_fn)
+            got_fn(params, data_key)
+        jax.effects_barrier()
+        counter.reset()
+        got = got_fn(params, data_key)
+        jax.effects_barrier()
+        assert counter.as_dict() == expected_counts
+        same(got, ref_fn(params, data_key))
+
+    grads, aux = dx.filter_grad(loss, has_aux=True)(params, data_key)
+    grads_, aux_ = eqx.filter_grad(reference, has_aux=True)(params, data_key)
+    assert_tree_allclose((grads["p"], aux["draw"]), (grads_["p"], aux_["draw"]))
+
+    keys = jax.random.split(jax.random.key(2), 3)
+    batched = lambda fn: jax.vmap(lambda k: fn({"p": P0, "key": k}, data_key))  # noqa: E731
+    counter.reset()
+    got = batched(dx.filter_value_and_grad(loss, has_aux=True))(keys)
+    jax.effects_barrier()
+    assert counter.as_dict() == expected_counts  # (once per batch: the counter's callback takes no batched argument)
+    same(got, batched(eqx.filter_value_and_grad(reference, has_aux=True))(keys))

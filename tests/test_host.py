@@ -228,6 +228,94 @@ def test_vectorized_host_functions_get_whole_batches():
     assert runs.shapes == {"fwd": [(1, 3)], "adjoint": [(2, 3)]}
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["plain", "jit"])
+@pytest.mark.parametrize("loss_name", ["linear", "overlap"])
+def test_several_vectorized_sites_under_vmap_get_whole_batches(loss_name, jit):
+    """Two or three host sites under an outer `vmap`: each host function gets the batch of
+    four in one call, as one site does."""
+    make_loss = LOSSES[loss_name][0]
+    runs = [Runs() for _ in range(3)]
+    fs = [vectorized_solver(r) for r in runs]
+
+    def loss(x):
+        return sum(make_loss(f)(x * (i + 1)) for i, f in enumerate(fs))
+
+    def ref(x):
+        return sum(make_loss(reference)(x * (i + 1)) for i in range(3))
+
+    xs = jnp.stack([X0, -X0, 2 * X0, X0 + 1])
+    fn = jax.vmap(dx.filter_value_and_grad(loss))
+    assert [s.schedule for s in dx.explain(dx.filter_value_and_grad(loss), X0).sites] == [LOSSES[loss_name][1]] * 3
+    got = jax.block_until_ready((jax.jit(fn) if jit else fn)(xs))
+    assert_tree_allclose(got, jax.vmap(eqx.filter_value_and_grad(ref))(xs), rtol=1e-12, atol=1e-12)
+    adjoints = (4, 3) if loss_name == "linear" else (8, 3)  # the overlap: two basis cotangents each
+    for r in runs:
+        assert r.shapes == {"fwd": [(4, 3)], "adjoint": [adjoints]}
+
+
+def test_vectorized_site_beside_fused_halves_under_vmap():
+    """A host site beside a `dx.fuse` site under an outer `vmap` (one callback for both):
+    the host functions get the whole batch; the halves run once per example."""
+    runs = Runs()
+    f = vectorized_solver(runs)
+
+    def adjoint(x, ct):
+        return jnp.linalg.solve((jnp.asarray(A0) + jnp.diag(x.astype(jnp.complex128))).T, ct)
+
+    g = dx.ExpensiveFn(fwd=reference, fused=dx.fuse(reference, adjoint, combine=lambda x, e, lam: -jnp.real(e * lam)), name="halves")
+    loss = lambda x: linear_loss(f)(x) + linear_loss(g)(2 * x)  # noqa: E731
+    xs = jnp.stack([X0, -X0, 2 * X0, X0 + 1])
+    with dx.record() as timeline:
+        got = jax.block_until_ready(jax.jit(jax.vmap(dx.filter_value_and_grad(loss)))(xs))
+    assert_tree_allclose(got, jax.vmap(eqx.filter_value_and_grad(lambda x: linear_loss(reference)(x) + linear_loss(reference)(2 * x)))(xs))
+    assert runs.shapes == {"fwd": [(4, 3)], "adjoint": [(4, 3)]}
+    assert timeline.counts("halves") == {"fwd": 4, "adjoint": 4}
+
+
+def test_typed_prng_key_reaches_host_functions_as_its_data():
+    """A typed PRNG key in a host site's input arrives as its raw data (`uint32`), as
+    `jax.pure_callback` hands it, eagerly, under `jit` and under `vmap` of a key batch;
+    against plain JAX. A key in `out=` is refused: NumPy cannot hold one."""
+    runs = Runs()
+
+    def solve(x):
+        p, data = x
+        runs.tick("fwd", data)
+        return 2.0 * p + float(data.sum() % 7)
+
+    def adjoint(x, ct):
+        runs.tick("adjoint", x[1])
+        return 2.0 * ct, np.zeros_like(x[1])
+
+    f = dx.host(solve, adjoint=adjoint, out=jax.ShapeDtypeStruct((3,), jnp.float64), name="keyed")
+    w = jnp.array([1.0, -2.0, 0.5])
+    loss = lambda p, key: jnp.sum(w * f((p, key))) + jnp.sum(p**2)  # noqa: E731
+    reference = lambda p, key: jnp.sum(w * (2.0 * p + (jnp.sum(jax.random.key_data(key)) % 7).astype(p.dtype))) + jnp.sum(p**2)  # noqa: E731
+    key = jax.random.key(3)
+    assert dx.explain(loss, X0, key).sites[0].schedule == "deferred"
+    for jit in (False, True):
+        runs.shapes.clear()
+        fn = dx.filter_value_and_grad(loss)
+        got = (eqx.filter_jit(fn) if jit else fn)(X0, key)
+        assert_tree_allclose(got, eqx.filter_value_and_grad(reference)(X0, key), rtol=1e-12, atol=1e-12)
+        assert runs.shapes == {"fwd": [(2,)], "adjoint": [(2,)]}
+    keys = jax.random.split(key, 3)
+    runs.shapes.clear()
+    got = jax.vmap(dx.filter_value_and_grad(loss), in_axes=(None, 0))(X0, keys)
+    assert_tree_allclose(got, jax.vmap(eqx.filter_value_and_grad(reference), in_axes=(None, 0))(X0, keys), rtol=1e-12, atol=1e-12)
+    assert runs.shapes == {"fwd": [(2,)] * 3, "adjoint": [(2,)] * 3}
+
+    g = dx.host(lambda x: x, out=jax.eval_shape(lambda: jax.random.key(0)), name="split")
+    with pytest.raises(TypeError) as info:
+        g(X0)
+    assert str(info.value) == (
+        "`ExpensiveFn(name='split')`: `out=` declares a typed PRNG key (key<fry>[]), but a host function returns NumPy arrays, which cannot\n"
+        "hold one (nor can `jax.pure_callback` return one). Declare the key's raw data, and wrap it after the call:\n\n"
+        "    data = sim(x)                       # out=jax.ShapeDtypeStruct((2,), jnp.uint32)\n"
+        "    key = jax.random.wrap_key_data(data)"
+    )
+
+
 def test_bwd_that_needs_the_output_stays_standard():
     runs = Runs()
 

@@ -35,6 +35,27 @@ BAD_EXECUTOR = """{call}: `executor` must be a `concurrent.futures.Executor` (a 
 
 BAD_TIMEOUT = "{call}: `timeout` must be a positive number of seconds or None, but got {found!r}."
 
+KEY_OUT = """{call}: {what} declares a typed PRNG key ({found}), but a host function returns NumPy arrays, which cannot
+hold one (nor can `jax.pure_callback` return one). Declare the key's raw data, and wrap it after the call:
+
+    data = sim(x)                       # out=jax.ShapeDtypeStruct((2,), jnp.uint32)
+    key = jax.random.wrap_key_data(data)"""
+
+
+def _raw(tree: PyTree) -> PyTree:
+    """`tree` with each typed PRNG key (the extended dtype `key<fry>`, say) as its raw data
+    (`jax.random.key_data`, `uint32`): what a host function gets, as `jax.pure_callback`
+    hands a callback."""
+    return jtu.tree_map(lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(jnp.result_type(a), jax.dtypes.prng_key) else a, tree)
+
+
+def _check_declared(call: str, what: str, declared: PyTree) -> PyTree:
+    check_declared_width(call, what, declared)
+    keys = [s for s in jtu.tree_leaves(declared) if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)]
+    if keys:
+        raise TypeError(KEY_OUT.format(call=call, what=what, found=_errors.shape_text(keys[0])))
+    return declared
+
 
 def _identity(x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
     """The default `combine`: the adjoint's result is the input cotangent."""
@@ -76,18 +97,17 @@ class _Host(eqx.Module):
 
     def _out(self, x: PyTree) -> PyTree:
         declared = self.out(_struct(x)) if callable(self.out) else self.out
-        check_declared_width(self.call, "`out=`", declared)
-        return declared
+        return _check_declared(self.call, "`out=`", declared)
 
     def _adjoint_out(self, x: PyTree) -> PyTree:
         if self.adjoint_out is None:
-            return _struct(x)
+            return _struct(_raw(x))
         declared = self.adjoint_out(_struct(x)) if callable(self.adjoint_out) else self.adjoint_out
-        check_declared_width(self.call, "`adjoint_out=`", declared)
-        return declared
+        return _check_declared(self.call, "`adjoint_out=`", declared)
 
     def _run(self, kind: str, args: tuple, result: PyTree) -> PyTree:
         runner = self._runner()
+        args = _raw(args)
         arg_structs = _struct(args)
         if is_concrete(args):
             return jtu.tree_map(jnp.asarray, runner(kind, result, arg_structs, *jtu.tree_map(np.asarray, args)))
@@ -107,11 +127,11 @@ class _Host(eqx.Module):
     def bwd(self, x: PyTree, y: PyTree, ct_y: PyTree) -> PyTree:
         if self.host_adjoint is not None:
             return self._combine(x, y, self._run("adjoint", (x, ct_y), self._adjoint_out(x)))
-        return self._run("bwd", (x, y, ct_y), _struct(x))
+        return self._run("bwd", (x, y, ct_y), _struct(_raw(x)))
 
     def fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
         if self.host_fused is not None:
-            return self._run("fused", (x, ct_y), (self._out(x), _struct(x)))
+            return self._run("fused", (x, ct_y), (self._out(x), _struct(_raw(x))))
         y, partial = self._run("fwd+adjoint", (x, ct_y), (self._out(x), self._adjoint_out(x)))
         return y, self._combine(x, y, partial)
 
@@ -130,7 +150,7 @@ class _Host(eqx.Module):
         if self.host_fwd is not None and self.host_adjoint is not None:
             y, partials = self._run("fwd+adjoints", (x, cts), (self._out(x), batched(self._adjoint_out(x))))
             return y, jax.vmap(lambda p: self._combine(x, y, p))(partials)
-        return self._run("fused*k", (x, cts), (self._out(x), batched(_struct(x))))
+        return self._run("fused*k", (x, cts), (self._out(x), batched(_struct(_raw(x)))))
 
 
 # Typed `Any` where a wrong value must reach the checks below, whose messages name the function.
@@ -158,7 +178,9 @@ def host(
     """Make a [`deferax.ExpensiveFn`][] from host functions: NumPy, SciPy, a C++ solver, a job
     on a cluster.
 
-    The host functions take and return NumPy arrays (pytrees of them). They reach the JAX
+    The host functions take and return NumPy arrays (pytrees of them); a typed PRNG key
+    (`jax.random.key`) in the input reaches them as its raw data (`jax.random.key_data`,
+    `uint32`), as `jax.pure_callback` hands one to a callback. They reach the JAX
     program through `jax.pure_callback`, so the result works under `jax.jit`, `jax.vmap`,
     `jax.grad` and on every schedule of [`deferax.filter_value_and_grad`][]; called on
     concrete arrays (outside `jit`), they are called directly and their exceptions are

@@ -94,19 +94,30 @@ def _basis_cotangents(program, variables, ins, ys, k):
 # ----------------------------------------------------------------------------- stage 2
 
 
+def _stage2_impl(analysis: Analysis, k: int):
+    """The implementation that site `k`'s stage-2 work calls (None for a `fused` made here)."""
+    static = analysis.spec(k).static
+    if k in analysis.early:
+        return static.fwd
+    if analysis.derived(k):
+        return None
+    return static.fused_batch if k in analysis.basis and static.fused_batch is not None else static.fused
+
+
+def _on_host(analysis: Analysis, k: int) -> bool:
+    """Whether site `k`'s stage-2 work is host functions (`dx.host`), whose callback takes a
+    batch from `vmap` whole."""
+    return getattr(getattr(_stage2_impl(analysis, k), "__self__", None), "runs_on_host", False)
+
+
 def leaves_program(analysis: Analysis, k: int) -> bool:
     """Whether site `k`'s stage-2 work runs outside the XLA program anyway: on the host
     (`dx.host`), or as two compiled halves on threads (`dx.fuse`, or a `fused` made from
     `fwd` and `adjoint`/`bwd`). Such work leaves through a callback, which JAX cannot
     differentiate."""
-    static = analysis.spec(k).static
-    if k in analysis.early:
-        impl = static.fwd
-    elif analysis.derived(k):
+    if analysis.derived(k) and k not in analysis.early:
         return True
-    else:
-        impl = static.fused_batch if k in analysis.basis and static.fused_batch is not None else static.fused
-    return isinstance(impl, Fused) or getattr(getattr(impl, "__self__", None), "runs_on_host", False)
+    return isinstance(_stage2_impl(analysis, k), Fused) or _on_host(analysis, k)
 
 
 def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[dict, dict]:
@@ -117,11 +128,20 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
     part of the surrounding program, where XLA:CPU runs them one after another; when there
     are several and all of them leave the program anyway (host functions, `dx.fuse`, a
     `fused` made from `fwd` and `adjoint`), they leave it through one callback that runs
-    them all concurrently.
+    them all concurrently; under a `vmap` of the whole step, on the whole batch (each host
+    site's functions get it in one submission, other halves run one example after another).
     """
     positions = analysis.deferred + analysis.early
 
-    def one(k, operands_, cts_):
+    def one(k, operands_, cts_, size=None):
+        """Site `k`'s work; with `size`, for a batch of that many examples (from a `vmap`
+        around the whole step) stacked on a leading axis."""
+        if size is not None:
+            site_args = (operands_[k], cts_[k])
+            if k in on_host:  # the host functions get the whole batch in one submission
+                return on_host[k](*site_args)
+            each = [one(k, {k: o}, {k: c}) for o, c in (jtu.tree_map(lambda a, i=i: a[i], site_args) for i in range(size))]
+            return jtu.tree_map(lambda *a: np.stack(a), *each)
         schedule = "standard" if k in analysis.early else "deferred-basis" if k in analysis.basis else "deferred"
         with _record.site(analysis.spec(k).name, schedule):
             return run_one(k, operands_, cts_)
@@ -138,31 +158,34 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
             return jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_xs), spec.diff, strict=True) if d]
         return fused(spec, operands_[k], cts_[k], analysis.derived(k))
 
-    def guarded(k, operands_, cts_):
+    # (compiled once for this trace of the step, each batch size once)
+    on_host = {k: jax.jit(jax.vmap(lambda o, c, k=k: one(k, {k: o}, {k: c}))) for k in positions if _on_host(analysis, k)}
+
+    def guarded(k, operands_, cts_, size=None):
         """`one(k)`, one call at a time for a function that is not thread-safe, or while
         concurrency is switched off (which its halves read again when they run)."""
         if not analysis.spec(k).static.thread_safe:
             with _executor.SERIAL_LOCK, serial():
-                return one(k, operands_, cts_)
+                return one(k, operands_, cts_, size)
         if _executor.concurrency_enabled():
-            return one(k, operands_, cts_)
+            return one(k, operands_, cts_, size)
         with _executor.SERIAL_LOCK:
-            return one(k, operands_, cts_)
+            return one(k, operands_, cts_, size)
 
-    def placed(i, k, operands_, cts_):
+    def placed(i, k, operands_, cts_, size=None):
         with slot(i):  # the i-th site's halves on the i-th pair of devices
-            return guarded(k, operands_, cts_)
+            return guarded(k, operands_, cts_, size)
 
-    def run_all(operands_, cts_):
+    def run_all(operands_, cts_, size=None):
         if len(positions) > 1:
-            futures = [_SITES.submit(_jaxpr.carry_context(placed), i, k, operands_, cts_) for i, k in enumerate(positions[1:], 1)]
+            futures = [_SITES.submit(_jaxpr.carry_context(placed), i, k, operands_, cts_, size) for i, k in enumerate(positions[1:], 1)]
             try:
-                first = placed(0, positions[0], operands_, cts_)  # this thread runs one site itself
+                first = placed(0, positions[0], operands_, cts_, size)  # this thread runs one site itself
             except BaseException:
                 concurrent.futures.wait(futures)
                 raise
             return [first, *(f.result() for f in futures)]
-        return [guarded(k, operands_, cts_) for k in positions]
+        return [guarded(k, operands_, cts_, size) for k in positions]
 
     gather = len(positions) > 1 and all(leaves_program(analysis, k) for k in positions)
     results = None
@@ -181,14 +204,24 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
         with preparing(prepared):
             shapes = jax.eval_shape(lambda m: [traced(i, k, m) for i, k in enumerate(positions)], mine)
 
+        rank = next((np.ndim(a) for a in jtu.tree_leaves(mine)), 0)
+
         def host(concrete):
+            # Under a `vmap` of the whole step, every operand comes with the batch's leading
+            # axes: the sites run on the batch flattened to one axis.
+            leaves = jtu.tree_leaves(concrete)
+            batch = np.shape(leaves[0])[: np.ndim(leaves[0]) - rank] if leaves else ()
             with running_prepared(prepared):
-                return jtu.tree_map(np.asarray, run_all(*concrete))
+                if not batch:
+                    return jtu.tree_map(np.asarray, run_all(*concrete))
+                size = int(np.prod(batch))
+                flat = jtu.tree_map(lambda a: np.reshape(a, (size, *np.shape(a)[len(batch) :])), concrete)
+                return jtu.tree_map(lambda a: np.reshape(a, (*batch, *np.shape(a)[1:])), run_all(*flat, size=size))
 
         # A half that closes over a value of the surrounding trace cannot run from one
         # callback for all: then each site leaves through its own, which takes that value.
         if all_runnable(prepared):
-            results = jax.pure_callback(host, shapes, mine, vmap_method="sequential")
+            results = jax.pure_callback(host, shapes, mine, vmap_method="broadcast_all")
     if results is None:
         results = [guarded(k, operands, cts) for k in positions]
     ys = {k: r[0] for k, r in zip(positions, results, strict=True)}
