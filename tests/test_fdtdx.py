@@ -3,6 +3,7 @@ inverse design) in a loss, with no site and wrapped as an `ExpensiveFn`, against
 and plain JAX."""
 
 import equinox as eqx
+import fdtdx  # in the tests extra
 import jax
 import jax.numpy as jnp
 import pytest
@@ -11,9 +12,6 @@ import deferax as dx
 
 from .helpers import assert_tree_allclose
 
-fdtdx = pytest.importorskip(
-    "fdtdx", reason="fdtdx is not installed (`pip install fdtdx`; it is not in the tests extra: it brings tidy3d and about 400 MB)"
-)
 
 @pytest.fixture(scope="module", autouse=True)
 def standard_promotion():
