@@ -698,3 +698,50 @@ def test_inside_an_enclosing_derivative_the_standard_schedule_is_used(counter):
     native = dx.ExpensiveFn(fwd=ref, bwd=lambda x, y, ct: adjoint(x, ct), fused=lambda x, ct: (ref(x), adjoint(x, ct)), name="native")
     native_loss = lambda p: jnp.sum(W * native(p)) + jnp.sum(p**3)  # noqa: E731
     assert_tree_allclose(jax.jacrev(dx.filter_grad(native_loss, schedule="deferred"))(P0), jax.hessian(reference)(P0))
+
+
+# ----------------------------------------------------------------------------- custom rules that close over values of the loss
+
+
+def _scaled_by_cos(x, kind):
+    """`u -> u * scale` with `scale = stop_gradient(cos(x))` computed in the loss, and a
+    custom rule that closes over `scale` (as fdtdx writes its time-reversal gradient)."""
+    scale = jax.lax.stop_gradient(jnp.cos(x))
+    if kind == "custom_vjp":
+        f = jax.custom_vjp(lambda u: u * scale)
+        f.defvjp(lambda u: (u * scale, None), lambda _, ct: (ct * scale,))
+    else:
+        f = jax.custom_jvp(lambda u: u * scale)
+        f.defjvp(lambda primals, tangents: (primals[0] * scale, 2.0 * tangents[0] * scale))  # (a rule that is not the derivative)
+    return f
+
+
+@pytest.mark.parametrize("kind", ["custom_vjp", "custom_jvp"])
+def test_custom_rule_closing_over_a_loss_value_runs_as_equinox(kind, counter):
+    """A rule that closes over a value computed in the loss cannot run outside the trace it
+    came from: the whole call runs as Equinox's does (with or without a site; the site on
+    its standard schedule), and `explain` says why. Equinox is the reference (the rule is
+    deliberately not the derivative for `custom_jvp`: its result is what Equinox returns)."""
+    f = make(ref, ("fwd", "bwd", "fused"), counter, name="sim")
+    cases = [
+        (lambda p: jnp.sum(_scaled_by_cos(p, kind)(p) ** 2), {"fwd": 0, "bwd": 0, "fused": 0}),
+        (lambda p: jnp.sum(W * f(_scaled_by_cos(p, kind)(p))), {"fwd": 1, "bwd": 1, "fused": 0}),
+    ]
+    for loss, counts in cases:
+        plan = dx.explain(loss, P0)
+        assert plan.fallback.startswith(f"a {kind} rule at {__file__}:"), plan.fallback
+        assert "closes over a value computed in the function" in plan.fallback
+        assert "runs as `equinox.filter_value_and_grad` would" in str(plan)
+        assert all(s.schedule == "standard" and s.reason == plan.fallback for s in plan.sites)
+        for jit in (False, True):
+            step = dx.filter_value_and_grad(loss)
+            reference = eqx.filter_value_and_grad(loss)
+            step, reference = (eqx.filter_jit(step), eqx.filter_jit(reference)) if jit else (step, reference)
+            jax.effects_barrier()
+            counter.reset()
+            got = jax.block_until_ready(step(P0))
+            jax.effects_barrier()
+            assert counter.as_dict() == counts, (jit, counter.as_dict())
+            assert_tree_allclose(got, reference(P0))
+    # the plain-JAX reference agrees with Equinox here
+    assert_tree_allclose(dx.filter_value_and_grad(cases[0][0])(P0), jax.value_and_grad(cases[0][0])(P0))

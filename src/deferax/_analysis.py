@@ -96,6 +96,7 @@ class _Check:
         self.n_in = len(program.jaxpr.invars)
         self.eqn_labels = {i: ("y", k) for k, i in enumerate(sites)} | {i: ("n", i) for i in nested}
         self._substituted = None
+        self.fallback = _fallback(program)
 
     # ------------------------------------------------------------------ the order of the plan
 
@@ -154,6 +155,8 @@ class _Check:
 
     def _structural(self, k, upstream, feeds) -> str | None:
         spec = self.specs[k]
+        if self.fallback is not None:
+            return self.fallback
         if self.schedule == "standard":
             return "schedule='standard' was requested"
         if spec.static.prefer is not None:
@@ -297,7 +300,7 @@ class _Check:
             if refused:
                 lines = "\n".join(f"  site #{s.index} `{s.name}`: {s.reason}" for s in refused)
                 raise ValueError(_errors.CANNOT_DEFER.format(where=self.where, lines=lines))
-        return Plan(sites=tuple(sites), stages=self._stages(sites, deferred, basis, early), requested=self.schedule)
+        return Plan(sites=tuple(sites), stages=self._stages(sites, deferred, basis, early), requested=self.schedule, fallback=self.fallback)
 
     def _stages(self, sites, deferred, basis, early):
         """The expensive work in order: the deferred sites' `fused` calls together with the
@@ -332,6 +335,16 @@ class _Check:
                 stages.append((label(s, "fwd"),))
         stages.extend((label(s, "bwd"),) for s in reversed(standard))
         return tuple(stages)
+
+
+def _fallback(program) -> str | None:
+    """Why the program cannot be evaluated again outside the trace of the function (the
+    stages do): then the whole call runs as Equinox's would."""
+    stranded = _jaxpr.stranded_rule(program)
+    if stranded is None:
+        return None
+    kind, location = stranded
+    return f"a {kind} rule {location.where()} closes over a value computed in the function, so it cannot run outside the trace that made it"
 
 
 def _forward_basis_why(spec) -> str:

@@ -158,6 +158,8 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int, x, args, 
         schedule = "standard"
     eager = _jaxpr.is_eager() and is_concrete(ins)
     analysis, compiled = _analysis(traced, schedule, max_basis, eager)
+    if analysis.plan.fallback is not None:
+        return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
     outside = [analysis.spec(k).name for k in analysis.deferred if _stages.leaves_program(analysis, k)] if differentiated else []
     if outside:
         sites = ", ".join(f"`{name}`" for name in outside)

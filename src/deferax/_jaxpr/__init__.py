@@ -8,6 +8,7 @@ JAX upgrade should have to touch this folder only. The tested JAX range is pinne
 - `_primitives`: defining a primitive and the helpers its rules need;
 - `_dependence`: which values depend on which sources, and the user line that made it so;
 - `_linearity`: where a program stops being linear in an input;
+- `_replay`: what cannot run outside the trace that made it;
 - `_keys`: cache keys equal for programs that compute the same thing;
 - `_config`: the caller's JAX configuration carried to other threads.
 """
@@ -41,3 +42,4 @@ from ._program import prune as prune
 from ._program import substitute as substitute
 from ._program import top_level as top_level
 from ._program import trace as trace
+from ._replay import stranded_rule as stranded_rule

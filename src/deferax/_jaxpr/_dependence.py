@@ -38,11 +38,15 @@ class Location:
     function: str | None
 
     def __str__(self) -> str:
+        return f"`{self.primitive}` {self.where()}"
+
+    def where(self) -> str:
+        """`at file:line` with the line's code, or that there is none."""
         if self.file is None:
-            return f"`{self.primitive}` (no user source line)"
+            return "(no user source line)"
         code = linecache.getline(self.file, self.line or 0).strip()
         shown = f" `{code}`" if code else ""
-        return f"`{self.primitive}` at {self.file}:{self.line}{shown}"
+        return f"at {self.file}:{self.line}{shown}"
 
 
 def _location(eqn) -> Location:

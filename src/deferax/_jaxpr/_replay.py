@@ -1,0 +1,70 @@
+"""What cannot be replayed: custom rules bound to the trace that made them.
+
+The stages evaluate the traced program again, in other traces (stage 1's backward pass,
+stage 3 under `jax.vjp`). A `custom_vjp` or `custom_jvp` rule is kept in the program as a
+Python function, called only when the program is differentiated; one that closes over a
+value computed in the traced function (`scale = stop_gradient(cos(x))`, then a backward
+rule returning `ct * scale`) holds a tracer of a trace that has ended, and fails there.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax._src import core as _core
+
+from ._dependence import Location, _location
+from ._program import bind_equation
+
+_RULES = {"custom_vjp_call": "custom_vjp", "custom_vjp_call_jaxpr": "custom_vjp", "custom_jvp_call": "custom_jvp"}
+
+
+def stranded_rule(closed) -> tuple[str, Location] | None:
+    """The first custom rule of `closed` (at any depth) that cannot be differentiated
+    outside the trace that made it, as `(kind, location)`; `None` when there is none.
+
+    Each rule is differentiated on abstract values in a fresh trace, as the stages would
+    differentiate it: a rule holding a tracer of an ended trace fails there, or takes it in
+    as a constant (one holding a value of an enclosing `jit`, still tracing, is fine)."""
+    for eqn in _equations(closed.jaxpr):
+        kind = _RULES.get(str(eqn.primitive))
+        if kind is not None and not _differentiable_alone(eqn):
+            return kind, _location(eqn)
+    return None
+
+
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _core.jaxprs_in_params(eqn.params):
+            yield from _equations(sub)
+
+
+def _cotangent(aval):
+    if jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
+        return jax.numpy.zeros(aval.shape, aval.dtype)
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+def _differentiable_alone(eqn) -> bool:
+    def pullback(*args):
+        outs, vjp = jax.vjp(lambda *a: bind_equation(eqn, a), *args)
+        return vjp([_cotangent(jax.typeof(o)) for o in outs])
+
+    structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in eqn.invars]
+    try:
+        closed = jax.make_jaxpr(pullback)(*structs)
+    except Exception:  # noqa: BLE001 - whatever it raises there, it would raise in the stages
+        return False
+    # (a tracer of an ended trace may also be taken in as a constant, to fail when run)
+    return not any(isinstance(c, _core.Tracer) and not _tracing(c._trace) for c in closed.consts)
+
+
+def _tracing(trace) -> bool:
+    """Whether `trace` is the current trace or one it is nested in (not one that ended)."""
+    current = _core.trace_ctx.trace
+    while current is not None:
+        if current is trace:
+            return True
+        current = getattr(current, "parent_trace", None)
+    return False
