@@ -123,6 +123,7 @@ class _Check:
             for lab in frozenset().union(*marks[i]):
                 feeds.setdefault(lab, []).append(f"the expensive call inside {_jaxpr.kind_of(self.program.jaxpr.eqns[i])}")
         decisions: dict[int, tuple] = {}
+        once: dict[int, str | None] = {}
         candidates = []
         for k in range(n):
             reason = self._structural(k, upstream, feeds)
@@ -134,8 +135,9 @@ class _Check:
         if candidates:
             ready = [k for k in range(n) if not upstream[k]]  # operands computable in stage 1
             backward, backward_out, ct_deps, labels = self._backward(candidates, ready)
+            once = {k: self._ahead_once(backward, backward_out, k) for k in {*ready, *candidates}}
             for k in candidates:
-                decisions[k] = self._decide(k, ct_deps[k], backward, labels)
+                decisions[k] = ("standard", once[k], None, None) if once[k] else self._decide(k, ct_deps[k], backward, labels)
         for k in range(n):
             if decisions[k][0] == "standard" and _site.strategy(self.specs[k]) == "forward-basis":
                 _, reason, location, _ = decisions[k]
@@ -145,6 +147,7 @@ class _Check:
         early = tuple(
             k for k in range(n)
             if deferred and k not in deferred and not self.specs[k].static.autodiff and _site.strategy(self.specs[k]) == "standard" and not upstream[k]
+            and not once.get(k)
         )  # fmt: skip
         if backward is not None:
             keep = [(kind == "ct" and k in deferred and k not in basis) or (kind == "op" and (k in deferred or k in early)) for kind, k, _ in backward_out]
@@ -193,14 +196,20 @@ class _Check:
         return [_site.structs_of(spec.y_avals()) for spec in self.specs]
 
     def _in_structs(self):
-        return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in self.program.jaxpr.invars]
+        # (a `jax.Ref` from outside by its abstract value: a struct would make it an array)
+        return [v.aval if _jaxpr.is_ref(v) else jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in self.program.jaxpr.invars]
 
     def _backward(self, candidates, ready):
         program, sites = self.program, self.sites
         value_aval = program.jaxpr.outvars[0].aval
 
+        # JAX 0.10 cannot transpose a program that passes a value it does not differentiate
+        # through a `jax.Ref` made inside it: with state, the leaves are differentiated too,
+        # as Equinox differentiates them (what fails there fails under Equinox as well).
+        n_consts, with_leaves = self.n_consts, _jaxpr.uses_refs(program)
+
         def g(ins, ys, seed):
-            def f(ys_):
+            def f(ys_, leaves):
                 operands: dict[int, list] = {}
 
                 def handler(k):
@@ -210,11 +219,14 @@ class _Check:
 
                     return h
 
-                value = _jaxpr.interpret(program, ins, {i: handler(k) for k, i in enumerate(sites)})[0]
+                value = _jaxpr.interpret(program, [*ins[:n_consts], *leaves], {i: handler(k) for k, i in enumerate(sites)})[0]
                 return value, [operands[k] for k in ready]
 
-            _, vjp, operands = jax.vjp(f, ys, has_aux=True)
-            (cts,) = vjp(seed)
+            if with_leaves:
+                _, vjp, operands = jax.vjp(f, ys, ins[n_consts:], has_aux=True)
+            else:
+                _, vjp, operands = jax.vjp(lambda ys_: f(ys_, ins[n_consts:]), ys, has_aux=True)
+            cts = vjp(seed)[0]
             return [cts[k] for k in candidates], operands
 
         seed = jax.ShapeDtypeStruct((), value_aval.dtype)
@@ -232,6 +244,14 @@ class _Check:
                 prev, outputs = ct_deps.get(k, (frozenset(), []))
                 ct_deps[k] = (prev | (d - {"seed"}), [*outputs, index])
         return closed, tuple(out), ct_deps, (labels, inner)
+
+    def _ahead_once(self, backward, backward_out, k) -> str | None:
+        """Why site `k`'s input and cotangent cannot be computed ahead of the expensive
+        calls: what stage 1 evaluates for them must happen once a call (it happens again
+        in stage 3)."""
+        targets = [v for v, (_, j, _) in zip(backward.jaxpr.outvars, backward_out, strict=True) if j == k]
+        found = _jaxpr.once_only(backward, _jaxpr.needed_equations(backward.jaxpr, targets))
+        return None if found is None else _once_reason("its input and cotangent", found)
 
     def _decide(self, k, ct_dep, backward, labels):
         sources, outputs = ct_dep
@@ -255,6 +275,9 @@ class _Check:
         limit = self.specs[k].static.max_basis
         limit = limit if limit is not None else self.max_basis
         if basis.k <= limit:
+            whole = _jaxpr.once_only(self._substituted, [True] * len(self._substituted.jaxpr.eqns))
+            if whole is not None:
+                return ("standard", reason + "; " + _once_reason("its basis cotangents, from the whole program,", whole), location, basis.k)
             return ("deferred-basis", None, location, basis)
         reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
         return ("standard", reason, location, basis.k)
@@ -345,6 +368,12 @@ def _fallback(program) -> str | None:
         return None
     kind, location = stranded
     return f"a {kind} rule {location.where()} closes over a value computed in the function, so it cannot run outside the trace that made it"
+
+
+def _once_reason(what: str, found) -> str:
+    kind, location = found
+    does = f"runs `{location.primitive}`" if kind == "effect" else "writes to a `jax.Ref` from outside the function"
+    return f"computing {what} ahead of the expensive calls {does} {location.where()}, which must happen once a call, with the value"
 
 
 def _forward_basis_why(spec) -> str:

@@ -397,7 +397,8 @@ def bwd_reads_y(spec: Spec, fn_avals: list) -> bool:
         return True
     n_y = len(spec.y_structs)
     labels = [None] * (len(fn_avals) + spec.n_x) + ["y"] * n_y + [None] * n_y
-    return any("y" in d for d in _jaxpr.dependencies(closed, labels))
+    # (`y` written to a `jax.Ref` from outside is read there after the call)
+    return any("y" in d for d in _jaxpr.dependencies(closed, labels)) or "y" in _jaxpr.escaping(closed, labels)
 
 
 # ----------------------------------------------------------------------------- binding

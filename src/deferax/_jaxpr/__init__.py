@@ -8,7 +8,7 @@ JAX upgrade should have to touch this folder only. The tested JAX range is pinne
 - `_primitives`: defining a primitive and the helpers its rules need;
 - `_dependence`: which values depend on which sources, and the user line that made it so;
 - `_linearity`: where a program stops being linear in an input;
-- `_replay`: what cannot run outside the trace that made it;
+- `_replay`: what cannot run outside the trace that made it, or must run once;
 - `_keys`: cache keys equal for programs that compute the same thing;
 - `_config`: the caller's JAX configuration carried to other threads.
 """
@@ -18,10 +18,14 @@ from ._config import carry_context as carry_context
 from ._config import local_config as local_config
 from ._config import setting as setting
 from ._dependence import dependencies as dependencies
+from ._dependence import escaping as escaping
 from ._dependence import first_culprit as first_culprit
 from ._dependence import input_marks as input_marks
 from ._dependence import is_eager as is_eager
+from ._dependence import is_ref as is_ref
+from ._dependence import needed_equations as needed_equations
 from ._dependence import under_differentiation as under_differentiation
+from ._dependence import uses_refs as uses_refs
 from ._keys import structural_key as structural_key
 from ._linearity import frontier_size as frontier_size
 from ._linearity import linear_frontier as linear_frontier
@@ -42,4 +46,5 @@ from ._program import prune as prune
 from ._program import substitute as substitute
 from ._program import top_level as top_level
 from ._program import trace as trace
+from ._replay import once_only as once_only
 from ._replay import stranded_rule as stranded_rule

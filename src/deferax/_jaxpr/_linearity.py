@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import jax
 from jax._src import core as _core
 
-from ._dependence import _inner_jaxpr
+from ._dependence import _inner_jaxpr, written
 
 # Operations that are linear in their (single) data operand and need no coefficient.
 _LINEAR_UNARY = {
@@ -72,12 +72,15 @@ def _linearity(jaxpr, in_classes, in_free):
         classes = [read(v, cls, CONST) for v in eqn.invars]
         free = [read(v, fr, True) for v in eqn.invars]
         outs = _classify(eqn, classes, free)
-        if NONLINEAR in outs:
+        if NONLINEAR in outs or written(eqn):
             frontier.extend(v for v, c in zip(eqn.invars, classes, strict=True) if c == LINEAR)
         all_free = all(free)
         for v, c in zip(eqn.outvars, outs, strict=True):
             cls[v] = c
             fr[v] = all_free
+        for ref in written(eqn):  # (a write is not linear in what it writes: that is on the frontier)
+            cls[ref] = NONLINEAR if max(classes, default=CONST) != CONST else read(ref, cls, CONST)
+            fr[ref] = all_free and read(ref, fr, True)
     frontier.extend(v for v in jaxpr.outvars if read(v, cls, CONST) == LINEAR)
     return [read(v, cls, CONST) for v in jaxpr.outvars], frontier
 
@@ -106,7 +109,7 @@ def _reached_directly(jaxpr, sources, target, blockers) -> bool:
     reached = set(sources)
     for eqn in jaxpr.eqns:
         if any(not isinstance(v, _core.Literal) and v in reached and v not in blockers for v in eqn.invars):
-            reached.update(eqn.outvars)
+            reached.update([*eqn.outvars, *written(eqn)])
     return target in reached and target not in blockers
 
 

@@ -8,6 +8,8 @@ import jax
 from jax._src import core as _core
 from jax._src import source_info_util as _source_info_util
 
+from ._dependence import needed_equations
+
 
 def trace(fun, *structs):
     """`(closed_jaxpr, out_shape)` of `fun` on abstract arguments, traced afresh every time
@@ -118,17 +120,12 @@ def open_consts(closed):
 
 def prune(closed, used_outputs: Sequence[bool]):
     """Keep only the outputs flagged in `used_outputs` and the top-level equations they
-    need, whatever their effects (a `jax.debug.print` whose result nothing needs is
-    dropped). Inputs are kept."""
+    need (a write to a `jax.Ref` that a needed equation reads later included), whatever
+    their effects (a `jax.debug.print` whose result nothing needs is dropped). Inputs are
+    kept."""
     jaxpr = closed.jaxpr
     outvars = [v for v, u in zip(jaxpr.outvars, used_outputs, strict=True) if u]
-    needed = {v for v in outvars if not isinstance(v, _core.Literal)}
-    kept = []
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in needed for v in eqn.outvars):
-            kept.append(eqn)
-            needed.update(v for v in eqn.invars if not isinstance(v, _core.Literal))
-    kept.reverse()
+    kept = [e for e, n in zip(jaxpr.eqns, needed_equations(jaxpr, outvars), strict=True) if n]
     effects = _core.join_effects(*(e.effects for e in kept)) if kept else _core.no_effects
     info = jaxpr.debug_info.with_unknown_names() if jaxpr.debug_info is not None else None
     pruned = jaxpr.replace(eqns=kept, outvars=outvars, effects=effects, debug_info=info)
@@ -158,3 +155,4 @@ def kind_of(eqn) -> str:
         "scan": "lax.scan", "cond": "lax.cond", "while": "lax.while_loop", "custom_jvp_call": "a custom_jvp rule",
         "custom_vjp_call": "a custom_vjp rule", "custom_vjp_call_jaxpr": "a custom_vjp rule",
     }.get(name, f"`{name}`")  # fmt: skip
+

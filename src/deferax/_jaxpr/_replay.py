@@ -1,10 +1,14 @@
-"""What cannot be replayed: custom rules bound to the trace that made them.
+"""What cannot be replayed: custom rules bound to the trace that made them, and effects
+that must happen once a call.
 
 The stages evaluate the traced program again, in other traces (stage 1's backward pass,
 stage 3 under `jax.vjp`). A `custom_vjp` or `custom_jvp` rule is kept in the program as a
 Python function, called only when the program is differentiated; one that closes over a
 value computed in the traced function (`scale = stop_gradient(cos(x))`, then a backward
 rule returning `ct * scale`) holds a tracer of a trace that has ended, and fails there.
+And what stage 1 evaluates, stage 3 evaluates again: an `io_callback` would run twice
+(and stage 1's draw is not the one the value sees), a write to a `jax.Ref` from outside
+would happen twice.
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 from jax._src import core as _core
+from jax._src import effects as _effects
+from jax._src.callback import IOEffect as _IOEffect
+from jax._src.callback import OrderedIOEffect as _OrderedIOEffect
 
-from ._dependence import Location, _location
+from ._dependence import Location, _location, is_ref, written
 from ._program import bind_equation
 
 _RULES = {"custom_vjp_call": "custom_vjp", "custom_vjp_call_jaxpr": "custom_vjp", "custom_jvp_call": "custom_jvp"}
@@ -51,7 +58,7 @@ def _differentiable_alone(eqn) -> bool:
         outs, vjp = jax.vjp(lambda *a: bind_equation(eqn, a), *args)
         return vjp([_cotangent(jax.typeof(o)) for o in outs])
 
-    structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in eqn.invars]
+    structs = [v.aval if is_ref(v) else jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in eqn.invars]
     try:
         closed = jax.make_jaxpr(pullback)(*structs)
     except Exception:  # noqa: BLE001 - whatever it raises there, it would raise in the stages
@@ -68,3 +75,34 @@ def _tracing(trace) -> bool:
             return True
         current = getattr(current, "parent_trace", None)
     return False
+
+
+def _once(effect) -> bool:
+    return isinstance(effect, _IOEffect | _OrderedIOEffect) or _effects.ordered_effects.contains(effect)
+
+
+def _effect_of(eqn):
+    """The innermost equation of `eqn` (itself, or one in its nested jaxprs) that makes an
+    effect that must happen once."""
+    for sub in _core.jaxprs_in_params(eqn.params):
+        for inner in sub.eqns:
+            if any(_once(e) for e in inner.effects):
+                return _effect_of(inner)
+    return eqn
+
+
+def once_only(closed, flags) -> tuple[str, Location] | None:
+    """The first top-level equation flagged in `flags` with an effect that must happen once
+    a call, as `(what, location)`: `"effect"` for an `io_callback` or an ordered effect
+    (named by the innermost operation that makes it), `"ref"` for a write to a `jax.Ref`
+    that the program gets from outside (an input or a constant)."""
+    jaxpr = closed.jaxpr
+    outside = {v for v in [*jaxpr.constvars, *jaxpr.invars] if is_ref(v)}
+    for eqn, flag in zip(jaxpr.eqns, flags, strict=True):
+        if not flag:
+            continue
+        if any(_once(e) for e in eqn.effects):
+            return "effect", _location(_effect_of(eqn))
+        if outside.intersection(written(eqn)):
+            return "ref", _location(eqn)
+    return None
