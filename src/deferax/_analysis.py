@@ -80,7 +80,11 @@ class Analysis:
 
 
 def analyse(program, n_consts: int, *, schedule: str, max_basis: int, where: str) -> Analysis:
-    """Run the static check on `program` (`J`, with its constants as leading inputs)."""
+    """Run the static check on `program` (`J`, with its constants as leading inputs).
+
+    A value computed twice the same way is computed once first (`fl(y)[argmax(fl(y))]`
+    sees one view of `y`, not two): the analysis and the stages see one variable."""
+    program = _jaxpr.merge_duplicates(program, keep=(_site.SITE, _site.LINEAR))
     jaxpr = program.jaxpr
     sites = tuple(_jaxpr.top_level(program, _site.SITE))
     nested = tuple(i for i, e in enumerate(jaxpr.eqns) if str(e.primitive) != _site.SITE and _jaxpr.contains(e, (_site.SITE,)))

@@ -40,6 +40,7 @@ from ._program import contains as contains
 from ._program import inline as inline
 from ._program import interpret as interpret
 from ._program import kind_of as kind_of
+from ._program import merge_duplicates as merge_duplicates
 from ._program import nested_in as nested_in
 from ._program import open_consts as open_consts
 from ._program import prune as prune

@@ -92,7 +92,9 @@ def linear_frontier(closed, source: Sequence[bool], stand_ins: Sequence[bool]):
     flagged in `source`, with coefficients free of every input flagged in `stand_ins`, and
     that are consumed by an operation that is not linear in them (or are outputs). The
     program's outputs depend on the source only through these variables, so the cotangent
-    of the source is a combination of the fixed Jacobian rows of these variables.
+    of the source is a combination of the fixed Jacobian rows of these variables. They
+    never hold more numbers than the source: where they would, the source inputs are
+    returned instead.
     """
     jaxpr = closed.jaxpr
     classes = [LINEAR if s else CONST for s in source]
@@ -102,7 +104,12 @@ def linear_frontier(closed, source: Sequence[bool], stand_ins: Sequence[bool]):
     sources = {v for v, s in zip(jaxpr.invars, source, strict=True) if s}
     # A frontier variable that the source reaches only through other frontier variables is
     # a linear function of them (say `0.3 * z` next to `z`): it adds no basis cotangent.
-    return [v for v in distinct if _reached_directly(jaxpr, sources, v, set(distinct) - {v})]
+    found = [v for v in distinct if _reached_directly(jaxpr, sources, v, set(distinct) - {v})]
+    # Views that overlap (`y[:3]` and `y[1:]`) can hold more numbers than the source: then
+    # the source itself (what of it the program uses) is the frontier.
+    used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, _core.Literal)} | set(jaxpr.outvars)
+    whole = [v for v in jaxpr.invars if v in sources and v in used and jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)]
+    return whole if frontier_size(found) > frontier_size(whole) else found
 
 
 def _reached_directly(jaxpr, sources, target, blockers) -> bool:

@@ -9,6 +9,7 @@ from jax._src import core as _core
 from jax._src import source_info_util as _source_info_util
 
 from ._dependence import needed_equations
+from ._keys import equation_key
 
 
 def trace(fun, *structs):
@@ -156,3 +157,32 @@ def kind_of(eqn) -> str:
         "custom_vjp_call": "a custom_vjp rule", "custom_vjp_call_jaxpr": "a custom_vjp rule",
     }.get(name, f"`{name}`")  # fmt: skip
 
+
+def merge_duplicates(closed, keep=()):
+    """The same program with every top-level equation that repeats an earlier one (the same
+    operation and parameters on the same inputs, and no effects) removed, its outputs
+    replaced by the earlier one's: the same function of the same values computed twice is
+    then one variable. Equations of the primitives in `keep` (or holding one), and host
+    callbacks, are kept: they run as often as the program says."""
+    jaxpr = closed.jaxpr
+    alias: dict = {}
+    first: dict = {}
+    eqns = []
+
+    def read(v):
+        return v if isinstance(v, _core.Literal) else alias.get(v, v)
+
+    for eqn in jaxpr.eqns:
+        inputs = [read(v) for v in eqn.invars]
+        mergeable = not contains(eqn, (*keep, "pure_callback")) and not any(isinstance(v, _core.DropVar) for v in eqn.outvars)
+        key = equation_key(eqn, inputs) if mergeable else None
+        if key is not None and key in first:
+            alias.update(zip(eqn.outvars, first[key].outvars, strict=True))
+            continue
+        eqn = eqn.replace(invars=inputs)
+        if key is not None:
+            first[key] = eqn
+        eqns.append(eqn)
+    if not alias:
+        return closed
+    return _core.ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars]), closed.consts)
