@@ -262,8 +262,9 @@ class _Check:
         if not sources:
             return ("deferred", None, None, None)
         location = None
+        uses = _jaxpr.nonlinear_uses(*self._tail(k))  # (to name the culprit as the user wrote it)
         for index in outputs:
-            loc = _jaxpr.first_culprit(backward, labels[0], index, frozenset(sources), "seed", labels[1])
+            loc = _jaxpr.first_culprit(backward, labels[0], index, frozenset(sources), "seed", labels[1], uses)
             if loc is not None:
                 location = str(loc)
                 break
@@ -286,10 +287,9 @@ class _Check:
         reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
         return ("standard", reason, location, basis.k)
 
-    def _basis(self, k) -> Basis:
-        """The linear frontier of the value in site `k`'s output, in the program itself with
-        every expensive output (top-level sites and the equations holding nested ones)
-        made an input, so that its variables are those that stage 3 evaluates."""
+    def _tail(self, k):
+        """The value as a function of site `k`'s output: `(program, source, stand_ins)` for
+        the linearity analysis, with every expensive output an input (a stand-in)."""
         if self._substituted is None:
             self._substituted = _jaxpr.substitute(self.program, [*self.sites, *self.nested])
         closed = self._substituted
@@ -299,7 +299,13 @@ class _Check:
         stand_ins += [True] * (len(closed.jaxpr.invars) - len(stand_ins))
         source += [False] * (len(closed.jaxpr.invars) - len(source))
         outputs = [True] + [False] * (len(closed.jaxpr.outvars) - 1)  # the value, not the aux
-        frontier = _jaxpr.linear_frontier(_jaxpr.prune(closed, outputs), source, stand_ins)
+        return _jaxpr.prune(closed, outputs), source, stand_ins
+
+    def _basis(self, k) -> Basis:
+        """The linear frontier of the value in site `k`'s output, in the program itself with
+        every expensive output (top-level sites and the equations holding nested ones)
+        made an input, so that its variables are those that stage 3 evaluates."""
+        frontier = _jaxpr.linear_frontier(*self._tail(k))
         return Basis(k=_jaxpr.frontier_size(frontier), variables=tuple(frontier))
 
     # ------------------------------------------------------------------ the plan

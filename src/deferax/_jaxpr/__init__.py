@@ -29,6 +29,7 @@ from ._dependence import uses_refs as uses_refs
 from ._keys import structural_key as structural_key
 from ._linearity import frontier_size as frontier_size
 from ._linearity import linear_frontier as linear_frontier
+from ._linearity import nonlinear_uses as nonlinear_uses
 from ._primitives import define_primitive as define_primitive
 from ._primitives import instantiate as instantiate
 from ._primitives import is_not_mapped as is_not_mapped

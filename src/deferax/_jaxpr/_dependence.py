@@ -37,9 +37,10 @@ class Location:
     file: str | None
     line: int | None
     function: str | None
+    derivative: bool = False  # an operation of the derivative, not one the user wrote
 
     def __str__(self) -> str:
-        return f"`{self.primitive}` {self.where()}"
+        return f"{'the derivative' + chr(39) + 's ' if self.derivative else ''}`{self.primitive}` {self.where()}"
 
     def where(self) -> str:
         """`at file:line` with the line's code, or that there is none."""
@@ -180,7 +181,9 @@ def needed_equations(jaxpr, targets) -> list[bool]:
     return flags
 
 
-def first_culprit(closed, in_labels: Sequence[object], output: int, sources: frozenset, seed: object, eqn_labels=None) -> Location | None:
+def first_culprit(
+    closed, in_labels: Sequence[object], output: int, sources: frozenset, seed: object, eqn_labels=None, named_by: Sequence[Location] = ()
+) -> Location | None:
     """The operation that makes `output` (a cotangent) depend on one of `sources`.
 
     `seed` labels the cotangent fed into the backward pass. The culprit is the first
@@ -190,6 +193,10 @@ def first_culprit(closed, in_labels: Sequence[object], output: int, sources: fro
     source information points at the user's line that did the nonlinear operation. If no
     such equation exists, the first equation that touches a source and flows into the
     output is named instead.
+
+    The operation is the derivative's (the `mul` of `y / w`'s derivative): it is named by
+    the first of the user's operations `named_by` on the same line, or said to be the
+    derivative's where none is.
     """
     jaxpr = closed.jaxpr
     eqn_ins = _mark(jaxpr, _in_marks(in_labels), eqn_labels)[1]
@@ -201,7 +208,14 @@ def first_culprit(closed, in_labels: Sequence[object], output: int, sources: fro
         from_source = [bool(m & sources) and seed not in m for m in ins]
         from_seed = [seed in m for m in ins]
         if any(from_source) and any(from_seed):
-            return _location(eqn)
+            return _named(_location(eqn), named_by)
         if fallback is None and any(m & sources for m in ins):
-            fallback = _location(eqn)
+            fallback = _named(_location(eqn), named_by)
     return fallback
+
+
+def _named(location: Location, named_by: Sequence[Location]) -> Location:
+    for use in named_by:
+        if location.file is not None and (use.file, use.line) == (location.file, location.line):
+            return use
+    return dataclasses.replace(location, derivative=True)
