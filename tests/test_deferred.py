@@ -206,6 +206,14 @@ def test_chained_sites_stay_standard(counter):
     assert plan.sites[0].reason == "its output feeds the input of site #1 `f`"
     assert plan.sites[1].reason == "its input depends on the output of site #0 `f`"
     assert check_against_equinox(loss, P0, counter, deferred=False) == {"fwd": 2, "bwd": 2, "fused": 0}
+    # the second without a `fused` of its own (one could be made from `fwd` and `bwd`): the
+    # same (it was deferred with its input computed from a stand-in, and crashed)
+    g = make(ref, ("fwd", "bwd"), counter, name="g")
+    loss = lambda p: jnp.sum(W * g(f(p)))  # noqa: E731
+    plan = dx.explain(loss, P0)
+    assert [s.schedule for s in plan.sites] == ["standard", "standard"]
+    assert plan.sites[1].reason == "its input depends on the output of site #0 `f`"
+    assert check_against_equinox(loss, P0, counter, deferred=False) == {"fwd": 2, "bwd": 2, "fused": 0}
 
 
 def test_product_of_two_sites_stays_standard():

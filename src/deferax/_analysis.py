@@ -168,8 +168,9 @@ class _Check:
             return "schedule='standard' was requested"
         if spec.static.prefer is not None:
             return f"prefer={spec.static.prefer!r} was given"
-        if spec.static.fused is None and spec.static.fused_batch is None:
-            return self._underivable(k)
+        underivable = self._underivable(k) if spec.static.fused is None and spec.static.fused_batch is None else None
+        if underivable is not None:
+            return underivable
         if upstream[k]:
             return "its input depends on " + ", ".join(self._source(lab) for lab in sorted(upstream[k], key=str))
         if ("y", k) in feeds:
