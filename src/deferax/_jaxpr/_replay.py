@@ -54,6 +54,15 @@ def _cotangent(aval):
 
 
 def _differentiable_alone(eqn) -> bool:
+    if str(eqn.primitive) == "custom_jvp_call":
+        # (cheaply: the rule traced as differentiation traces it, memoized on the equation,
+        # takes what it closes over as constants)
+        try:
+            _, consts, _ = eqn.params["jvp_jaxpr_fun"].call_wrapped(*([False] * len(eqn.invars)))
+        except Exception:  # noqa: BLE001 - whatever it raises here, it would raise in the stages
+            return False
+        return not any(_stale(c) for c in consts)
+
     def pullback(*args):
         outs, vjp = jax.vjp(lambda *a: bind_equation(eqn, a), *args)
         return vjp([_cotangent(jax.typeof(o)) for o in outs])
@@ -64,7 +73,12 @@ def _differentiable_alone(eqn) -> bool:
     except Exception:  # noqa: BLE001 - whatever it raises there, it would raise in the stages
         return False
     # (a tracer of an ended trace may also be taken in as a constant, to fail when run)
-    return not any(isinstance(c, _core.Tracer) and not _tracing(c._trace) for c in closed.consts)
+    return not any(_stale(c) for c in closed.consts)
+
+
+def _stale(value) -> bool:
+    """A tracer of a trace that has ended."""
+    return isinstance(value, _core.Tracer) and not _tracing(value._trace)
 
 
 def _tracing(trace) -> bool:
