@@ -13,6 +13,9 @@ would happen twice.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import jax
 import numpy as np
 from jax._src import core as _core
@@ -63,6 +66,21 @@ def _differentiable_alone(eqn) -> bool:
             return False
         return not any(_stale(c) for c in consts)
 
+    # A custom_vjp: its forward rule from its memoized trace (as differentiation traces it
+    # when every input has a tangent), its backward rule by differentiating the equation in
+    # a fresh trace, once for a backward function seen to run alone before (the same
+    # function object holds the same values: one defined in the loss is new every trace).
+    n_consts = eqn.params["num_consts"]
+    try:
+        _, consts = eqn.params["fwd_jaxpr_thunk"].call_wrapped(*([True] * (len(eqn.invars) - n_consts)))
+    except Exception:  # noqa: BLE001 - whatever it raises here, it would raise in the stages
+        return False
+    if any(_stale(c) for c in consts):
+        return False
+    backward = getattr(eqn.params["bwd"], "f", None)
+    if backward in _ALONE:
+        return True
+
     def pullback(*args):
         outs, vjp = jax.vjp(lambda *a: bind_equation(eqn, a), *args)
         return vjp([_cotangent(jax.typeof(o)) for o in outs])
@@ -73,7 +91,14 @@ def _differentiable_alone(eqn) -> bool:
     except Exception:  # noqa: BLE001 - whatever it raises there, it would raise in the stages
         return False
     # (a tracer of an ended trace may also be taken in as a constant, to fail when run)
-    return not any(_stale(c) for c in closed.consts)
+    if any(_stale(c) for c in closed.consts):
+        return False
+    with contextlib.suppress(TypeError):  # (not every callable can be weakly referenced)
+        _ALONE[backward] = True
+    return True
+
+
+_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _stale(value) -> bool:
