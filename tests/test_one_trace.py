@@ -807,6 +807,22 @@ def _bwd_through_a_ref(x, y, ct):
     return ct * jnp.sqrt(1.0 - box[...] ** 2)  # cos(x) for |x| < pi/2
 
 
+def _write(box, value):
+    box[...] = value
+
+
+def _bwd_through_a_ref_in_a_jit(x, y, ct):
+    box = jax.new_ref(jnp.zeros_like(y))
+    jax.jit(_write)(box, y)  # written in a nested jaxpr
+    return ct * jnp.sqrt(1.0 - box[...] ** 2)
+
+
+def _bwd_through_a_ref_in_a_loop(x, y, ct):
+    box = jax.new_ref(jnp.zeros_like(y))
+    jax.lax.fori_loop(0, 2, lambda i, c: (_write(box, y), c)[1], 0.0)  # written in a loop body
+    return ct * jnp.sqrt(1.0 - box[...] ** 2)
+
+
 OUTSIDE = jax.new_ref(jnp.zeros(4))
 
 
@@ -815,7 +831,7 @@ def _bwd_keeping_y_outside(x, y, ct):
     return ct * jnp.cos(x)
 
 
-@pytest.mark.parametrize("bwd", [_bwd_through_a_ref, _bwd_keeping_y_outside])
+@pytest.mark.parametrize("bwd", [_bwd_through_a_ref, _bwd_through_a_ref_in_a_jit, _bwd_through_a_ref_in_a_loop, _bwd_keeping_y_outside])
 def test_bwd_that_passes_y_through_a_ref_reads_y(bwd):
     """A `bwd` that reads `y` back from a `jax.Ref`, or leaves it in one from outside,
     reads `y`: no `fused` is made from it, and the gradient is `sin`'s."""
