@@ -777,10 +777,13 @@ def test_io_callback_in_the_loss_runs_once_value_and_gradient_from_one_run(order
         "cotangent": lambda p, draws: jnp.sum(weights(draws) * f(p)),  # io weights
         "input": lambda p, draws: jnp.sum(W * f(p * weights(draws))),
     }
+    # on the basis schedule the basis cotangents are computed from the whole program
+    losses["basis"] = lambda p, draws: jnp.log(jnp.sum(W * f(p))) + jnp.sum(weights(draws) * p)
     for name, loss in losses.items():
         site = dx.explain(ft.partial(loss, draws=_Draws()), P0).sites[0]
         assert site.schedule == "standard", name
-        assert site.reason.startswith("computing its input and cotangent ahead of the expensive calls runs `io_callback` at "), site.reason
+        ahead = "its basis cotangents, from the whole program," if name == "basis" else "its input and cotangent"
+        assert f"computing {ahead} ahead of the expensive calls runs `io_callback` at {__file__}:" in site.reason, site.reason
         assert "which must happen once a call, with the value" in site.reason
         for jit in (False, True):
             draws, reference_draws = _Draws(), _Draws()
