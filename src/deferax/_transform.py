@@ -293,7 +293,8 @@ def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "a
     A function with the signature of `fun` that returns `(value, grads)`, or
     `((value, aux), grads)` with `has_aux=True`.
 
-    `fun` runs once per call (once per trace under `jit`): every [`deferax.ExpensiveFn`][]
+    `fun` runs once per call (once per trace under `jit`; twice when a custom rule in it
+    closes over a value it computed, see `fallback` in [`deferax.Plan`][]): every [`deferax.ExpensiveFn`][]
     call in it, directly, under `jax.vmap`, in a nested `jit` or under `jax.checkpoint`, is
     seen in that one trace, and is deferred when sound (a call under `vmap` as one batched
     `fused` call); calls inside `lax.scan`, `lax.cond` or `while_loop` stay standard.
