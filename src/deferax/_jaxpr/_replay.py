@@ -57,29 +57,27 @@ def _cotangent(aval):
 
 
 def _differentiable_alone(eqn) -> bool:
-    if str(eqn.primitive) == "custom_jvp_call":
-        # (cheaply: the rule traced as differentiation traces it, memoized on the equation,
-        # takes what it closes over as constants)
-        try:
-            _, consts, _ = eqn.params["jvp_jaxpr_fun"].call_wrapped(*([False] * len(eqn.invars)))
-        except Exception:  # noqa: BLE001 - whatever it raises here, it would raise in the stages
-            return False
-        return not any(_stale(c) for c in consts)
-
-    # A custom_vjp: its forward rule from its memoized trace (as differentiation traces it
-    # when every input has a tangent), its backward rule by differentiating the equation in
-    # a fresh trace, once for a backward function seen to run alone before (the same
-    # function object holds the same values: one defined in the loss is new every trace).
-    n_consts = eqn.params["num_consts"]
+    """Cheaply where a rule's trace is memoized on the equation (differentiation reuses it):
+    a `custom_jvp` rule, a `custom_vjp`'s forward rule (traced as when every input has a
+    tangent) take what they close over as constants. A `custom_vjp`'s backward rule by
+    differentiating the equation in a fresh trace, once for a backward function seen to run
+    alone before (the same function object holds the same values; one defined in the loss
+    is new every trace, and checked every time)."""
+    params = eqn.params
     try:
-        _, consts = eqn.params["fwd_jaxpr_thunk"].call_wrapped(*([True] * (len(eqn.invars) - n_consts)))
+        if "jvp_jaxpr_fun" in params:
+            _, consts, _ = params["jvp_jaxpr_fun"].call_wrapped(*([False] * len(eqn.invars)))
+            return not any(_stale(c) for c in consts)
+        if "fwd_jaxpr_thunk" in params:
+            _, consts = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * (len(eqn.invars) - params.get("num_consts", 0))))
+            if any(_stale(c) for c in consts):
+                return False
     except Exception:  # noqa: BLE001 - whatever it raises here, it would raise in the stages
         return False
-    if any(_stale(c) for c in consts):
-        return False
-    backward = getattr(eqn.params["bwd"], "f", None)
-    if backward in _ALONE:
-        return True
+    backward = getattr(params.get("bwd"), "f", None)
+    with contextlib.suppress(TypeError):  # (not every callable can be weakly referenced)
+        if backward in _ALONE:
+            return True
 
     def pullback(*args):
         outs, vjp = jax.vjp(lambda *a: bind_equation(eqn, a), *args)
@@ -93,7 +91,7 @@ def _differentiable_alone(eqn) -> bool:
     # (a tracer of an ended trace may also be taken in as a constant, to fail when run)
     if any(_stale(c) for c in closed.consts):
         return False
-    with contextlib.suppress(TypeError):  # (not every callable can be weakly referenced)
+    with contextlib.suppress(TypeError):
         _ALONE[backward] = True
     return True
 
