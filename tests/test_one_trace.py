@@ -364,6 +364,23 @@ def test_debug_print_fires_once_with_real_values(counter, capfd):
         np.testing.assert_allclose(seen[0], plain(P0))
     out = capfd.readouterr().out
     assert out.count("loss sees") == 2 and "loss sees 0.0" not in out
+    # on the basis schedule too (its basis cotangents were computed from the whole program,
+    # the callback included, with a zero stand-in for the output)
+
+    def basis_loss(p):
+        y = f(p)
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), y)
+        return jnp.log(jnp.sum(W * y) + 3.0)
+
+    assert dx.explain(basis_loss, P0).sites[0].schedule == "deferred-basis"
+    for jit in (False, True):
+        seen.clear()
+        step = dx.filter_value_and_grad(basis_loss)
+        step = eqx.filter_jit(step) if jit else step
+        assert_tree_allclose(jax.block_until_ready(step(P0)), jax.value_and_grad(lambda p: jnp.log(jnp.sum(W * plain(p)) + 3.0))(P0))
+        jax.effects_barrier()
+        assert len(seen) == 1, jit
+        np.testing.assert_allclose(seen[0], plain(P0))
 
 
 # ----------------------------------------------------------------------------- aux as Equinox returns it
@@ -777,14 +794,19 @@ def test_io_callback_in_the_loss_runs_once_value_and_gradient_from_one_run(order
         "cotangent": lambda p, draws: jnp.sum(weights(draws) * f(p)),  # io weights
         "input": lambda p, draws: jnp.sum(W * f(p * weights(draws))),
     }
-    # on the basis schedule the basis cotangents are computed from the whole program
-    losses["basis"] = lambda p, draws: jnp.log(jnp.sum(W * f(p))) + jnp.sum(weights(draws) * p)
+    # one that no site needs ahead runs once, in the last stage: the site is deferred (on
+    # the basis schedule, whose basis cotangents are computed from what they need alone)
+    losses["not needed ahead"] = lambda p, draws: jnp.log(jnp.sum(W * f(p))) + jnp.sum(weights(draws) * p)
     for name, loss in losses.items():
         site = dx.explain(ft.partial(loss, draws=_Draws()), P0).sites[0]
-        assert site.schedule == "standard", name
-        ahead = "its basis cotangents, from the whole program," if name == "basis" else "its input and cotangent"
-        assert f"computing {ahead} ahead of the expensive calls runs `io_callback` at {__file__}:" in site.reason, site.reason
-        assert "which must happen once a call, with the value" in site.reason
+        counts = {"fwd": 1, "bwd": 1, "fused": 0}
+        if name == "not needed ahead":
+            assert site.schedule == "deferred-basis" and site.k == 1
+            counts = {"fwd": 0, "bwd": 0, "fused": 1}
+        else:
+            assert site.schedule == "standard", name
+            assert site.reason.startswith(f"computing its input and cotangent ahead of the expensive calls runs `io_callback` at {__file__}:"), site.reason
+            assert site.reason.endswith("which must happen once a call, with the value")
         for jit in (False, True):
             draws, reference_draws = _Draws(), _Draws()
             step = dx.filter_value_and_grad(ft.partial(loss, draws=draws))
@@ -795,7 +817,7 @@ def test_io_callback_in_the_loss_runs_once_value_and_gradient_from_one_run(order
                 counter.reset()
                 got = jax.block_until_ready(step(P0))
                 jax.effects_barrier()
-                assert draws.runs == call and counter.as_dict() == {"fwd": 1, "bwd": 1, "fused": 0}, (name, jit, draws.runs)
+                assert draws.runs == call and counter.as_dict() == counts, (name, jit, draws.runs, counter.as_dict())
                 assert_tree_allclose(got, reference(P0))
                 assert reference_draws.runs == call
 

@@ -47,6 +47,7 @@ class Basis:
 
     k: int
     variables: tuple  # the frontier variables: variables of the program that stage 3 evaluates
+    program: Any  # what stage 1 evaluates for them: J with every expensive output an input, computing them
 
 
 @dataclasses.dataclass
@@ -61,7 +62,6 @@ class Analysis:
     early: tuple[int, ...]  # standard positions whose `fwd` runs alongside the deferred calls
     basis: dict[int, Basis]
     backward: Any  # G, pruned to what stage 1 needs: (consts, leaves, ys, seed) -> (cts, operands)
-    substituted: Any  # J with every expensive output an input (for the basis cotangents)
     backward_out: tuple  # for each output of `backward`: ("ct", position, leaf) or ("op", position, leaf)
 
     def derived(self, position: int) -> bool:
@@ -158,7 +158,7 @@ class _Check:
             backward = _jaxpr.prune(backward, keep)
             backward_out = tuple(o for o, u in zip(backward_out, keep, strict=True) if u)
         plan = self._plan(decisions, deferred, basis, early)
-        return Analysis(plan, self.program, self.sites, self.nested, deferred, early, basis, backward, self._substituted, backward_out)
+        return Analysis(plan, self.program, self.sites, self.nested, deferred, early, basis, backward, backward_out)
 
     def _structural(self, k, upstream, feeds) -> str | None:
         spec = self.specs[k]
@@ -281,9 +281,9 @@ class _Check:
         limit = self.specs[k].static.max_basis
         limit = limit if limit is not None else self.max_basis
         if basis.k <= limit:
-            whole = _jaxpr.once_only(self._substituted, [True] * len(self._substituted.jaxpr.eqns))
-            if whole is not None:
-                return ("standard", reason + "; " + _once_reason("its basis cotangents, from the whole program,", whole), location, basis.k)
+            ahead = _jaxpr.once_only(basis.program, [True] * len(basis.program.jaxpr.eqns))
+            if ahead is not None:
+                return ("standard", reason + "; " + _once_reason("its basis cotangents", ahead), location, basis.k)
             return ("deferred-basis", None, location, basis)
         reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
         return ("standard", reason, location, basis.k)
@@ -307,7 +307,8 @@ class _Check:
         every expensive output (top-level sites and the equations holding nested ones)
         made an input, so that its variables are those that stage 3 evaluates."""
         frontier = _jaxpr.linear_frontier(*self._tail(k))
-        return Basis(k=_jaxpr.frontier_size(frontier), variables=tuple(frontier))
+        program = _jaxpr.computing(self._substituted, frontier)
+        return Basis(k=_jaxpr.frontier_size(frontier), variables=tuple(frontier), program=program)
 
     # ------------------------------------------------------------------ the plan
 

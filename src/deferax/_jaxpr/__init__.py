@@ -37,6 +37,7 @@ from ._primitives import is_zero as is_zero
 from ._primitives import move_to_front as move_to_front
 from ._primitives import shaped as shaped
 from ._primitives import zero_tangent as zero_tangent
+from ._program import computing as computing
 from ._program import contains as contains
 from ._program import inline as inline
 from ._program import interpret as interpret

@@ -133,6 +133,14 @@ def prune(closed, used_outputs: Sequence[bool]):
     return _core.ClosedJaxpr(pruned, closed.consts)
 
 
+def computing(closed, variables):
+    """The program that computes `variables` (variables of `closed`) as its outputs: only the
+    equations they need, nothing else (no effect of the others). Inputs are kept."""
+    info = closed.jaxpr.debug_info.with_unknown_names() if closed.jaxpr.debug_info is not None else None
+    outputs = _core.ClosedJaxpr(closed.jaxpr.replace(outvars=list(variables), debug_info=info), closed.consts)
+    return prune(outputs, [True] * len(variables))
+
+
 def top_level(closed, name: str) -> list[int]:
     """Indices of the top-level equations of primitive `name`."""
     return [i for i, e in enumerate(closed.jaxpr.eqns) if str(e.primitive) == name]
