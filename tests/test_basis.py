@@ -490,3 +490,35 @@ def test_integer_leaves_in_input_and_output():
             expected = eqx.filter_value_and_grad(program(solver))(x)
             assert got[1]["n"] is None
             assert_tree_allclose(got, expected)
+
+
+# ----------------------------------------------------------------------------- k counts independent numbers
+
+
+def grid_ref(x):
+    """(3,) -> (2, 2): four numbers."""
+    return jnp.reshape(jnp.concatenate([jnp.sin(x), jnp.cos(x[:1])]), (2, 2))
+
+
+SAME_VIEW = {
+    # the same view of the output computed twice is one frontier variable
+    "argmax of the flattened output": (4, lambda y: jnp.ravel(y)[jnp.argmax(jnp.ravel(y))]),
+    "the same slice twice": (2, lambda y: jnp.sum(jnp.ravel(y)[1:3]) * jnp.prod(jnp.ravel(y)[1:3])),
+    # overlapping views hold more numbers than the output: the output itself is the frontier
+    "two overlapping slices": (4, lambda y: jnp.sum(jnp.ravel(y)[:3] ** 2) + jnp.sum(jnp.ravel(y)[1:] ** 3)),
+}
+
+
+@pytest.mark.parametrize("case", list(SAME_VIEW))
+def test_k_counts_independent_numbers_at_most_the_output_size(case):
+    k, head = SAME_VIEW[case]
+    counter = Counter()
+    loss = lambda p: head(sim(grid_ref, counter)(p))  # noqa: E731
+    (site,) = dx.explain(dx.filter_value_and_grad(loss, max_basis=4), P0).sites
+    assert site.schedule == "deferred-basis" and site.k == k, (site.schedule, site.k, site.reason)
+    for jit in (False, True):
+        seen = run_and_compare(loss, lambda p: head(grid_ref(p)), P0, counter, max_basis=4, jit=jit)
+        assert seen == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": k}
+    # with a limit below k it stays standard and says k
+    (site,) = dx.explain(dx.filter_value_and_grad(loss, max_basis=k - 1), P0).sites
+    assert site.schedule == "standard" and site.reason.endswith(f"it is a combination of k={k} fixed cotangents, more than max_basis={k - 1}")

@@ -113,18 +113,27 @@ def loss_divide(p, f):
     return jnp.sum(W / y)  # divide
 
 
+def loss_log(p, f):
+    y = f(p) + 3.0
+    return jnp.sum(W * jnp.log(y))  # log
+
+
 @pytest.mark.parametrize(
-    "loss, marker",
-    [(loss_square, "square"), (loss_abs, "abs"), (loss_exp, "exp"), (loss_y_times_y, "y*y"), (loss_divide, "divide")],
-    ids=["square", "abs", "exp", "y*y", "divide"],
-)
-def test_nonlinear_downstream_is_standard_with_line(loss, marker, counter):
+    "loss, marker, operation",
+    [(loss_square, "square", "integer_pow"), (loss_abs, "abs", "abs"), (loss_exp, "exp", "exp"), (loss_y_times_y, "y*y", "mul"),
+     (loss_divide, "divide", "div"), (loss_log, "log", "log")],
+    ids=["square", "abs", "exp", "y*y", "divide", "log"],
+)  # fmt: skip
+def test_nonlinear_downstream_is_standard_with_line(loss, marker, operation, counter):
+    """The reason names the user's line and the operation written there (`/` is `div`, not
+    the `mul` of its derivative; `log` is not the `div` of its derivative)."""
     f = make(ref, ("fwd", "bwd", "fused"), counter, name="sim")
     plan = dx.explain(lambda p: loss(p, f), P0)
     (site,) = plan.sites
     assert site.schedule == "standard"
     assert site.reason.startswith("its cotangent depends on its own output")
-    assert f"{__file__}:{line_of(marker)}" in site.location
+    assert site.location.startswith(f"`{operation}` at {__file__}:{line_of(marker)} "), site.location
+    assert f", through `{operation}` at {__file__}:{line_of(marker)} " in site.reason
     assert f"{__file__}:{line_of(marker)}" in str(plan)
     counts = check_against_equinox(lambda p: loss(p, f), P0, counter, deferred=False)
     assert counts == {"fwd": 1, "bwd": 1, "fused": 0}
@@ -230,6 +239,14 @@ def test_chained_sites_stay_standard(counter):
     plan = dx.explain(loss, P0)
     assert [s.schedule for s in plan.sites] == ["standard", "standard"]
     assert plan.sites[0].reason == "its output feeds the input of site #1 `f`"
+    assert plan.sites[1].reason == "its input depends on the output of site #0 `f`"
+    assert check_against_equinox(loss, P0, counter, deferred=False) == {"fwd": 2, "bwd": 2, "fused": 0}
+    # the second without a `fused` of its own (one could be made from `fwd` and `bwd`): the
+    # same (it was deferred with its input computed from a stand-in, and crashed)
+    g = make(ref, ("fwd", "bwd"), counter, name="g")
+    loss = lambda p: jnp.sum(W * g(f(p)))  # noqa: E731
+    plan = dx.explain(loss, P0)
+    assert [s.schedule for s in plan.sites] == ["standard", "standard"]
     assert plan.sites[1].reason == "its input depends on the output of site #0 `f`"
     assert check_against_equinox(loss, P0, counter, deferred=False) == {"fwd": 2, "bwd": 2, "fused": 0}
 

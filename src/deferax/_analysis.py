@@ -47,6 +47,7 @@ class Basis:
 
     k: int
     variables: tuple  # the frontier variables: variables of the program that stage 3 evaluates
+    program: Any  # what stage 1 evaluates for them: J with every expensive output an input, computing them
 
 
 @dataclasses.dataclass
@@ -61,7 +62,6 @@ class Analysis:
     early: tuple[int, ...]  # standard positions whose `fwd` runs alongside the deferred calls
     basis: dict[int, Basis]
     backward: Any  # G, pruned to what stage 1 needs: (consts, leaves, ys, seed) -> (cts, operands)
-    substituted: Any  # J with every expensive output an input (for the basis cotangents)
     backward_out: tuple  # for each output of `backward`: ("ct", position, leaf) or ("op", position, leaf)
 
     def derived(self, position: int) -> bool:
@@ -81,7 +81,12 @@ class Analysis:
 
 def analyse(program, n_consts: int, *, schedule: str, max_basis: int, where: str, bwds: tuple | None = None) -> Analysis:
     """Run the static check on `program` (`J`, with its constants as leading inputs).
-    `bwds`: what `bwd_decisions(program)` returned, if it was called already."""
+    `bwds`: what `bwd_decisions(program)` returned, if it was called already.
+
+    A value computed twice the same way is computed once first (`fl(y)[argmax(fl(y))]`
+    sees one view of `y`, not two): the analysis and the stages see one variable. (Sites
+    are never merged, so `bwds` holds for the merged program too.)"""
+    program = _jaxpr.merge_duplicates(program, keep=(_site.SITE, _site.LINEAR))
     jaxpr = program.jaxpr
     sites = tuple(_jaxpr.top_level(program, _site.SITE))
     nested = tuple(i for i, e in enumerate(jaxpr.eqns) if str(e.primitive) != _site.SITE and _jaxpr.contains(e, (_site.SITE,)))
@@ -114,6 +119,7 @@ class _Check:
         self.n_in = len(program.jaxpr.invars)
         self.eqn_labels = {i: ("y", k) for k, i in enumerate(sites)} | {i: ("n", i) for i in nested}
         self._substituted = None
+        self.fallback = _fallback(program)
 
     # ------------------------------------------------------------------ the order of the plan
 
@@ -140,6 +146,7 @@ class _Check:
             for lab in frozenset().union(*marks[i]):
                 feeds.setdefault(lab, []).append(f"the expensive call inside {_jaxpr.kind_of(self.program.jaxpr.eqns[i])}")
         decisions: dict[int, tuple] = {}
+        once: dict[int, str | None] = {}
         candidates = []
         for k in range(n):
             reason = self._structural(k, upstream, feeds)
@@ -151,8 +158,9 @@ class _Check:
         if candidates:
             ready = [k for k in range(n) if not upstream[k]]  # operands computable in stage 1
             backward, backward_out, ct_deps, labels = self._backward(candidates, ready)
+            once = {k: self._ahead_once(backward, backward_out, k) for k in {*ready, *candidates}}
             for k in candidates:
-                decisions[k] = self._decide(k, ct_deps[k], backward, labels)
+                decisions[k] = ("standard", once[k], None, None) if once[k] else self._decide(k, ct_deps[k], backward, labels)
         for k in range(n):
             if decisions[k][0] == "standard" and _site.strategy(self.specs[k]) == "forward-basis":
                 _, reason, location, _ = decisions[k]
@@ -162,22 +170,26 @@ class _Check:
         early = tuple(
             k for k in range(n)
             if deferred and k not in deferred and not self.specs[k].static.autodiff and _site.strategy(self.specs[k]) == "standard" and not upstream[k]
+            and not once.get(k)
         )  # fmt: skip
         if backward is not None:
             keep = [(kind == "ct" and k in deferred and k not in basis) or (kind == "op" and (k in deferred or k in early)) for kind, k, _ in backward_out]
             backward = _jaxpr.prune(backward, keep)
             backward_out = tuple(o for o, u in zip(backward_out, keep, strict=True) if u)
         plan = self._plan(decisions, deferred, basis, early)
-        return Analysis(plan, self.program, self.sites, self.nested, deferred, early, basis, backward, self._substituted, backward_out)
+        return Analysis(plan, self.program, self.sites, self.nested, deferred, early, basis, backward, backward_out)
 
     def _structural(self, k, upstream, feeds) -> str | None:
         spec = self.specs[k]
+        if self.fallback is not None:
+            return self.fallback
         if self.schedule == "standard":
             return "schedule='standard' was requested"
         if spec.static.prefer is not None:
             return f"prefer={spec.static.prefer!r} was given"
-        if spec.static.fused is None and spec.static.fused_batch is None:
-            return self._underivable(k)
+        underivable = self._underivable(k) if spec.static.fused is None and spec.static.fused_batch is None else None
+        if underivable is not None:
+            return underivable
         if upstream[k]:
             return "its input depends on " + ", ".join(self._source(lab) for lab in sorted(upstream[k], key=str))
         if ("y", k) in feeds:
@@ -206,14 +218,20 @@ class _Check:
         return [_site.structs_of(spec.y_avals()) for spec in self.specs]
 
     def _in_structs(self):
-        return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in self.program.jaxpr.invars]
+        # (a `jax.Ref` from outside by its abstract value: a struct would make it an array)
+        return [v.aval if _jaxpr.is_ref(v) else jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in self.program.jaxpr.invars]
 
     def _backward(self, candidates, ready):
         program, sites = self.program, self.sites
         value_aval = program.jaxpr.outvars[0].aval
 
+        # JAX 0.10 cannot transpose a program that passes a value it does not differentiate
+        # through a `jax.Ref` made inside it: with state, the leaves are differentiated too,
+        # as Equinox differentiates them (what fails there fails under Equinox as well).
+        n_consts, with_leaves = self.n_consts, _jaxpr.uses_refs(program)
+
         def g(ins, ys, seed):
-            def f(ys_):
+            def f(ys_, leaves):
                 operands: dict[int, list] = {}
 
                 def handler(k):
@@ -223,11 +241,14 @@ class _Check:
 
                     return h
 
-                value = _jaxpr.interpret(program, ins, {i: handler(k) for k, i in enumerate(sites)})[0]
+                value = _jaxpr.interpret(program, [*ins[:n_consts], *leaves], {i: handler(k) for k, i in enumerate(sites)})[0]
                 return value, [operands[k] for k in ready]
 
-            _, vjp, operands = jax.vjp(f, ys, has_aux=True)
-            (cts,) = vjp(seed)
+            if with_leaves:
+                _, vjp, operands = jax.vjp(f, ys, ins[n_consts:], has_aux=True)
+            else:
+                _, vjp, operands = jax.vjp(lambda ys_: f(ys_, ins[n_consts:]), ys, has_aux=True)
+            cts = vjp(seed)[0]
             return [cts[k] for k in candidates], operands
 
         seed = jax.ShapeDtypeStruct((), value_aval.dtype)
@@ -246,13 +267,22 @@ class _Check:
                 ct_deps[k] = (prev | (d - {"seed"}), [*outputs, index])
         return closed, tuple(out), ct_deps, (labels, inner)
 
+    def _ahead_once(self, backward, backward_out, k) -> str | None:
+        """Why site `k`'s input and cotangent cannot be computed ahead of the expensive
+        calls: what stage 1 evaluates for them must happen once a call (it happens again
+        in stage 3)."""
+        targets = [v for v, (_, j, _) in zip(backward.jaxpr.outvars, backward_out, strict=True) if j == k]
+        found = _jaxpr.once_only(backward, _jaxpr.needed_equations(backward.jaxpr, targets))
+        return None if found is None else _once_reason("its input and cotangent", found)
+
     def _decide(self, k, ct_dep, backward, labels):
         sources, outputs = ct_dep
         if not sources:
             return ("deferred", None, None, None)
         location = None
+        uses = _jaxpr.nonlinear_uses(*self._tail(k))  # (to name the culprit as the user wrote it)
         for index in outputs:
-            loc = _jaxpr.first_culprit(backward, labels[0], index, frozenset(sources), "seed", labels[1])
+            loc = _jaxpr.first_culprit(backward, labels[0], index, frozenset(sources), "seed", labels[1], uses)
             if loc is not None:
                 location = str(loc)
                 break
@@ -268,14 +298,16 @@ class _Check:
         limit = self.specs[k].static.max_basis
         limit = limit if limit is not None else self.max_basis
         if basis.k <= limit:
+            ahead = _jaxpr.once_only(basis.program, [True] * len(basis.program.jaxpr.eqns))
+            if ahead is not None:
+                return ("standard", reason + "; " + _once_reason("its basis cotangents", ahead), location, basis.k)
             return ("deferred-basis", None, location, basis)
         reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
         return ("standard", reason, location, basis.k)
 
-    def _basis(self, k) -> Basis:
-        """The linear frontier of the value in site `k`'s output, in the program itself with
-        every expensive output (top-level sites and the equations holding nested ones)
-        made an input, so that its variables are those that stage 3 evaluates."""
+    def _tail(self, k):
+        """The value as a function of site `k`'s output: `(program, source, stand_ins)` for
+        the linearity analysis, with every expensive output an input (a stand-in)."""
         if self._substituted is None:
             self._substituted = _jaxpr.substitute(self.program, [*self.sites, *self.nested])
         closed = self._substituted
@@ -285,8 +317,15 @@ class _Check:
         stand_ins += [True] * (len(closed.jaxpr.invars) - len(stand_ins))
         source += [False] * (len(closed.jaxpr.invars) - len(source))
         outputs = [True] + [False] * (len(closed.jaxpr.outvars) - 1)  # the value, not the aux
-        frontier = _jaxpr.linear_frontier(_jaxpr.prune(closed, outputs), source, stand_ins)
-        return Basis(k=_jaxpr.frontier_size(frontier), variables=tuple(frontier))
+        return _jaxpr.prune(closed, outputs), source, stand_ins
+
+    def _basis(self, k) -> Basis:
+        """The linear frontier of the value in site `k`'s output, in the program itself with
+        every expensive output (top-level sites and the equations holding nested ones)
+        made an input, so that its variables are those that stage 3 evaluates."""
+        frontier = _jaxpr.linear_frontier(*self._tail(k))
+        program = _jaxpr.computing(self._substituted, frontier)
+        return Basis(k=_jaxpr.frontier_size(frontier), variables=tuple(frontier), program=program)
 
     # ------------------------------------------------------------------ the plan
 
@@ -313,7 +352,7 @@ class _Check:
             if refused:
                 lines = "\n".join(f"  site #{s.index} `{s.name}`: {s.reason}" for s in refused)
                 raise ValueError(_errors.CANNOT_DEFER.format(where=self.where, lines=lines))
-        return Plan(sites=tuple(sites), stages=self._stages(sites, deferred, basis, early), requested=self.schedule)
+        return Plan(sites=tuple(sites), stages=self._stages(sites, deferred, basis, early), requested=self.schedule, fallback=self.fallback)
 
     def _stages(self, sites, deferred, basis, early):
         """The expensive work in order: the deferred sites' `fused` calls together with the
@@ -348,6 +387,22 @@ class _Check:
                 stages.append((label(s, "fwd"),))
         stages.extend((label(s, "bwd"),) for s in reversed(standard))
         return tuple(stages)
+
+
+def _fallback(program) -> str | None:
+    """Why the program cannot be evaluated again outside the trace of the function (the
+    stages do): then the whole call runs as Equinox's would."""
+    stranded = _jaxpr.stranded_rule(program)
+    if stranded is None:
+        return None
+    kind, location = stranded
+    return f"a {kind} rule {location.where()} closes over a value computed in the function, so it cannot run outside the trace that made it"
+
+
+def _once_reason(what: str, found) -> str:
+    kind, location = found
+    does = f"runs `{location.primitive}`" if kind == "effect" else "writes to a `jax.Ref` from outside the function"
+    return f"computing {what} ahead of the expensive calls {does} {location.where()}, which must happen once a call, with the value"
 
 
 def _forward_basis_why(spec) -> str:

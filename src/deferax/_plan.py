@@ -59,11 +59,15 @@ class Plan(eqx.Module):
       `"name: implementation"` strings whose members are independent and run concurrently
       where the implementations allow it.
     - `requested`: the `schedule` argument the plan was made for.
+    - `fallback`: why the whole call runs as `equinox.filter_value_and_grad` would (the
+      program cannot be evaluated again outside the trace of the function); `None` when
+      it does not.
     """
 
     sites: tuple[Site, ...]
     stages: tuple[tuple[str, ...], ...]
     requested: str
+    fallback: str | None = None
 
     @property
     def deferred(self) -> tuple[Site, ...]:
@@ -95,6 +99,8 @@ class Plan(eqx.Module):
         line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
         n = len(self.sites)
         out = [f"deferax plan (schedule={self.requested!r}): {n} site{'' if n == 1 else 's'}, {len(self.deferred)} deferred"]
+        if self.fallback is not None:
+            out.extend(_wrap(f"the call runs as `equinox.filter_value_and_grad` would: {self.fallback}", ""))
         out.append(line(header))
         out.append(line(tuple("-" * w for w in widths)))
         out.extend(line(r) for r in rows)

@@ -420,8 +420,9 @@ def bwd_blocks_fused(spec: Spec, fn_avals: list) -> str | None:
 
 
 def _returns_y(closed, labels: list) -> bool:
-    """Whether an output of `bwd`'s program (`closed`, its inputs labelled) depends on `y`."""
-    return any("y" in d for d in _jaxpr.dependencies(closed, labels))
+    """Whether an output of `bwd`'s program (`closed`, its inputs labelled) depends on `y`,
+    or `y` is written to a `jax.Ref` from outside (and read there after the call)."""
+    return any("y" in d for d in _jaxpr.dependencies(closed, labels)) or "y" in _jaxpr.escaping(closed, labels)
 
 
 # ----------------------------------------------------------------------------- binding

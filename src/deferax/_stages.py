@@ -42,7 +42,7 @@ def stage1(analysis: Analysis, ins: list) -> tuple[dict, dict]:
         for (kind, k, _), value in zip(analysis.backward_out, outs, strict=True):
             (cts if kind == "ct" else operands).setdefault(k, []).append(value)
     for k, basis in analysis.basis.items():
-        cts[k] = _basis_cotangents(analysis.substituted, basis.variables, ins, ys, k)
+        cts[k] = _basis_cotangents(basis.program, basis.variables, ins, ys, k)
     return operands, cts
 
 

@@ -160,6 +160,8 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int, x, args, 
         schedule = "standard"
     eager = _jaxpr.is_eager() and is_concrete(ins)
     analysis, compiled = _analysis(traced, schedule, max_basis, eager)
+    if analysis.plan.fallback is not None:
+        return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
     outside = [analysis.spec(k).name for k in analysis.deferred if _stages.leaves_program(analysis, k)] if differentiated else []
     if outside:
         sites = ", ".join(f"`{name}`" for name in outside)
@@ -293,7 +295,8 @@ def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "a
     A function with the signature of `fun` that returns `(value, grads)`, or
     `((value, aux), grads)` with `has_aux=True`.
 
-    `fun` runs once per call (once per trace under `jit`): every [`deferax.ExpensiveFn`][]
+    `fun` runs once per call (once per trace under `jit`; twice when a custom rule in it
+    closes over a value it computed, see `fallback` in [`deferax.Plan`][]): every [`deferax.ExpensiveFn`][]
     call in it, directly, under `jax.vmap`, in a nested `jit` or under `jax.checkpoint`, is
     seen in that one trace, and is deferred when sound (a call under `vmap` as one batched
     `fused` call); calls inside `lax.scan`, `lax.cond` or `while_loop` stay standard.

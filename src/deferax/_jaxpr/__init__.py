@@ -10,6 +10,7 @@ tested JAX range is pinned in `pyproject.toml`. One file a concern:
 - `_primitives`: defining a primitive and the helpers its rules need;
 - `_dependence`: which values depend on which sources, and the user line that made it so;
 - `_linearity`: where a program stops being linear in an input;
+- `_replay`: what cannot run outside the trace that made it, or must run once;
 - `_keys`: cache keys equal for programs that compute the same thing;
 - `_config`: the caller's JAX configuration carried to other threads.
 """
@@ -20,14 +21,19 @@ from ._config import local_config as local_config
 from ._config import setting as setting
 from ._dependence import dependencies as dependencies
 from ._dependence import effect_dependencies as effect_dependencies
+from ._dependence import escaping as escaping
 from ._dependence import first_culprit as first_culprit
 from ._dependence import input_marks as input_marks
 from ._dependence import is_eager as is_eager
+from ._dependence import is_ref as is_ref
+from ._dependence import needed_equations as needed_equations
 from ._dependence import opaque_call as opaque_call
 from ._dependence import under_differentiation as under_differentiation
+from ._dependence import uses_refs as uses_refs
 from ._keys import structural_key as structural_key
 from ._linearity import frontier_size as frontier_size
 from ._linearity import linear_frontier as linear_frontier
+from ._linearity import nonlinear_uses as nonlinear_uses
 from ._primitives import define_primitive as define_primitive
 from ._primitives import instantiate as instantiate
 from ._primitives import is_not_mapped as is_not_mapped
@@ -35,13 +41,17 @@ from ._primitives import is_zero as is_zero
 from ._primitives import move_to_front as move_to_front
 from ._primitives import shaped as shaped
 from ._primitives import zero_tangent as zero_tangent
+from ._program import computing as computing
 from ._program import contains as contains
 from ._program import inline as inline
 from ._program import interpret as interpret
 from ._program import kind_of as kind_of
+from ._program import merge_duplicates as merge_duplicates
 from ._program import nested_in as nested_in
 from ._program import open_consts as open_consts
 from ._program import prune as prune
 from ._program import substitute as substitute
 from ._program import top_level as top_level
 from ._program import trace as trace
+from ._replay import once_only as once_only
+from ._replay import stranded_rule as stranded_rule

@@ -34,13 +34,18 @@ class Location:
     file: str | None
     line: int | None
     function: str | None
+    derivative: bool = False  # an operation of the derivative, not one the user wrote
 
     def __str__(self) -> str:
+        return f"{'the derivative' + chr(39) + 's ' if self.derivative else ''}`{self.primitive}` {self.where()}"
+
+    def where(self) -> str:
+        """`at file:line` with the line's code, or that there is none."""
         if self.file is None:
-            return f"`{self.primitive}` (no user source line)"
+            return "(no user source line)"
         code = linecache.getline(self.file, self.line or 0).strip()
         shown = f" `{code}`" if code else ""
-        return f"`{self.primitive}` at {self.file}:{self.line}{shown}"
+        return f"at {self.file}:{self.line}{shown}"
 
 
 def _location(eqn) -> Location:
@@ -60,11 +65,41 @@ _CALL_PARAMS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "c
 
 
 def _inner_jaxpr(eqn):
+    """The body to look inside, or None: a call that takes a `jax.Ref` is treated as a
+    whole (what it writes there is followed at the call)."""
     key = _CALL_PARAMS.get(str(eqn.primitive))
-    if key is None or key not in eqn.params:
+    if key is None or key not in eqn.params or written(eqn):
         return None
     inner = eqn.params[key]
     return getattr(inner, "jaxpr", inner)
+
+
+# State: a `jax.Ref` is a variable that equations write (`r[...] = v` is a `swap`) and read
+# (`r[...]` is a `get`). Every analysis follows it as a value that each writing equation
+# updates: what is written there (or anything else the writer takes, for a call or a loop
+# that is not looked inside) reaches what is read from it later.
+
+
+def is_ref(v) -> bool:
+    return not isinstance(v, _core.Literal) and isinstance(v.aval, _core.AbstractRef)
+
+
+def uses_refs(closed) -> bool:
+    """Whether the program holds a `jax.Ref` anywhere: an input, a constant, or one that
+    an equation (at any depth) makes or takes."""
+    def holds(jaxpr) -> bool:
+        return any(is_ref(v) for v in [*jaxpr.constvars, *jaxpr.invars]) or any(
+            any(is_ref(v) for v in [*e.invars, *e.outvars]) or any(holds(sub) for sub in _core.jaxprs_in_params(e.params)) for e in jaxpr.eqns
+        )
+
+    return holds(closed.jaxpr)
+
+
+def written(eqn) -> list:
+    """The `jax.Ref`s among `eqn`'s inputs that it may write: all of them, but for a read."""
+    if str(eqn.primitive) == "get":
+        return []
+    return [v for v in eqn.invars if is_ref(v)]
 
 
 def _mark(jaxpr, in_marks: Sequence[frozenset], eqn_labels=None, effects=None) -> tuple[list[frozenset], list[list[frozenset]]]:
@@ -98,6 +133,8 @@ def _mark(jaxpr, in_marks: Sequence[frozenset], eqn_labels=None, effects=None) -
             if effects is not None and eqn.effects:
                 effects.append((frozenset().union(*ins), eqn))
         marks.update(zip(eqn.outvars, outs, strict=True))
+        for ref in written(eqn):
+            marks[ref] = read(ref).union(*ins)
         eqn_ins.append(ins)
     return [read(v) for v in jaxpr.outvars], eqn_ins
 
@@ -147,24 +184,38 @@ def opaque_call(closed, also: Sequence[str] = ()) -> Location | None:
     return find(closed.jaxpr)
 
 
+def escaping(closed, in_labels: Sequence[object]) -> frozenset:
+    """The labels of the inputs that reach a `jax.Ref` the program gets from outside (an
+    input or a constant) through what it writes there: that outlives the call."""
+    jaxpr = closed.jaxpr
+    outside = {v for v in [*jaxpr.constvars, *jaxpr.invars] if is_ref(v)}
+    eqn_ins = _mark(jaxpr, _in_marks(in_labels))[1]
+    writes = [ins for eqn, ins in zip(jaxpr.eqns, eqn_ins, strict=True) if outside.intersection(written(eqn))]
+    return frozenset().union(*(m for ins in writes for m in ins))
+
+
 def input_marks(closed, in_labels: Sequence[object], eqn_labels=None) -> list[list[frozenset]]:
     """For each top-level equation, the labels each of its inputs depends on."""
     return _mark(closed.jaxpr, _in_marks(in_labels), eqn_labels)[1]
 
 
-def _relevant_eqns(jaxpr, output: int) -> list[bool]:
-    target = jaxpr.outvars[output]
-    relevant = set() if isinstance(target, _core.Literal) else {target}
+def needed_equations(jaxpr, targets) -> list[bool]:
+    """For each top-level equation, whether computing the variables `targets` needs it: it
+    makes one of them, or something a needed equation takes, or writes a `jax.Ref` that a
+    needed equation reads later."""
+    needed = {v for v in targets if not isinstance(v, _core.Literal)}
     flags = [False] * len(jaxpr.eqns)
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
         eqn = jaxpr.eqns[i]
-        if any(v in relevant for v in eqn.outvars):
+        if any(v in needed for v in [*eqn.outvars, *written(eqn)]):
             flags[i] = True
-            relevant.update(v for v in eqn.invars if not isinstance(v, _core.Literal))
+            needed.update(v for v in eqn.invars if not isinstance(v, _core.Literal))
     return flags
 
 
-def first_culprit(closed, in_labels: Sequence[object], output: int, sources: frozenset, seed: object, eqn_labels=None) -> Location | None:
+def first_culprit(
+    closed, in_labels: Sequence[object], output: int, sources: frozenset, seed: object, eqn_labels=None, named_by: Sequence[Location] = ()
+) -> Location | None:
     """The operation that makes `output` (a cotangent) depend on one of `sources`.
 
     `seed` labels the cotangent fed into the backward pass. The culprit is the first
@@ -174,10 +225,14 @@ def first_culprit(closed, in_labels: Sequence[object], output: int, sources: fro
     source information points at the user's line that did the nonlinear operation. If no
     such equation exists, the first equation that touches a source and flows into the
     output is named instead.
+
+    The operation is the derivative's (the `mul` of `y / w`'s derivative): it is named by
+    the first of the user's operations `named_by` on the same line, or said to be the
+    derivative's where none is.
     """
     jaxpr = closed.jaxpr
     eqn_ins = _mark(jaxpr, _in_marks(in_labels), eqn_labels)[1]
-    relevant = _relevant_eqns(jaxpr, output)
+    relevant = needed_equations(jaxpr, [jaxpr.outvars[output]])
     fallback = None
     for eqn, ins, rel in zip(jaxpr.eqns, eqn_ins, relevant, strict=True):
         if not rel:
@@ -185,7 +240,14 @@ def first_culprit(closed, in_labels: Sequence[object], output: int, sources: fro
         from_source = [bool(m & sources) and seed not in m for m in ins]
         from_seed = [seed in m for m in ins]
         if any(from_source) and any(from_seed):
-            return _location(eqn)
+            return _named(_location(eqn), named_by)
         if fallback is None and any(m & sources for m in ins):
-            fallback = _location(eqn)
+            fallback = _named(_location(eqn), named_by)
     return fallback
+
+
+def _named(location: Location, named_by: Sequence[Location]) -> Location:
+    for use in named_by:
+        if location.file is not None and (use.file, use.line) == (location.file, location.line):
+            return use
+    return dataclasses.replace(location, derivative=True)

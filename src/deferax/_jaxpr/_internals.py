@@ -7,8 +7,9 @@ differ. Across the tested range (see `pyproject.toml`):
   `.jaxpr` of one returns itself); the old `ClosedJaxpr(jaxpr, consts)` constructor
   survives there only as a deprecated alias. `close` and `is_jaxpr` work on every version.
 - The names below without a public home (the trace context, `join_effects`, `user_frame`,
-  the configuration states, `convert_constvars_jaxpr` before 0.12) are taken from
-  `jax._src`, so a JAX upgrade that moves them breaks this file only.
+  the configuration states, `convert_constvars_jaxpr` before 0.12, the type of a
+  `jax.Ref`'s value, the effects of an `io_callback`) are taken from `jax._src`, so a JAX
+  upgrade that moves them breaks this file only.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from typing import Any
 
 from jax._src import config as config
 from jax._src import core as _core
+from jax._src import effects as _effects
 from jax._src import source_info_util as _source_info_util
+from jax._src.callback import IOEffect as _IOEffect
+from jax._src.callback import OrderedIOEffect as _OrderedIOEffect
+from jax._src.state.types import AbstractRef as AbstractRef
 from jax.core import ShapedArray as ShapedArray
 from jax.core import Tracer as Tracer
 from jax.extend.core import DropVar as DropVar
@@ -46,6 +51,12 @@ EvalTrace = _core.EvalTrace
 def current_trace():
     """The trace that operations run now are recorded on."""
     return _core.trace_ctx.trace
+
+
+def must_happen_once(effect) -> bool:
+    """Whether an effect is I/O or ordered (an `io_callback`, an ordered `jax.debug.print`):
+    running its operation twice, or out of order, would show."""
+    return isinstance(effect, _IOEffect | _OrderedIOEffect) or _effects.ordered_effects.contains(effect)
 
 
 def linearize_trace_type() -> type:

@@ -48,6 +48,20 @@ def _jaxpr_key(jaxpr) -> tuple:
     return head, eqns, tuple(var(v) for v in jaxpr.outvars)
 
 
+def equation_key(eqn, inputs) -> tuple | None:
+    """A key equal for two equations that compute the same thing from the same `inputs`
+    (variables by identity, literals by value): the same operation and parameters. `None`
+    for an equation with effects, or a parameter that cannot be compared by value."""
+    if eqn.effects:
+        return None
+    try:
+        params = tuple(sorted((k, _param_key(p)) for k, p in eqn.params.items()))
+        ins = tuple(("lit", _value_key(v.val), _aval_key(v.aval)) if isinstance(v, _core.Literal) else v for v in inputs)
+    except _Unkeyable:
+        return None
+    return str(eqn.primitive), ins, params
+
+
 _IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_keying_a_rule", default=False)
 
 

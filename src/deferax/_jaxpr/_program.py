@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import jax
 
 from . import _internals as _core
+from ._dependence import needed_equations
+from ._keys import equation_key
 
 
 def trace(fun, *structs):
@@ -116,21 +118,24 @@ def open_consts(closed):
 
 def prune(closed, used_outputs: Sequence[bool]):
     """Keep only the outputs flagged in `used_outputs` and the top-level equations they
-    need, whatever their effects (a `jax.debug.print` whose result nothing needs is
-    dropped). Inputs are kept."""
+    need (a write to a `jax.Ref` that a needed equation reads later included), whatever
+    their effects (a `jax.debug.print` whose result nothing needs is dropped). Inputs are
+    kept."""
     jaxpr = closed.jaxpr
     outvars = [v for v, u in zip(jaxpr.outvars, used_outputs, strict=True) if u]
-    needed = {v for v in outvars if not isinstance(v, _core.Literal)}
-    kept = []
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in needed for v in eqn.outvars):
-            kept.append(eqn)
-            needed.update(v for v in eqn.invars if not isinstance(v, _core.Literal))
-    kept.reverse()
+    kept = [e for e, n in zip(jaxpr.eqns, needed_equations(jaxpr, outvars), strict=True) if n]
     effects = _core.join_effects(*(e.effects for e in kept)) if kept else _core.no_effects
     info = jaxpr.debug_info.with_unknown_names() if jaxpr.debug_info is not None else None
     pruned = jaxpr.replace(eqns=kept, outvars=outvars, effects=effects, debug_info=info)
     return _core.close(pruned, closed.consts)
+
+
+def computing(closed, variables):
+    """The program that computes `variables` (variables of `closed`) as its outputs: only the
+    equations they need, nothing else (no effect of the others). Inputs are kept."""
+    info = closed.jaxpr.debug_info.with_unknown_names() if closed.jaxpr.debug_info is not None else None
+    outputs = _core.close(closed.jaxpr.replace(outvars=list(variables), debug_info=info), closed.consts)
+    return prune(outputs, [True] * len(variables))
 
 
 def top_level(closed, name: str) -> list[int]:
@@ -156,3 +161,33 @@ def kind_of(eqn) -> str:
         "scan": "lax.scan", "cond": "lax.cond", "while": "lax.while_loop", "custom_jvp_call": "a custom_jvp rule",
         "custom_vjp_call": "a custom_vjp rule", "custom_vjp_call_jaxpr": "a custom_vjp rule",
     }.get(name, f"`{name}`")  # fmt: skip
+
+
+def merge_duplicates(closed, keep=()):
+    """The same program with every top-level equation that repeats an earlier one (the same
+    operation and parameters on the same inputs, and no effects) removed, its outputs
+    replaced by the earlier one's: the same function of the same values computed twice is
+    then one variable. Equations of the primitives in `keep` (or holding one), and host
+    callbacks, are kept: they run as often as the program says."""
+    jaxpr = closed.jaxpr
+    alias: dict = {}
+    first: dict = {}
+    eqns = []
+
+    def read(v):
+        return v if isinstance(v, _core.Literal) else alias.get(v, v)
+
+    for eqn in jaxpr.eqns:
+        inputs = [read(v) for v in eqn.invars]
+        mergeable = not contains(eqn, (*keep, "pure_callback")) and not any(isinstance(v, _core.DropVar) for v in eqn.outvars)
+        key = equation_key(eqn, inputs) if mergeable else None
+        if key is not None and key in first:
+            alias.update(zip(eqn.outvars, first[key].outvars, strict=True))
+            continue
+        eqn = eqn.replace(invars=inputs)
+        if key is not None:
+            first[key] = eqn
+        eqns.append(eqn)
+    if not alias:
+        return closed
+    return _core.close(jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars]), closed.consts)
