@@ -1,6 +1,8 @@
 """The deferred VJP: the static check, `explain`, and the deferred execution."""
 
+import importlib
 import inspect
+import os
 import re
 
 import equinox as eqx
@@ -132,11 +134,41 @@ def test_nonlinear_downstream_is_standard_with_line(loss, marker, operation, cou
     (site,) = plan.sites
     assert site.schedule == "standard"
     assert site.reason.startswith("its cotangent depends on its own output")
-    assert site.location.startswith(f"`{operation}` at {__file__}:{line_of(marker)} "), site.location
-    assert f", through `{operation}` at {__file__}:{line_of(marker)} " in site.reason
-    assert f"{__file__}:{line_of(marker)}" in str(plan)
+    assert site.location.startswith(f"`{operation}` at {os.path.relpath(__file__)}:{line_of(marker)} "), site.location
+    assert f", through `{operation}` at {os.path.relpath(__file__)}:{line_of(marker)} " in site.reason
+    assert f"{os.path.relpath(__file__)}:{line_of(marker)}" in str(plan)
     counts = check_against_equinox(lambda p: loss(p, f), P0, counter, deferred=False)
     assert counts == {"fwd": 1, "bwd": 1, "fused": 0}
+
+
+LIBRARY_LOSS = """
+import jax.numpy as jnp
+
+
+def transmission(y):
+    return jnp.sum(y ** 2)  # a nonlinear figure of merit, written in a library
+"""
+
+
+def test_reason_names_the_users_line_before_a_librarys(tmp_path, monkeypatch):
+    """A loss computed in an installed package (a figure of merit from a library): the
+    reason names the first line of the user's own code, then the library's line."""
+    package = tmp_path / "site-packages"
+    package.mkdir()
+    (package / "deferax_test_library.py").write_text(LIBRARY_LOSS)
+    monkeypatch.syspath_prepend(str(package))
+    library = importlib.import_module("deferax_test_library")
+    f = make(ref, ("fwd", "bwd", "fused"), name="sim")
+
+    def loss(p):
+        return library.transmission(f(p))  # users-line
+
+    (site,) = dx.explain(loss, P0).sites
+    assert site.schedule == "standard"
+    mine = f"{os.path.relpath(__file__)}:{line_of('users-line')}"
+    assert site.location.startswith(f"`integer_pow` at {mine} `return library.transmission(f(p))"), site.location
+    assert site.location.endswith(f"(in {package / 'deferax_test_library.py'}:6)"), site.location
+    assert_tree_allclose(dx.filter_value_and_grad(loss)(P0), jax.value_and_grad(lambda p: jnp.sum(ref(p) ** 2))(P0))
 
 
 def test_explain_text_fits_100_columns():
@@ -180,7 +212,7 @@ def test_schedule_deferred_raises_naming_site_and_line():
     text = str(info.value)
     assert text.startswith("`deferax.filter_value_and_grad`: schedule='deferred' was requested, but these call sites cannot be deferred:")
     assert "site #0 `fdtd`: its cotangent depends on its own output, through" in text
-    assert f"{__file__}:{line_of('square')}" in text
+    assert f"{os.path.relpath(__file__)}:{line_of('square')}" in text
 
 
 def test_schedule_deferred_runs_when_possible(counter):

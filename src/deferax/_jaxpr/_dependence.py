@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import os
+import sysconfig
 from collections.abc import Sequence
 
 from . import _internals as _core
@@ -28,34 +30,60 @@ def is_eager() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Location:
-    """The operation that made a value depend on a source, and where the user wrote it."""
+    """The operation that made a value depend on a source, and where the user wrote it:
+    the innermost frame of the user's own code (`file`, `line`), and, when the operation
+    itself is in an installed package (a loss from a library), that line too (`library`)."""
 
     primitive: str
     file: str | None
     line: int | None
     function: str | None
     derivative: bool = False  # an operation of the derivative, not one the user wrote
+    library: tuple[str, int] | None = None  # the package's `(file, line)`, when it is not the user's
 
     def __str__(self) -> str:
         return f"{'the derivative' + chr(39) + 's ' if self.derivative else ''}`{self.primitive}` {self.where()}"
 
     def where(self) -> str:
-        """`at file:line` with the line's code, or that there is none."""
+        """`at file:line` with the line's code (the path relative to the working directory
+        when it is below it), then the library's line; or that there is none."""
         if self.file is None:
             return "(no user source line)"
         code = linecache.getline(self.file, self.line or 0).strip()
         shown = f" `{code}`" if code else ""
-        return f"at {self.file}:{self.line}{shown}"
+        inside = f" (in {_shown_path(self.library[0])}:{self.library[1]})" if self.library else ""
+        return f"at {_shown_path(self.file)}:{self.line}{shown}{inside}"
+
+
+def _shown_path(path: str) -> str:
+    """`path` relative to the working directory when it is below it; as it is otherwise."""
+    try:
+        here = os.getcwd()
+        full = os.path.abspath(path)
+        return os.path.relpath(full, here) if os.path.commonpath([full, here]) == here else path
+    except (OSError, ValueError):  # (no working directory; another drive)
+        return path
+
+
+_INSTALLED = tuple({p for p in (sysconfig.get_path("purelib"), sysconfig.get_path("platlib")) if p})
+
+
+def _installed(path: str) -> bool:
+    """Whether `path` is in an installed package (site-packages), not the user's own code."""
+    return path.startswith(_INSTALLED) or f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
 
 
 def _location(eqn) -> Location:
-    frame = _core.user_frame(eqn.source_info.traceback)
+    frames = list(_core.user_frames(eqn.source_info.traceback))
     name = str(eqn.primitive)
     if name in ("jit", "pjit") and "name" in eqn.params:
         name = f"jit({eqn.params['name']})"
-    if frame is None:
+    if not frames:
         return Location(name, None, None, None)
-    return Location(name, frame.file_name, frame.start_line, frame.function_name)
+    first = frames[0]
+    mine = next((f for f in frames if not _installed(f.file_name)), first)
+    library = (first.file_name, first.start_line) if mine is not first else None
+    return Location(name, mine.file_name, mine.start_line, mine.function_name, library=library)
 
 
 # Primitives whose body is a plain jaxpr called once with the equation's inputs: the taint

@@ -6,7 +6,7 @@ differ. Across the tested range (see `pyproject.toml`):
 - jax 0.12 merged `ClosedJaxpr` into `Jaxpr` (a `Jaxpr` carries its constants, and
   `.jaxpr` of one returns itself); the old `ClosedJaxpr(jaxpr, consts)` constructor
   survives there only as a deprecated alias. `close` and `is_jaxpr` work on every version.
-- The names below without a public home (the trace context, `join_effects`, `user_frame`,
+- The names below without a public home (the trace context, `join_effects`, `user_frames`,
   the configuration states, `convert_constvars_jaxpr` before 0.12, the type of a
   `jax.Ref`'s value, the effects of an `io_callback`) are taken from `jax._src`, so a JAX
   upgrade that moves them breaks this file only.
@@ -43,7 +43,7 @@ from jax.interpreters.ad import Zero as Zero
 _MERGED = hasattr(_core.Jaxpr, "with_consts")
 _CLOSED: type = _core.Jaxpr if _MERGED else _core.ClosedJaxpr
 
-user_frame = _source_info_util.user_frame
+user_frames = _source_info_util.user_frames  # innermost first, JAX's own frames left out
 join_effects = _core.join_effects
 EvalTrace = _core.EvalTrace
 
