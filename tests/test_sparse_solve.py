@@ -327,3 +327,17 @@ def test_bad_patterns():
         dx.sparse_solve(values, (pattern.rows, pattern.cols), b)
     with pytest.raises(TypeError, match=re.escape("`dx.sparse_solve(name='sparse_solve')`: `solver` must be a `dx.AbstractSparseSolver` (e.g. `dx.SuperLU()`), but got 'umfpack'.")):
         dx.sparse_solve(values, pattern, b, solver="umfpack")
+
+
+def test_scipy_is_needed_only_by_a_solve(monkeypatch):
+    import subprocess
+    import sys
+
+    # importing deferax does not import SciPy
+    code = "import sys; sys.modules['scipy'] = None; import deferax; print(deferax.sparse_solve.__name__)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "sparse_solve\n"
+    values, pattern, b = REAL
+    monkeypatch.setitem(sys.modules, "scipy", None)
+    msg = "`dx.sparse_solve(name='sparse_solve')`: SciPy is not installed, and the solve needs it"
+    with pytest.raises(ImportError, match=re.escape(msg)):
+        dx.sparse_solve(values, pattern, b)

@@ -17,6 +17,7 @@ import collections
 import concurrent.futures as cf
 import dataclasses
 import functools as ft
+import importlib.util
 import threading
 from typing import Any
 
@@ -43,6 +44,9 @@ BAD_OPERAND = """`dx.sparse_solve(name={name!r})`: `{what}` must be {expected}, 
 
 FIX_VALUES = "`values[k]` is the entry at `(pattern.rows[k], pattern.cols[k])`; for several systems, `jax.vmap` over `values`."
 FIX_B = "`b` is one right-hand side; for several, `jax.vmap` over `b` (the factorisation is shared)."
+
+NO_SCIPY = """`dx.sparse_solve(name={name!r})`: SciPy is not installed, and the solve needs it (the matrix is handed to the
+solver as a `scipy.sparse.csc_matrix`; the default solver is SciPy's `splu`). Install it: `pip install scipy`."""
 
 BAD_SOLVER = "`dx.sparse_solve(name={name!r})`: `solver` must be a `dx.AbstractSparseSolver` (e.g. `dx.SuperLU()`), but got {found!r}."
 
@@ -364,6 +368,8 @@ def sparse_solve(
         dx.filter_value_and_grad(lambda v: jnp.sum(dx.sparse_solve(v, pattern, b)))(values)
         ```
     """
+    if importlib.util.find_spec("scipy") is None:
+        raise ImportError(NO_SCIPY.format(name=name))
     if not isinstance(pattern, SparsePattern):
         raise TypeError(NOT_PATTERN.format(name=name, found=_found(pattern)))
     solver = SuperLU() if solver is None else solver

@@ -1,7 +1,7 @@
 """Sparse direct solvers for [`deferax.sparse_solve`][]: `AbstractSparseSolver`, the hook, and
 `SuperLU`, SciPy's `splu`, the default.
 
-They run on the host (NumPy and SciPy in, NumPy out). SciPy is imported when a solver first
+They run on the host (NumPy and SciPy in, NumPy out). SciPy is imported when a solve first
 runs, not when deferax is imported.
 """
 
@@ -15,9 +15,6 @@ import numpy as np
 
 SINGULAR = """the matrix is singular: {solver} found {why}.
 Check that `values` has no zero (or cancelling) entries on the pivots and that the pattern covers every row and column."""
-
-NO_SCIPY = """`dx.SuperLU` needs SciPy (`scipy.sparse.linalg.splu`), which is not installed: `pip install scipy`,
-or give `dx.sparse_solve(..., solver=...)` another `dx.AbstractSparseSolver`."""
 
 
 class AbstractSparseSolver(eqx.Module):
@@ -80,10 +77,8 @@ class SuperLU(AbstractSparseSolver):
     permc_spec: str = eqx.field(default="COLAMD", static=True)
 
     def factor(self, matrix: Any) -> Any:
-        try:
-            from scipy.sparse.linalg import splu
-        except ImportError as e:
-            raise ImportError(NO_SCIPY) from e
+        from scipy.sparse.linalg import splu  # (`dx.sparse_solve` has checked that SciPy is there)
+
         try:
             return splu(matrix, permc_spec=self.permc_spec)
         except RuntimeError as e:  # SuperLU reports a zero pivot as "Factor is exactly singular"
