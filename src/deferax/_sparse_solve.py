@@ -164,9 +164,11 @@ class Store:
         if owner:
             try:
                 entry.future.set_result(make())
-            except BaseException as e:
+            except BaseException as e:  # (the callers waiting for it raise it too)
                 entry.future.set_exception(e)
-                self.release(key, entry.users)
+                with self._lock:
+                    if self._entries.get(key) is entry:
+                        del self._entries[key]
         return entry.future.result()
 
     def release(self, key: Any, n: int = 1) -> None:
