@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import functools as ft
 import importlib.util
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -211,8 +213,15 @@ class _Solve:
     def _key(self, values: np.ndarray) -> Any:
         return (self, values.dtype.str, values.tobytes())
 
-    def _acquire(self, values: np.ndarray) -> Any:
-        return FACTORISATIONS.acquire(self._key(values), lambda: self._factor(values))
+    @contextlib.contextmanager
+    def _factorised(self, values: np.ndarray, uses: int) -> Iterator[Any]:
+        """The factorisation of the matrix, kept or made; inside, it is used, and after,
+        `uses` users fewer for it (this use, and a forward pass's for a backward pass)."""
+        key = self._key(values)
+        try:
+            yield FACTORISATIONS.acquire(key, lambda: self._factor(values))
+        finally:
+            FACTORISATIONS.release(key, uses)
 
     def _solve(self, lu: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
         """`A^-1 rhs` (or `A^-T rhs`) for `rhs` of shape `(n,)` or `(k, n)`: one call of the solver."""
@@ -235,14 +244,12 @@ class _Solve:
 
     def fwd(self, x: tuple) -> np.ndarray:
         values, b = x
-        return self._solve(self._acquire(values), b, False)  # the factorisation stays for `bwd`
+        lu = FACTORISATIONS.acquire(self._key(values), lambda: self._factor(values))  # it stays for `bwd`
+        return self._solve(lu, b, False)
 
     def bwd(self, x: tuple, y: np.ndarray, ct_y: np.ndarray) -> tuple:
-        values, _ = x
-        try:
-            lam = self._solve(self._acquire(values), ct_y, True)
-        finally:
-            FACTORISATIONS.release(self._key(values), 2)  # this use, and the forward's
+        with self._factorised(x[0], uses=2) as lu:  # this use, and the forward's
+            lam = self._solve(lu, ct_y, True)
         return self._cotangents(x, y, lam)
 
     def fused(self, x: tuple, ct_y: np.ndarray) -> tuple:
@@ -251,12 +258,9 @@ class _Solve:
 
     def fused_batch(self, x: tuple, cts: np.ndarray) -> tuple:
         values, b = x
-        try:
-            lu = self._acquire(values)
+        with self._factorised(values, uses=1) as lu:
             y = self._solve(lu, b, False)
             lam = self._solve(lu, cts, True)
-        finally:
-            FACTORISATIONS.release(self._key(values))
         return y, self._cotangents(x, y, lam)
 
     def jvp(self, x: tuple, t_x: tuple) -> tuple:
@@ -266,12 +270,9 @@ class _Solve:
     def jvp_batch(self, x: tuple, t_xs: tuple) -> tuple:
         values, b = x
         t_values, t_b = t_xs
-        try:
-            lu = self._acquire(values)
+        with self._factorised(values, uses=1) as lu:
             y = self._solve(lu, b, False)
             t_y = self._solve(lu, np.asarray(t_b, self.dtype) - self._product(t_values, y), False)
-        finally:
-            FACTORISATIONS.release(self._key(values))
         return y, t_y
 
 
