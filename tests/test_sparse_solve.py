@@ -2,6 +2,8 @@
 differences, real and complex, on every schedule, eagerly and under jit, under vmap, in
 forward mode; one factorisation per call, counted through the solver hook; errors."""
 
+import concurrent.futures as cf
+import multiprocessing
 import re
 import threading
 
@@ -267,6 +269,17 @@ def test_forward_mode(kind):
     jac = jax.jacfwd(solve, argnums=1, holomorphic=holomorphic)(values, b)  # the forward, then one jvp_batch job for n tangents
     assert_tree_allclose(jac, jax.jacfwd(dense(pattern), argnums=1, holomorphic=holomorphic)(values, b), rtol=1e-11, atol=1e-12)
     assert tally.counts == {"factor": 1, "solve": 3, "rhs": 1 + 1 + pattern.n}
+
+
+def test_on_a_process_pool():
+    # the host functions travel to the workers; a backward pass on another worker than its
+    # forward factors again there
+    values, pattern, b = COMPLEX
+    with cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for loss_name in ("linear", "power"):
+            loss, _ = make_losses(sparse(pattern, executor=pool))[loss_name]
+            reference, _ = make_losses(dense(pattern))[loss_name]
+            assert_tree_allclose(run(loss, (values, b)), jax.value_and_grad(reference)((values, b)), rtol=1e-11, atol=1e-12)
 
 
 def test_pattern_from_scipy_and_equality():
