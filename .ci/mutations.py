@@ -102,6 +102,21 @@ MUTATIONS = [
         [("_expensive.py", "        return Derived(_Primal(self)", "        return Fused(_Primal(self)")],
         ["tests/test_concurrent.py"],
     ),
+    (
+        "a bwd that calls a host callback taken for one that shares no state with fwd",
+        [("_site.py", "    return None if opaque is None else _OPAQUE_BWD.format(location=opaque)", "    return None")],
+        ["tests/test_concurrent.py"],
+    ),
+    (
+        "an io_callback ahead of the expensive calls run twice (value and gradient from two draws)",
+        [("_analysis.py", 'decisions[k] = ("standard", once[k], None, None) if once[k] else', 'decisions[k] = ("standard", once[k], None, None) if False else')],
+        ["tests/test_one_trace.py"],
+    ),
+    (
+        "the same view of the output computed twice counted twice in k",
+        [("_analysis.py", "    program = _jaxpr.merge_duplicates(program, keep=(_site.SITE, _site.LINEAR))\n", "")],
+        ["tests/test_basis.py"],
+    ),
 ]
 
 

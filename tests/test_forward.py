@@ -98,6 +98,18 @@ def test_forward_mode_under_vmap(given):
     assert_tree_allclose(got, jax.vmap(jax.jacfwd(ref))(xs))
 
 
+@pytest.mark.parametrize("given", FORWARD_CAPABLE, ids="+".join)
+def test_jacfwd_with_respect_to_one_leaf(given):
+    # `u`'s tangent is a zero that `jacfwd`'s level (2 tangents) does not batch; with
+    # max_tangents=0, forward mode runs `jvp`/`jvp_batch` on the tangents, not forward-basis
+    f = make(given, Counter(), max_tangents=0)
+
+    def of(fn):
+        return lambda v2: fn({"u": X["u"], "v": jnp.concatenate([v2, X["v"][2:]])})
+
+    assert_tree_allclose(jax.jacfwd(of(f))(X["v"][:2]), jax.jacfwd(of(ref))(X["v"][:2]))
+
+
 # ----------------------------------------------------------------------------- reverse mode, per-site strategy
 
 

@@ -357,6 +357,37 @@ def test_fused_host_function_alone():
             assert runs["fused"] == expected
 
 
+def test_fused_batch_host_function_runs_once_for_all_basis_cotangents():
+    runs = Runs()
+
+    def fused(x, ct):
+        runs.tick("fused")
+        a = A0 + np.diag(x)
+        e = np.linalg.solve(a, SOURCE)
+        return e, -np.real(e * np.linalg.solve(a.T, ct))
+
+    def fused_batch(x, cts):  # one factorisation, the forward and k adjoint right-hand sides
+        runs.tick("fused_batch", cts)
+        a = A0 + np.diag(x)
+        e = np.linalg.solve(a, SOURCE)
+        lams = np.linalg.solve(a.T, cts.T).T
+        return e, -np.real(e * lams)
+
+    f = dx.host(fused=fused, fused_batch=fused_batch, out=FIELD, name="both")
+    for jit in (False, True):
+        runs.counts.clear()
+        runs.shapes.clear()
+        got = run(overlap_loss(f), X0, jit=jit, max_basis=2)
+        assert_tree_allclose(got, eqx.filter_value_and_grad(overlap_loss(reference))(X0), rtol=1e-12, atol=1e-12)
+        assert runs.as_dict("fused", "fused_batch") == {"fused": 0, "fused_batch": 1}
+        assert runs.shapes["fused_batch"] == [(2, 3)]
+
+
+def test_fused_batch_without_fused():
+    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='both')`: `fused_batch` was given without `fused`.")):
+        dx.host(lambda x: x, fused_batch=lambda x, cts: (x, cts), out=FIELD, name="both")
+
+
 def test_pytrees_in_and_out_with_the_default_combine():
     runs = Runs()
 

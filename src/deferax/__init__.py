@@ -17,6 +17,10 @@ from ._record import Call as Call
 from ._record import Timeline as Timeline
 from ._record import plot_timelines as plot_timelines
 from ._record import record as record
+from ._sparse_solve import SparsePattern as SparsePattern
+from ._sparse_solve import sparse_solve as sparse_solve
+from ._sparse_solver import AbstractSparseSolver as AbstractSparseSolver
+from ._sparse_solver import SuperLU as SuperLU
 from ._transform import explain as explain
 from ._transform import filter_grad as filter_grad
 from ._transform import filter_value_and_grad as filter_value_and_grad

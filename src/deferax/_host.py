@@ -33,6 +33,11 @@ NO_PRIMAL = """{call}: nothing computes the output. Give the forward host functi
 BAD_EXECUTOR = """{call}: `executor` must be a `concurrent.futures.Executor` (a `ThreadPoolExecutor`, a `ProcessPoolExecutor`,
 `distributed.Client(...).get_executor()`) or None for deferax's thread pool, but got {found!r}."""
 
+BATCH_WITHOUT_FUSED = """{call}: `fused_batch` was given without `fused`. It serves the deferred-basis schedule; the deferred
+schedule needs `fused(x, ct_y) -> (y, ct_x)` for one cotangent:
+
+    dx.host(simulate, bwd=..., fused=simulate_and_adjoint, fused_batch=simulate_and_adjoints, out=...)"""
+
 BAD_TIMEOUT = "{call}: `timeout` must be a positive number of seconds or None, but got {found!r}."
 
 KEY_OUT = """{call}: {what} declares a typed PRNG key ({found}), but a host function returns NumPy arrays, which cannot
@@ -76,6 +81,7 @@ class _Host(eqx.Module):
     host_adjoint: Callable[..., Any] | None = eqx.field(static=True)
     host_bwd: Callable[..., Any] | None = eqx.field(static=True)
     host_fused: Callable[..., Any] | None = eqx.field(static=True)
+    host_fused_batch: Callable[..., Any] | None = eqx.field(static=True)
     host_jvp: Callable[..., Any] | None = eqx.field(static=True)
     host_jvp_batch: Callable[..., Any] | None = eqx.field(static=True)
     executor: cf.Executor | None = eqx.field(static=True)
@@ -92,7 +98,7 @@ class _Host(eqx.Module):
         return Runner(
             self.call, self.host_fwd, self.host_adjoint, self.host_bwd, self.host_fused,
             self.executor, self.timeout, self.vectorized, self.linear_adjoint, why,
-            self.host_jvp, self.host_jvp_batch, self.thread_safe,
+            self.host_jvp, self.host_jvp_batch, self.thread_safe, self.host_fused_batch,
         )  # fmt: skip
 
     def _out(self, x: PyTree) -> PyTree:
@@ -150,7 +156,8 @@ class _Host(eqx.Module):
         if self.host_fwd is not None and self.host_adjoint is not None:
             y, partials = self._run("fwd+adjoints", (x, cts), (self._out(x), batched(self._adjoint_out(x))))
             return y, jax.vmap(lambda p: self._combine(x, y, p))(partials)
-        return self._run("fused*k", (x, cts), (self._out(x), batched(_struct(_raw(x)))))
+        kind = "fused_batch" if self.host_fused_batch is not None else "fused*k"
+        return self._run(kind, (x, cts), (self._out(x), batched(_struct(_raw(x)))))
 
 
 # Typed `Any` where a wrong value must reach the checks below, whose messages name the function.
@@ -161,6 +168,7 @@ def host(
     combine: Any = None,
     bwd: Any = None,
     fused: Any = None,
+    fused_batch: Any = None,
     jvp: Any = None,
     jvp_batch: Any = None,
     out: Any = None,
@@ -200,6 +208,11 @@ def host(
     - `fused`: `fused(x, ct_y) -> (y, ct_x)`, optional: a host function that does both
       (sharing a factorisation, say). Used instead of `fwd` + `adjoint` on the deferred
       schedule.
+    - `fused_batch`: `fused_batch(x, cts) -> (y, ct_xs)`, optional, with `fused`: the
+      forward and `k` adjoints in one job (`cts` and `ct_xs` stack the `k` cotangents on a
+      leading axis), for the deferred-basis schedule: one factorisation for the forward
+      and all the adjoint right-hand sides. Without it, that schedule submits `fused` once
+      per cotangent.
     - `jvp`: `jvp(x, t_x) -> (y, t_y)`, optional: the forward-mode derivative with the
       primal (a tangent solve). `jvp_batch`: `jvp_batch(x, t_xs) -> (y, t_ys)` for `k`
       tangents stacked on a leading axis (one factorisation for all); without it, the `k`
@@ -257,7 +270,10 @@ def host(
         dx.filter_value_and_grad(lambda b: jnp.sum(solve(b)))(jnp.array([1.0, 2.0]))
         ```
     """
-    impls = {"fwd": fwd, "adjoint": adjoint, "combine": combine, "bwd": bwd, "fused": fused, "jvp": jvp, "jvp_batch": jvp_batch}
+    impls = {
+        "fwd": fwd, "adjoint": adjoint, "combine": combine, "bwd": bwd, "fused": fused, "fused_batch": fused_batch,
+        "jvp": jvp, "jvp_batch": jvp_batch,
+    }  # fmt: skip
     if name is None:
         first = next((f for f in (fwd, fused, jvp, jvp_batch, adjoint, bwd) if f is not None), None)
         name = getattr(first, "__name__", None) or type(first).__name__
@@ -276,6 +292,8 @@ def host(
     for what, value in (("combine", combine), ("adjoint_out", adjoint_out)):
         if value is not None and adjoint is None:
             raise TypeError(_errors.ONLY_WITH_ADJOINT.format(call=call, what=what))
+    if fused_batch is not None and fused is None:
+        raise TypeError(BATCH_WITHOUT_FUSED.format(call=call))
     if executor is not None and not isinstance(executor, cf.Executor):
         raise TypeError(BAD_EXECUTOR.format(call=call, found=executor))
     if timeout is not None:
@@ -290,6 +308,7 @@ def host(
         host_adjoint=adjoint,
         host_bwd=bwd,
         host_fused=fused,
+        host_fused_batch=fused_batch,
         host_jvp=jvp,
         host_jvp_batch=jvp_batch,
         executor=executor,

@@ -27,6 +27,7 @@ A host function must return NumPy arrays with exactly the declared shapes and dt
 BY_OUT = "declared by `out=`"
 LIKE_X = "a cotangent shaped like the input `x`"
 PAIR = "a pair `(y, ct_x)`: `y` declared by `out=`, `ct_x` shaped like the input `x`"
+PAIR_BATCH = "a pair `(y, ct_xs)`: `y` declared by `out=`, `ct_xs` shaped like the input `x` with a leading axis of one cotangent each"
 PAIR_JVP = "a pair `(y, t_y)`: both declared by `out=`"
 PAIR_JVP_BATCH = "a pair `(y, t_ys)`: `y` declared by `out=`, `t_ys` the same with a leading axis of one tangent each"
 
@@ -109,6 +110,7 @@ class Runner:
     jvp: Callable[..., Any] | None = None
     jvp_batch: Callable[..., Any] | None = None
     thread_safe: bool = True
+    fused_batch: Callable[..., Any] | None = None
 
     def __call__(self, kind: str, result: PyTree, arg_structs: PyTree, *args: PyTree) -> PyTree:
         """Run `kind` on NumPy `args`; with leading batch axes (from `vmap`) once per element,
@@ -145,6 +147,8 @@ class Runner:
             return [_Call("fused", self.fused, args, result, PAIR)], first
         if kind == "jvp":
             return [_Call("jvp", self.jvp, args, result, PAIR_JVP)], first
+        if kind == "fused_batch":
+            return [_Call("fused_batch", self.fused_batch, args, result, PAIR_BATCH)], first
         if kind == "jvp_batch":
             return [_Call("jvp_batch", self.jvp_batch, args, result, PAIR_JVP_BATCH)], first
         x, ct = args

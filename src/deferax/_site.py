@@ -218,6 +218,9 @@ def _linear_impl(*operands, spec: Spec):
         fn = spec.fn(fn_leaves)
         x = spec.x(x_leaves)
         k = spec.axes[0][1]
+        # a tangent the level does not batch (a zero, for `jax.jacfwd(..., argnums=...)`) is the same for all `k`
+        t_axes = head[n_fn + n_x + n_y :]
+        t_leaves = [t if a is not None else jnp.broadcast_to(t, (k, *jnp.shape(t))) for t, a in zip(t_leaves, t_axes, strict=True)]
         t_xs = [t if d else np.zeros((k, *jnp.shape(x_)), jax.dtypes.float0) for x_, t, d in zip(x_leaves, full_tangent(x_leaves, t_leaves), diff, strict=True)]
         return jtu.tree_leaves(_tangents.tangents(fn, x, spec.x(t_xs))[1])
 

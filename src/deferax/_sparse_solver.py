@@ -1,0 +1,90 @@
+"""Sparse direct solvers for [`deferax.sparse_solve`][]: `AbstractSparseSolver`, the hook, and
+`SuperLU`, SciPy's `splu`, the default.
+
+They run on the host (NumPy and SciPy in, NumPy out). SciPy is imported when a solve first
+runs, not when deferax is imported.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import equinox as eqx
+import numpy as np
+
+SINGULAR = """the matrix is singular: {solver} found {why}.
+Check that `values` has no zero (or cancelling) entries on the pivots and that the pattern covers every row and column."""
+
+
+class AbstractSparseSolver(eqx.Module):
+    """A sparse direct solver: factor a matrix once, then solve with it and with its
+    transpose for any number of right-hand sides.
+
+    [`deferax.sparse_solve`][] calls `factor` once per matrix and `solve` for the forward
+    right-hand side, the adjoint ones (`transpose=True`) and the tangent ones; it keeps the
+    factorisation between the forward and the backward pass. Both methods run on the host,
+    on the executor of the solve, with NumPy and SciPy values.
+
+    Subclass it to plug in another solver (UMFPACK, PARDISO, a GPU solver). A solver is
+    part of the program's static configuration: it must be hashable and compare by value
+    (an `eqx.Module` with static fields is), and picklable for a process pool or Dask.
+
+    !!! Example
+
+        ```python
+        import scipy.linalg
+
+        import deferax as dx
+
+
+        class DenseLU(dx.AbstractSparseSolver):  # for small systems: LAPACK on the dense matrix
+            def factor(self, matrix):
+                return scipy.linalg.lu_factor(matrix.toarray())
+
+            def solve(self, factorisation, rhs, transpose):
+                return scipy.linalg.lu_solve(factorisation, rhs, trans=1 if transpose else 0)
+        ```
+    """
+
+    @abc.abstractmethod
+    def factor(self, matrix: Any) -> Any:
+        """Factor `matrix`, a square `scipy.sparse.csc_matrix` (real or complex, with the
+        dtype of the solution), and return the factorisation (any object). Raise
+        `numpy.linalg.LinAlgError` for a singular matrix."""
+
+    @abc.abstractmethod
+    def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
+        """Solve `A x = rhs` (or `A^T x = rhs` with `transpose`: the plain transpose, not the
+        conjugate one) for `rhs` of shape `(n,)` or `(n, k)` (`k` right-hand sides), and
+        return `x` with `rhs`'s shape and the matrix's dtype."""
+
+
+class SuperLU(AbstractSparseSolver):
+    """SciPy's sparse LU factorisation, `scipy.sparse.linalg.splu` (SuperLU), the default
+    solver of [`deferax.sparse_solve`][].
+
+    **Arguments:**
+
+    - `permc_spec`: the column ordering, as for `splu`: `"COLAMD"` (the default),
+      `"MMD_AT_PLUS_A"`, `"MMD_ATA"` or `"NATURAL"`.
+
+    SuperLU keeps Python's GIL while it factors: two factorisations on two threads run one
+    after the other. Use a process pool or Dask (`dx.sparse_solve(..., executor=...)`) when
+    several systems should be factored at once.
+    """
+
+    permc_spec: str = eqx.field(default="COLAMD", static=True)
+
+    def factor(self, matrix: Any) -> Any:
+        from scipy.sparse.linalg import splu  # (`dx.sparse_solve` has checked that SciPy is there)
+
+        try:
+            return splu(matrix, permc_spec=self.permc_spec)
+        except RuntimeError as e:  # SuperLU reports a zero pivot as "Factor is exactly singular"
+            if "singular" not in str(e):
+                raise
+            raise np.linalg.LinAlgError(SINGULAR.format(solver="SuperLU", why=f"a zero pivot ({e})")) from None
+
+    def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
+        return factorisation.solve(np.ascontiguousarray(rhs), trans="T" if transpose else "N")

@@ -1,0 +1,356 @@
+"""`dx.sparse_solve`: values and derivatives against a dense `jnp.linalg.solve` and finite
+differences, real and complex, on every schedule, eagerly and under jit, under vmap, in
+forward mode; one factorisation per call, counted through the solver hook; errors."""
+
+import concurrent.futures as cf
+import multiprocessing
+import re
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deferax as dx
+from deferax import _sparse_solve
+
+from .helpers import assert_tree_allclose, finite_difference_grad
+
+
+@pytest.fixture(autouse=True)
+def no_factorisations_kept():
+    """Each test starts with no factorisation kept by an earlier one (a forward pass
+    without a backward pass leaves one)."""
+    _sparse_solve.FACTORISATIONS._entries.clear()
+
+
+def grid(m, dtype):
+    """A convection-diffusion operator on an `m x m` grid (not symmetric), one entry added
+    twice (entries at one position add up), and its right-hand side."""
+    rng = np.random.default_rng(0)
+    rows, cols, vals = [], [], []
+    for i in range(m * m):
+        rows.append(i), cols.append(i), vals.append(4.5)
+        for j, v in ((i - 1, -1.3), (i + 1, -0.7), (i - m, -1.1), (i + m, -0.9)):
+            if 0 <= j < m * m:
+                rows.append(i), cols.append(j), vals.append(v)
+    rows.append(0), cols.append(0), vals.append(0.25)  # a duplicate of (0, 0)
+    values = np.array(vals) * (1.0 + rng.uniform(-0.1, 0.1, len(vals)))
+    b = rng.normal(size=m * m)
+    if np.issubdtype(dtype, np.complexfloating):
+        values = values * (1.0 + 0.3j * rng.uniform(-1, 1, len(vals)))
+        b = b + 1j * rng.normal(size=m * m)
+    return jnp.asarray(values.astype(dtype)), dx.SparsePattern(np.array(rows), np.array(cols), m * m), jnp.asarray(b.astype(dtype))
+
+
+class Tally:
+    """Thread-safe counts of the solver's calls: factorisations, solve calls, right-hand sides."""
+
+    def __init__(self):
+        self.counts = {"factor": 0, "solve": 0, "rhs": 0}
+        self.lock = threading.Lock()
+
+    def add(self, **counts):
+        with self.lock:
+            for k, v in counts.items():
+                self.counts[k] += v
+
+    def clear(self):
+        self.counts = dict.fromkeys(self.counts, 0)
+
+
+class CountingSolver(dx.AbstractSparseSolver):
+    tally: Tally = eqx.field(static=True)
+
+    def factor(self, matrix):
+        self.tally.add(factor=1)
+        return dx.SuperLU().factor(matrix)
+
+    def solve(self, factorisation, rhs, transpose):
+        self.tally.add(solve=1, rhs=1 if rhs.ndim == 1 else rhs.shape[1])
+        return dx.SuperLU().solve(factorisation, rhs, transpose)
+
+
+M = 4  # a 4 x 4 grid: 16 unknowns, 71 entries
+REAL = grid(M, np.float64)
+COMPLEX = grid(M, np.complex128)
+MODE = jnp.asarray(np.random.default_rng(1).normal(size=M * M))
+
+
+def overlap(x):
+    return jnp.sum(MODE.astype(x.dtype) * x)
+
+
+def make_losses(solve):
+    """Loss families of `(values, b)`, each with the schedule it gets by default."""
+    return {
+        "linear": (lambda vb: jnp.real(overlap(solve(*vb))) + jnp.sum(jnp.abs(vb[0]) ** 2), "deferred"),
+        "overlap": (lambda vb: jnp.abs(overlap(solve(*vb))) ** 2, "deferred-basis"),
+        "power": (lambda vb: jnp.sum(jnp.abs(solve(*vb)) ** 4), "standard"),
+    }
+
+
+def sparse(pattern, tally=None, **kwargs):
+    solver = CountingSolver(tally) if tally is not None else None
+    return lambda v, b: dx.sparse_solve(v, pattern, b, solver=solver, **kwargs)
+
+
+def dense(pattern):
+    def solve(v, b):
+        dtype = np.result_type(v.dtype, b.dtype)
+        return jnp.linalg.solve(pattern.todense(v).astype(dtype), b.astype(dtype))
+
+    return solve
+
+
+def run(loss, x, jit=False, **kwargs):
+    fn = dx.filter_value_and_grad(loss, **kwargs)
+    if jit:
+        fn = eqx.filter_jit(fn)
+    return jax.block_until_ready(fn(x))
+
+
+# ----------------------------------------------------------------------------- values, gradients, counts
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("kind", ["real", "complex"])
+@pytest.mark.parametrize("loss_name", ["linear", "overlap", "power"])
+def test_value_and_gradient_match_dense_solve_with_one_factorisation(loss_name, kind, jit):
+    values, pattern, b = REAL if kind == "real" else COMPLEX
+    tally = Tally()
+    loss, schedule = make_losses(sparse(pattern, tally))[loss_name]
+    reference, _ = make_losses(dense(pattern))[loss_name]
+    # a complex overlap is k = 2 real numbers: more than the default max_basis=1
+    if kind == "complex" and loss_name == "overlap":
+        schedule = "standard"
+    k = 1 if schedule == "deferred-basis" else None
+    site = dx.explain(loss, (values, b)).sites[0]
+    assert (site.schedule, site.k if k else None) == (schedule, k)
+    if jit:
+        run(loss, (values, b), jit=True)  # compile
+    tally.clear()
+    with dx.record() as timeline:
+        got = run(loss, (values, b), jit=jit)
+    assert_tree_allclose(got, jax.value_and_grad(reference)((values, b)), rtol=1e-11, atol=1e-12)
+    jobs = {"standard": {"fwd": 1, "bwd": 1}, "deferred": {"fused": 1}, "deferred-basis": {"fused_batch": 1}}[schedule]
+    assert timeline.counts() == jobs
+    # one factorisation; a solve for b and one for the adjoint right-hand side(s)
+    assert tally.counts == {"factor": 1, "solve": 2, "rhs": 2}
+    assert len(_sparse_solve.FACTORISATIONS) == 0  # nothing kept once the backward pass is done
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_basis_schedule_solves_k_adjoints_on_one_factorisation(jit):
+    values, pattern, b = COMPLEX
+    tally = Tally()
+    loss, _ = make_losses(sparse(pattern, tally, max_basis=2))["overlap"]
+    reference, _ = make_losses(dense(pattern))["overlap"]
+    site = dx.explain(loss, (values, b)).sites[0]
+    assert (site.schedule, site.k) == ("deferred-basis", 2)
+    if jit:
+        run(loss, (values, b), jit=True)
+    tally.clear()
+    with dx.record() as timeline:
+        got = run(loss, (values, b), jit=jit)
+    assert_tree_allclose(got, jax.value_and_grad(reference)((values, b)), rtol=1e-11, atol=1e-12)
+    assert timeline.counts() == {"fused_batch": 1}
+    assert tally.counts == {"factor": 1, "solve": 2, "rhs": 1 + 2}  # b, then both adjoints in one solve
+
+
+def test_standard_schedule_under_jax_grad_reuses_the_forward_factorisation():
+    values, pattern, b = COMPLEX
+    tally = Tally()
+    loss, _ = make_losses(sparse(pattern, tally))["power"]
+    reference, _ = make_losses(dense(pattern))["power"]
+    got = jax.value_and_grad(loss)((values, b))
+    assert_tree_allclose(got, jax.value_and_grad(reference)((values, b)), rtol=1e-11, atol=1e-12)
+    assert tally.counts == {"factor": 1, "solve": 2, "rhs": 2}
+    assert len(_sparse_solve.FACTORISATIONS) == 0
+
+
+def test_a_dropped_factorisation_is_made_again():
+    values, pattern, b = REAL
+    tally = Tally()
+    solve = sparse(pattern, tally)
+    x, vjp = jax.vjp(solve, values, b)
+    limit = _sparse_solve.FACTORISATIONS.limit
+    for i in range(limit):  # forward passes with no backward pass push the first one out
+        solve(values + i + 1.0, b)
+    assert len(_sparse_solve.FACTORISATIONS) == limit
+    got = vjp(MODE)
+    assert_tree_allclose(got, jax.vjp(dense(pattern), values, b)[1](MODE), rtol=1e-11, atol=1e-12)
+    assert tally.counts["factor"] == 1 + limit + 1
+
+
+@pytest.mark.parametrize("kind", ["real", "complex", "real matrix, complex b"])
+def test_vjp_and_jvp_match_dense_solve_and_finite_differences(kind):
+    if kind == "real matrix, complex b":
+        values, pattern, b = REAL[0], REAL[1], COMPLEX[2]
+    else:
+        values, pattern, b = REAL if kind == "real" else COMPLEX
+    rng = np.random.default_rng(2)
+    ct = jnp.asarray(rng.normal(size=pattern.n) + (0 if kind == "real" else 1j * rng.normal(size=pattern.n)))
+    d = (jnp.asarray(rng.normal(size=values.shape)).astype(values.dtype), jnp.asarray(rng.normal(size=b.shape)).astype(b.dtype))
+    solve = sparse(pattern)
+    x, vjp = jax.vjp(solve, values, b)
+    x_ref, vjp_ref = jax.vjp(dense(pattern), values, b)
+    assert_tree_allclose(x, x_ref, rtol=1e-12, atol=1e-12)
+    cts = vjp(ct)
+    assert_tree_allclose(cts, vjp_ref(ct), rtol=1e-11, atol=1e-12)
+    _, t_x = jax.jvp(solve, (values, b), d)
+    assert_tree_allclose(t_x, jax.jvp(dense(pattern), (values, b), d)[1], rtol=1e-11, atol=1e-12)
+    # finite differences of x along d (no convention in them), then JAX's convention for the
+    # cotangents, plain transposes: sum(ct_in * d) = sum(ct * J d), whose real part only
+    # where an input is real (its cotangent is the real part)
+    eps = 1e-6
+    fd = (solve(values + eps * d[0], b + eps * d[1]) - solve(values - eps * d[0], b - eps * d[1])) / (2 * eps)
+    np.testing.assert_allclose(t_x, fd, rtol=1e-7, atol=1e-9)
+    pairing = sum(jnp.sum(c.astype(jnp.complex128) * t.astype(jnp.complex128)) for c, t in zip(cts, d, strict=True))
+    expected = jnp.sum(ct.astype(jnp.complex128) * fd.astype(jnp.complex128))
+    np.testing.assert_allclose(pairing if kind == "complex" else pairing.real, expected if kind == "complex" else expected.real, rtol=1e-7)
+
+
+def test_real_gradient_matches_finite_differences():
+    values, pattern, b = REAL
+    loss, _ = make_losses(sparse(pattern))["power"]
+    grad = dx.filter_grad(loss)((values, b))
+    assert_tree_allclose(grad, finite_difference_grad(loss, (values, b)), rtol=1e-6, atol=1e-8)
+
+
+# ----------------------------------------------------------------------------- vmap and forward mode
+
+
+@pytest.mark.parametrize("loss_name", ["linear", "power"])
+def test_vmap_over_right_hand_sides_shares_the_factorisation(loss_name):
+    values, pattern, b = REAL
+    bs = jnp.stack([b, 2 * b + 1.0, -b])
+    tally = Tally()
+    loss, _ = make_losses(sparse(pattern, tally))[loss_name]
+    reference, _ = make_losses(dense(pattern))[loss_name]
+    got = jax.vmap(dx.filter_value_and_grad(loss), in_axes=((None, 0),))((values, bs))
+    assert_tree_allclose(got, jax.vmap(jax.value_and_grad(reference), in_axes=((None, 0),))((values, bs)), rtol=1e-11, atol=1e-12)
+    if loss_name == "power":  # standard: the forwards keep the one factorisation for their backward passes
+        assert tally.counts == {"factor": 1, "solve": 6, "rhs": 6}
+    else:  # deferred: one fused job per example, submitted together
+        assert 1 <= tally.counts["factor"] <= 3 and tally.counts["rhs"] == 6
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_vmap_over_systems(jit):
+    values, pattern, b = COMPLEX
+    vs = jnp.stack([values, 1.1 * values, values + 0.5])
+    tally = Tally()
+    for loss_name in ("linear", "overlap", "power"):
+        loss, _ = make_losses(sparse(pattern, tally))[loss_name]
+        reference, _ = make_losses(dense(pattern))[loss_name]
+        fn = jax.vmap(dx.filter_value_and_grad(loss), in_axes=((0, None),))
+        fn = eqx.filter_jit(fn) if jit else fn
+        tally.clear()
+        got = fn((vs, b))
+        assert_tree_allclose(got, jax.vmap(jax.value_and_grad(reference), in_axes=((0, None),))((vs, b)), rtol=1e-11, atol=1e-12)
+        assert tally.counts["factor"] == 3  # one per system
+
+
+@pytest.mark.parametrize("kind", ["real", "complex"])
+def test_forward_mode(kind):
+    values, pattern, b = REAL if kind == "real" else COMPLEX
+    tally = Tally()
+    solve = sparse(pattern, tally)
+    t = (jnp.ones_like(values), jnp.zeros_like(b))
+    got = jax.jvp(solve, (values, b), t)
+    assert_tree_allclose(got, jax.jvp(dense(pattern), (values, b), t), rtol=1e-11, atol=1e-12)
+    assert tally.counts["factor"] == 1  # the tangent solve reuses the forward's factorisation
+    _sparse_solve.FACTORISATIONS._entries.clear()
+    tally.clear()
+    holomorphic = kind == "complex"  # (x is holomorphic in b)
+    jac = jax.jacfwd(solve, argnums=1, holomorphic=holomorphic)(values, b)  # the forward, then one jvp_batch job for n tangents
+    assert_tree_allclose(jac, jax.jacfwd(dense(pattern), argnums=1, holomorphic=holomorphic)(values, b), rtol=1e-11, atol=1e-12)
+    assert tally.counts == {"factor": 1, "solve": 3, "rhs": 1 + 1 + pattern.n}
+
+
+def test_on_a_process_pool():
+    # the host functions travel to the workers; a backward pass on another worker than its
+    # forward factors again there
+    values, pattern, b = COMPLEX
+    with cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for loss_name in ("linear", "power"):
+            loss, _ = make_losses(sparse(pattern, executor=pool))[loss_name]
+            reference, _ = make_losses(dense(pattern))[loss_name]
+            assert_tree_allclose(run(loss, (values, b)), jax.value_and_grad(reference)((values, b)), rtol=1e-11, atol=1e-12)
+
+
+def test_pattern_from_scipy_and_equality():
+    import scipy.sparse
+
+    matrix = scipy.sparse.csr_matrix(np.array([[2.0, 0.0, 1.0], [0.0, 3.0, 0.0], [1.0, 0.0, 4.0]]))
+    values, pattern = dx.SparsePattern.from_scipy(matrix)
+    np.testing.assert_array_equal(pattern.todense(values), matrix.toarray())
+    again = dx.SparsePattern(pattern.rows.copy(), pattern.cols.copy(), 3)
+    assert again == pattern and hash(again) == hash(pattern) and again != dx.SparsePattern(pattern.rows, pattern.cols, 4)
+    assert repr(pattern) == "SparsePattern(n=3, nnz=5)"
+    x = dx.sparse_solve(jnp.asarray(values), pattern, jnp.array([1.0, 2.0, 3.0]))
+    np.testing.assert_allclose(matrix @ np.asarray(x), [1.0, 2.0, 3.0], rtol=1e-12)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_values_of_the_wrong_length():
+    values, pattern, b = REAL
+    msg = "`dx.sparse_solve(name='sparse_solve')`: `values` must be a real or complex array of shape (71,) (for SparsePattern(n=16, nnz=71)), but got float64[70]."
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        dx.sparse_solve(values[:-1], pattern, b)
+
+
+def test_b_of_the_wrong_length():
+    values, pattern, b = REAL
+    msg = "`dx.sparse_solve(name='fdfd')`: `b` must be a real or complex array of shape (16,) (for SparsePattern(n=16, nnz=71)), but got float64[17].\n`b` is one right-hand side"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        dx.sparse_solve(values, pattern, jnp.append(b, 1.0), name="fdfd")
+
+
+def test_singular_matrix():
+    pattern = dx.SparsePattern(np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1]), 2)
+    values = jnp.array([1.0, 2.0, 2.0, 4.0])
+    msg = (
+        "`ExpensiveFn(name='sparse_solve')`: the host function `fwd` raised LinAlgError: the matrix is singular: "
+        "SuperLU found a zero pivot (Factor is exactly singular)."
+    )
+    with pytest.raises(dx.HostError, match=re.escape(msg)):
+        dx.sparse_solve(values, pattern, jnp.array([1.0, 0.0]))
+    with pytest.raises(dx.HostError, match=re.escape(msg.replace("`fwd`", "`fused`"))):
+        dx.filter_grad(lambda v: jnp.sum(dx.sparse_solve(v, pattern, jnp.array([1.0, 0.0]))))(values)
+    assert len(_sparse_solve.FACTORISATIONS) == 0
+
+
+def test_bad_patterns():
+    with pytest.raises(ValueError, match=re.escape("`dx.SparsePattern`: `rows` and `cols` must have the same length, but got 3 rows and 2 cols.")):
+        dx.SparsePattern(np.array([0, 1, 1]), np.array([0, 1]), 2)
+    with pytest.raises(ValueError, match=re.escape("`dx.SparsePattern`: every entry of `cols` must be in [0, n) = [0, 2), but got entries from 0 to 2.")):
+        dx.SparsePattern(np.array([0, 1]), np.array([0, 2]), 2)
+    with pytest.raises(ValueError, match=re.escape("`dx.SparsePattern`: `rows` must be a 1-D integer array, but got float64[2].")):
+        dx.SparsePattern(np.array([0.0, 1.0]), np.array([0, 1]), 2)
+    with pytest.raises(ValueError, match=re.escape("`dx.SparsePattern`: `n` must be a positive int, but got 0.")):
+        dx.SparsePattern(np.array([0]), np.array([0]), 0)
+    values, pattern, b = REAL
+    with pytest.raises(TypeError, match=re.escape("`dx.sparse_solve(name='sparse_solve')`: `pattern` must be a `dx.SparsePattern`, but got tuple.")):
+        dx.sparse_solve(values, (pattern.rows, pattern.cols), b)
+    with pytest.raises(TypeError, match=re.escape("`dx.sparse_solve(name='sparse_solve')`: `solver` must be a `dx.AbstractSparseSolver` (e.g. `dx.SuperLU()`), but got 'umfpack'.")):
+        dx.sparse_solve(values, pattern, b, solver="umfpack")
+
+
+def test_scipy_is_needed_only_by_a_solve(monkeypatch):
+    import subprocess
+    import sys
+
+    # importing deferax does not import SciPy
+    code = "import sys; sys.modules['scipy'] = None; import deferax; print(deferax.sparse_solve.__name__)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "sparse_solve\n"
+    values, pattern, b = REAL
+    monkeypatch.setitem(sys.modules, "scipy", None)
+    msg = "`dx.sparse_solve(name='sparse_solve')`: SciPy is not installed, and the solve needs it"
+    with pytest.raises(ImportError, match=re.escape(msg)):
+        dx.sparse_solve(values, pattern, b)
