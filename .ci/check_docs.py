@@ -7,6 +7,7 @@ every output block that does not match.
 import contextlib
 import difflib
 import io
+import linecache
 import os
 import re
 import subprocess
@@ -40,9 +41,14 @@ for path in [a for a in sys.argv[1:] if a not in ("--fill", "--update")]:
                 bad += 1
         else:
             buf = io.StringIO()
+            # Named after the page, its source known to linecache: a reason that quotes the
+            # reader's line (`explain`) shows `forward-reverse.py:2 `loss = ...``, as it would
+            # for a reader's own script, not a made-up path without the code.
+            filename = os.path.basename(path).replace(".md", ".py")
+            linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
             try:
                 with contextlib.redirect_stdout(buf):
-                    exec(compile(code, f"{path}:block{i}", "exec"), ns)
+                    exec(compile(code, filename, "exec"), ns)
             except Exception:
                 print(f"!! {path} block {i} raised:\n{code}\n{traceback.format_exc()}")
                 bad += 1

@@ -84,8 +84,8 @@ class Plan(eqx.Module):
             (
                 str(s.index),
                 _short(s.name, 16),
-                _short(s.in_shapes, _SHAPE),
-                _short(s.out_shapes, _SHAPE),
+                s.in_shapes,
+                s.out_shapes,
                 "x".join(map(str, s.batch)) or "-",
                 s.schedule + (f" k={s.k}" if s.schedule == "deferred-basis" else f" n={s.n}" if s.n is not None else ""),
                 note_of.get(id(s), ""),
@@ -95,6 +95,11 @@ class Plan(eqx.Module):
         if not any(s.batch for s in self.sites):  # no column for what no site has
             header = header[:4] + header[5:]
             rows = [r[:4] + r[5:] for r in rows]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        # The two shape columns share what the others leave of the width; a longer
+        # structure is cut (in full on the Site).
+        shape = max(12, (_WIDTH - sum(widths) + widths[2] + widths[3] - 2 * (len(widths) - 1)) // 2)
+        rows = [(r[0], r[1], _short(r[2], shape), _short(r[3], shape), *r[4:]) for r in rows]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
         n = len(self.sites)
@@ -117,7 +122,6 @@ class Plan(eqx.Module):
 
 
 _WIDTH = 100  # columns: a terminal's, and the docs' code column
-_SHAPE = 24  # the widest shape cell; the full structure is the site's `in_shapes`/`out_shapes`
 
 
 def _short(text: str, width: int) -> str:
