@@ -339,8 +339,8 @@ def test_bwd_that_needs_the_output_stays_standard():
         assert runs.as_dict("fwd", "bwd") == {"fwd": 1, "bwd": 1}
 
 
-def test_fused_host_function_alone():
-    runs = Runs()
+def counted_fused(runs):
+    """A host `fused(x, ct)`: the forward and the adjoint solve in one job, counted."""
 
     def fused(x, ct):
         runs.tick("fused")
@@ -348,7 +348,12 @@ def test_fused_host_function_alone():
         e = np.linalg.solve(a, SOURCE)
         return e, -np.real(e * np.linalg.solve(a.T, ct))
 
-    f = dx.host(fused=fused, out=FIELD, name="both")
+    return fused
+
+
+def test_fused_host_function_alone():
+    runs = Runs()
+    f = dx.host(fused=counted_fused(runs), out=FIELD, name="both")
     for make_loss, expected in ((linear_loss, 1), (overlap_loss, 2)):  # k = 2 basis cotangents: 2 calls
         for jit in (False, True):
             runs.counts.clear()
@@ -360,12 +365,6 @@ def test_fused_host_function_alone():
 def test_fused_batch_host_function_runs_once_for_all_basis_cotangents():
     runs = Runs()
 
-    def fused(x, ct):
-        runs.tick("fused")
-        a = A0 + np.diag(x)
-        e = np.linalg.solve(a, SOURCE)
-        return e, -np.real(e * np.linalg.solve(a.T, ct))
-
     def fused_batch(x, cts):  # one factorisation, the forward and k adjoint right-hand sides
         runs.tick("fused_batch", cts)
         a = A0 + np.diag(x)
@@ -373,7 +372,7 @@ def test_fused_batch_host_function_runs_once_for_all_basis_cotangents():
         lams = np.linalg.solve(a.T, cts.T).T
         return e, -np.real(e * lams)
 
-    f = dx.host(fused=fused, fused_batch=fused_batch, out=FIELD, name="both")
+    f = dx.host(fused=counted_fused(runs), fused_batch=fused_batch, out=FIELD, name="both")
     for jit in (False, True):
         runs.counts.clear()
         runs.shapes.clear()
