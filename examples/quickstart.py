@@ -1,4 +1,4 @@
-"""Quickstart: the `sin` example from the JAX discussion deferax grew from, as an `ExpensiveFn`.
+"""Quickstart: `sin` as an expensive function whose forward and adjoint can run together.
 
 `sin` stands in for an expensive simulation whose derivative is written by hand. We give all
 three implementations:
