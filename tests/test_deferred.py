@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import deferax as dx
-import deferax._analysis
+import deferax._analysis._analysis
 
 from .helpers import Counter, assert_tree_allclose, finite_difference_grad, make
 
@@ -483,7 +483,7 @@ def test_nested_site_mixed_with_direct_site(counter):
 
 def test_no_reanalysis_on_repeated_calls(monkeypatch, counter):
     calls = []
-    original = deferax._analysis.analyse
+    original = deferax._analysis._analysis.analyse
 
     def counting(*args, **kwargs):
         calls.append(1)

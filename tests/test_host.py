@@ -773,7 +773,7 @@ def test_fdfd_design_improves_and_solves_once_each(fdfd):
 
 
 def test_linear_adjoint_recognises_multiples_and_zeros():
-    from deferax._host_jobs import _multiples
+    from deferax._host._runner import _multiples
 
     v, w = np.array([1.0 + 1.0j, 0.5, -1.0j]), np.array([0.0, 1.0, 2.0 + 0j])
     rows = [v, 2j * v, np.zeros(3, complex), w, -3.0 * w]

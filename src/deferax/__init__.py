@@ -2,25 +2,25 @@
 
 import importlib.metadata
 
-from ._concurrent import Fused as Fused
-from ._concurrent import fuse as fuse
-from ._concurrent import set_devices as set_devices
-from ._executor import HostError as HostError
-from ._executor import set_concurrency as set_concurrency
-from ._expensive import ExpensiveFn as ExpensiveFn
-from ._expensive import trainable as trainable
-from ._host import host as host
+from ._concurrency._threads import Fused as Fused
+from ._concurrency._threads import fuse as fuse
+from ._concurrency._threads import set_devices as set_devices
+from ._host._executor import HostError as HostError
+from ._host._executor import set_concurrency as set_concurrency
+from ._host._host import host as host
+from ._host._sparse_solve import SparsePattern as SparsePattern
+from ._host._sparse_solve import sparse_solve as sparse_solve
+from ._host._sparse_solver import AbstractSparseSolver as AbstractSparseSolver
+from ._host._sparse_solver import SuperLU as SuperLU
+from ._implementation._expensive import ExpensiveFn as ExpensiveFn
+from ._implementation._expensive import trainable as trainable
 from ._jacobian import jacobian as jacobian
-from ._plan import Plan as Plan
-from ._plan import Site as Site
+from ._plan._plan import Plan as Plan
+from ._plan._plan import Site as Site
 from ._record import Call as Call
 from ._record import Timeline as Timeline
 from ._record import plot_timelines as plot_timelines
 from ._record import record as record
-from ._sparse_solve import SparsePattern as SparsePattern
-from ._sparse_solve import sparse_solve as sparse_solve
-from ._sparse_solver import AbstractSparseSolver as AbstractSparseSolver
-from ._sparse_solver import SuperLU as SuperLU
 from ._transform import explain as explain
 from ._transform import filter_grad as filter_grad
 from ._transform import filter_value_and_grad as filter_value_and_grad

@@ -8,7 +8,8 @@ from typing import Any
 
 import equinox as eqx
 
-from . import _errors, _tangents
+from ._checks import _messages as _errors
+from ._forward_basis import _tangents
 
 _MODES = ("auto", "forward", "reverse")
 

@@ -23,10 +23,13 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors, _jaxpr, _record, _site, _stages
-from ._analysis import Analysis, analyse, bwd_decisions
-from ._concurrent import is_concrete
-from ._plan import Plan
+from . import _jaxpr, _record
+from ._analysis._analysis import Analysis, analyse, bwd_decisions
+from ._checks import _messages as _errors
+from ._concurrency._threads import is_concrete
+from ._plan._plan import Plan
+from ._site import _primitive as _site
+from ._stages import _stages
 
 _SCHEDULES = ("auto", "standard", "deferred")
 _WHERE = "`deferax.filter_value_and_grad`"

@@ -24,7 +24,7 @@ import equinox as eqx
 import jaxtyping
 from beartype.door import is_bearable
 
-from . import _errors
+from ._checks import _messages as _errors
 
 _ENV = "DEFERAX_TYPECHECK"
 _DEFAULT = os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "off", "no")

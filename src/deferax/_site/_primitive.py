@@ -25,8 +25,10 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _errors, _jaxpr, _record, _tangents
-from ._concurrent import is_concrete
+from .. import _jaxpr, _record
+from .._checks import _messages as _errors
+from .._concurrency._threads import is_concrete
+from .._forward_basis import _tangents
 
 SITE = "deferax_site"
 LINEAR = "deferax_site_linear"

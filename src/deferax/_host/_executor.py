@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _record
+from .. import _record
 
 _DEFAULT: cf.Executor | None = None
 _DEFAULT_LOCK = threading.Lock()

@@ -31,8 +31,10 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors, _jaxpr, _site
-from ._plan import Plan, Site
+from .. import _jaxpr
+from .._checks import _messages as _errors
+from .._plan._plan import Plan, Site
+from .._site import _primitive as _site
 
 
 def _describe(structs) -> str:

@@ -12,8 +12,11 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from . import _errors, _record, _site, _tangents, _typed
-from ._concurrent import Derived, Fused, is_concrete
+from .. import _record, _typed
+from .._checks import _messages as _errors
+from .._concurrency._threads import Derived, Fused, is_concrete
+from .._forward_basis import _tangents
+from .._site import _primitive as _site
 
 
 def _struct(tree: PyTree) -> PyTree[jax.ShapeDtypeStruct]:

@@ -18,7 +18,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _errors, _executor
+from .._checks import _messages as _errors
+from . import _executor
 
 MISMATCH = """{call}: the host function `{impl}` returned {found}, where {expected} was expected ({why}).
 A host function must return NumPy arrays with exactly the declared shapes and dtypes (convert with

@@ -15,7 +15,9 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _errors, _executor, _jaxpr, _record
+from .. import _jaxpr, _record
+from .._checks import _messages as _errors
+from .._host import _executor
 
 # The threads mostly wait for compiled programs; several sites each need two at once.
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(16, 2 * (os.cpu_count() or 2)), thread_name_prefix="deferax")

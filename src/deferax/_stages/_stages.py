@@ -19,9 +19,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _executor, _jaxpr, _record, _site, _tangents
-from ._analysis import Analysis, zeros
-from ._concurrent import Fused, all_runnable, preparing, running_prepared, serial, slot
+from .. import _jaxpr, _record
+from .._analysis._analysis import Analysis, zeros
+from .._concurrency._threads import Fused, all_runnable, preparing, running_prepared, serial, slot
+from .._forward_basis import _tangents
+from .._host import _executor
+from .._site import _primitive as _site
 
 # The threads that run the sites of one step together; each waits for its site's calls
 # (which `dx.fuse` halves run on another pool, so that no thread waits for its own pool).

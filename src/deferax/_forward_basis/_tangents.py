@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _errors
+from .._checks import _messages as _errors
 
 # The most tangents the forward-basis strategy takes by default, when the function also has
 # a reverse-mode implementation (`bwd` or `fused`); `ExpensiveFn(max_tangents=...)` changes it.

@@ -15,10 +15,12 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _errors, _executor, _jaxpr
-from ._concurrent import is_concrete
-from ._expensive import ExpensiveFn, _struct, check_ct_x, check_declared_width, check_signature
-from ._host_jobs import Runner
+from .. import _jaxpr
+from .._checks import _messages as _errors
+from .._concurrency._threads import is_concrete
+from .._implementation._expensive import ExpensiveFn, _struct, check_ct_x, check_declared_width, check_signature
+from . import _executor
+from ._runner import Runner
 
 NO_OUT = """{call}: host functions cannot be traced by JAX, so the output's shape and dtype must be declared with `out=`,
 a pytree of `jax.ShapeDtypeStruct` (or a function from the input's structure to one):
