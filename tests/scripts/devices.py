@@ -13,7 +13,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import deferax as dx  # noqa: E402
-from deferax import _concurrent  # noqa: E402
+from deferax._concurrency import _threads as _concurrent  # noqa: E402
 
 devices = jax.local_devices()
 assert len(devices) == 4, devices
