@@ -2,11 +2,9 @@
 
 import importlib.metadata
 
-from ._concurrency._threads import Fused as Fused
-from ._concurrency._threads import fuse as fuse
-from ._concurrency._threads import set_devices as set_devices
+from ._concurrency._devices import set_devices as set_devices
+from ._concurrency._serial import set_concurrency as set_concurrency
 from ._host._executor import HostError as HostError
-from ._host._executor import set_concurrency as set_concurrency
 from ._host._host import host as host
 from ._host._sparse_solve import SparsePattern as SparsePattern
 from ._host._sparse_solve import sparse_solve as sparse_solve
@@ -14,6 +12,8 @@ from ._host._sparse_solver import AbstractSparseSolver as AbstractSparseSolver
 from ._host._sparse_solver import SuperLU as SuperLU
 from ._implementation._expensive import ExpensiveFn as ExpensiveFn
 from ._implementation._expensive import trainable as trainable
+from ._implementation._fused import Fused as Fused
+from ._implementation._fused import fuse as fuse
 from ._jacobian import jacobian as jacobian
 from ._plan._plan import Plan as Plan
 from ._plan._plan import Site as Site
@@ -24,20 +24,10 @@ from ._record import record as record
 from ._transform import explain as explain
 from ._transform import filter_grad as filter_grad
 from ._transform import filter_value_and_grad as filter_value_and_grad
-from ._typed import (
-    AnnotationError as AnnotationError,
-)
-from ._typed import (
-    TypedModule as TypedModule,
-)
-from ._typed import (
-    set_typechecking as set_typechecking,
-)
-from ._typed import (
-    typechecking as typechecking,
-)
-from ._typed import (
-    typechecking_enabled as typechecking_enabled,
-)
+from ._typed import AnnotationError as AnnotationError
+from ._typed import TypedModule as TypedModule
+from ._typed import set_typechecking as set_typechecking
+from ._typed import typechecking as typechecking
+from ._typed import typechecking_enabled as typechecking_enabled
 
 __version__ = importlib.metadata.version("deferax")

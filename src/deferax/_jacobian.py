@@ -8,7 +8,7 @@ from typing import Any
 
 import equinox as eqx
 
-from ._checks import _messages as _errors
+from ._checks import _messages
 from ._forward_basis import _tangents
 
 _MODES = ("auto", "forward", "reverse")
@@ -43,7 +43,7 @@ def jacobian(fun: Callable | None = None, *, has_aux: bool = False, mode: str = 
     `(jacobian, aux)`, with `has_aux=True`).
     """
     if mode not in _MODES:
-        raise ValueError(_errors.BAD_MODE.format(found=mode))
+        raise ValueError(_messages.BAD_MODE.format(found=mode))
     if fun is None:
         return ft.partial(jacobian, has_aux=has_aux, mode=mode)
 

@@ -139,7 +139,7 @@ def plot_timelines(timelines: Mapping[str, Timeline], width: float = 8.0) -> Any
     fig, axes = plt.subplots(
         len(timelines), 1, figsize=(width, 0.9 + 0.5 * sum(rows) + 0.6 * len(rows)), sharex=True, squeeze=False,
         gridspec_kw={"height_ratios": rows},
-    )  # fmt: skip
+    )
     for ax, (title, timeline) in zip(axes[:, 0], timelines.items(), strict=True):
         _draw(ax, timeline, title)
     axes[-1, 0].set_xlabel("ms from the first call")
@@ -150,7 +150,7 @@ def plot_timelines(timelines: Mapping[str, Timeline], width: float = 8.0) -> Any
 _COLOURS = {
     "fwd": "#4C72B0", "bwd": "#DD8452", "adjoint": "#DD8452", "combine": "#937860", "fused": "#55A868",
     "fused_batch": "#55A868", "jvp": "#8172B3", "jvp_batch": "#8172B3",
-}  # fmt: skip
+}
 
 
 def _draw(ax, timeline: Timeline, title: str | None) -> None:
@@ -159,8 +159,24 @@ def _draw(ax, timeline: Timeline, title: str | None) -> None:
     t0 = min((c.start for c in calls), default=0.0)
     for c in calls:
         row = threads.index(c.thread)
-        ax.barh(row, 1e3 * c.duration, left=1e3 * (c.start - t0), height=0.6, color=_COLOURS.get(c.impl, "#999999"), edgecolor="black", linewidth=0.5)
-        ax.text(1e3 * (c.start - t0 + c.duration / 2), row, f"{c.site}: {c.impl}", ha="center", va="center", fontsize=8, color="white")
+        ax.barh(
+            row,
+            1e3 * c.duration,
+            left=1e3 * (c.start - t0),
+            height=0.6,
+            color=_COLOURS.get(c.impl, "#999999"),
+            edgecolor="black",
+            linewidth=0.5,
+        )
+        ax.text(
+            1e3 * (c.start - t0 + c.duration / 2),
+            row,
+            f"{c.site}: {c.impl}",
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="white",
+        )
     ax.set_yticks(range(len(threads)), threads, fontsize=8)
     ax.invert_yaxis()
     untimed = len(timeline.calls) - len(calls)
@@ -216,7 +232,15 @@ def _add(site: str, impl: str, schedule: str, start: float | None, end: float | 
         timelines = list(_ACTIVE)
     for timeline in timelines:
         timeline._add(
-            Call(site, impl, schedule, None if start is None else start - timeline.origin, None if end is None else end - timeline.origin, thread, device)
+            Call(
+                site,
+                impl,
+                schedule,
+                None if start is None else start - timeline.origin,
+                None if end is None else end - timeline.origin,
+                thread,
+                device,
+            )
         )
     if log.isEnabledFor(logging.DEBUG):
         took = "inside a compiled program" if start is None else f"{1e3 * (end - start):.3f} ms"
@@ -226,7 +250,9 @@ def _add(site: str, impl: str, schedule: str, start: float | None, end: float | 
 def site(name: str | None, schedule: str | None = None):
     """Inside: the calls are those of site `name`, for `schedule` (kept from outside if None)."""
     outer = _SITE.get()
-    return _jaxpr.setting(_SITE, (name if name is not None else "unnamed", schedule or (outer[1] if outer else "standard")))
+    return _jaxpr.setting(
+        _SITE, (name if name is not None else "unnamed", schedule or (outer[1] if outer else "standard"))
+    )
 
 
 def current(impl: str) -> tuple[str, str]:
@@ -251,7 +277,7 @@ def device_of(tree: Any) -> jax.Device | None:
     return None
 
 
-def call(impl: str, fn: Callable[[], Any], traced: bool, device: Any = None) -> Any:
+def recorded(impl: str, fn: Callable[[], Any], traced: bool, device: Any = None) -> Any:
     """`fn()`, the call of implementation `impl` (on traced arrays or concrete ones), as a
     named region for the profiler, and recorded if wanted. `device`: where it runs, if
     not where its results are."""
@@ -261,7 +287,9 @@ def call(impl: str, fn: Callable[[], Any], traced: bool, device: Any = None) -> 
         with jax.named_scope(f"deferax_{site_name}_{impl}"):
             if record_it:
                 # compiled into the program: counted each time the program runs it, not timed
-                jax.debug.callback(lambda: _add(site_name, impl, schedule, None, None, "in program", None), ordered=False)
+                jax.debug.callback(
+                    lambda: _add(site_name, impl, schedule, None, None, "in program", None), ordered=False
+                )
             with timed_outside():
                 return fn()
     with jax.profiler.TraceAnnotation(f"deferax {site_name}: {impl}"):
@@ -272,7 +300,9 @@ def call(impl: str, fn: Callable[[], Any], traced: bool, device: Any = None) -> 
             result = jax.block_until_ready(fn())
         end = time.perf_counter()
     device = device if device is not None else device_of(result)
-    _add(site_name, impl, schedule, start, end, threading.current_thread().name, None if device is None else str(device))
+    _add(
+        site_name, impl, schedule, start, end, threading.current_thread().name, None if device is None else str(device)
+    )
     return result
 
 

@@ -24,12 +24,14 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _jaxpr, _record
-from ._analysis._analysis import Analysis, analyse, bwd_decisions
-from ._checks import _messages as _errors
-from ._concurrency._threads import is_concrete
+from ._analysis._analysis import Analysis, analyse
+from ._analysis._bwd import bwd_decisions
+from ._checks import _checks, _messages
+from ._misc import is_concrete, struct_of
 from ._plan._plan import Plan
 from ._site import _primitive as _site
-from ._stages import _stages
+from ._site._spec import SITE
+from ._stages import _stage1, _stage2, _stage3
 
 _SCHEDULES = ("auto", "standard", "deferred")
 _WHERE = "`deferax.filter_value_and_grad`"
@@ -81,7 +83,7 @@ def _trace(fun, x, args, kwargs, has_aux) -> _Traced:
         out = fun(eqx.combine(jtu.tree_unflatten(diff_tree, list(leaves_)), nondiff), *args, **kwargs)
         if has_aux:
             if not (isinstance(out, tuple | list) and len(out) == 2):  # (as JAX and Equinox unpack it)
-                raise TypeError(_errors.NOT_PAIR.format(where=_WHERE, found=_errors.tree_text(out)))
+                raise TypeError(_messages.NOT_PAIR.format(where=_WHERE, found=_messages.tree_text(out)))
             value, aux = out
         else:
             value, aux = out, None
@@ -90,10 +92,10 @@ def _trace(fun, x, args, kwargs, has_aux) -> _Traced:
         box["aux"] = (aux_tree, [_TRACED if _is_traced(a) else a for a in aux_leaves])
         return [jnp.asarray(value), *[a for a in aux_leaves if _is_traced(a)]]
 
-    structs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), weak_type=getattr(a, "weak_type", False)) for a in leaves]
+    structs = [struct_of(a, keep_weak_type=True) for a in leaves]
     with _site.declared_outputs_checked():
         closed, _ = _jaxpr.trace(flat, *structs)
-    closed = _jaxpr.inline(closed, (_site.SITE,))
+    closed = _jaxpr.inline(closed, (SITE,))
     program, consts = _jaxpr.open_consts(closed)
     return _Traced(program, consts, list(leaves), diff_tree, box["aux"] if has_aux else None)
 
@@ -101,7 +103,9 @@ def _trace(fun, x, args, kwargs, has_aux) -> _Traced:
 def _check_value(value):
     shape, dtype = jnp.shape(value), jnp.result_type(value)
     if shape != () or not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(_errors.NOT_SCALAR.format(where=_WHERE, found=_errors.shape_text(jax.ShapeDtypeStruct(shape, dtype))))
+        raise TypeError(
+            _messages.NOT_SCALAR.format(where=_WHERE, found=_messages.shape_text(jax.ShapeDtypeStruct(shape, dtype)))
+        )
 
 
 class _Compiled:
@@ -110,10 +114,10 @@ class _Compiled:
 
     def __init__(self, analysis: Analysis, has_diff: list[bool]):
         self.analysis = analysis
-        self.stage1 = jax.jit(ft.partial(_stages.stage1, analysis))
+        self.stage1 = jax.jit(ft.partial(_stage1.stage1, analysis))
         # With standard sites left, stage 3 runs their implementations: it runs uncompiled,
         # as in Equinox, so that they run eagerly (and read what they read afresh).
-        self.stage3 = None if analysis.live else jax.jit(ft.partial(_stages.stage3, analysis, has_diff))
+        self.stage3 = None if analysis.live else jax.jit(ft.partial(_stage3.stage3, analysis, has_diff))
 
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
@@ -138,7 +142,9 @@ def _analysis(traced: _Traced, schedule, max_basis, eager: bool):
                     _CACHE.move_to_end(key)
             if compiled is not None:
                 return compiled.analysis, compiled
-    analysis = analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE, bwds=bwds)
+    analysis = analyse(
+        traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE, bwds=bwds
+    )
     _record.log_plan(analysis.plan)  # a new program (or one traced under a transformation)
     if not eager or key is None:
         # (a program that cannot be keyed would be compiled for one call: run uncompiled)
@@ -165,22 +171,26 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int, x, args, 
     analysis, compiled = _analysis(traced, schedule, max_basis, eager)
     if analysis.plan.fallback is not None:
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
-    outside = [analysis.spec(k).name for k in analysis.deferred if _stages.leaves_program(analysis, k)] if differentiated else []
+    outside = (
+        [analysis.spec(k).name for k in analysis.deferred if _stage2.leaves_program(analysis, k)]
+        if differentiated
+        else []
+    )
     if outside:
         sites = ", ".join(f"`{name}`" for name in outside)
-        raise ValueError(_errors.DEFERRED_UNDER_DIFFERENTIATION.format(where=_WHERE, sites=sites))
+        raise ValueError(_messages.DEFERRED_UNDER_DIFFERENTIATION.format(where=_WHERE, sites=sites))
     results = None
     if analysis.deferred:
         with _stage("deferax stage 1: operands and cotangents"):
-            operands, cts = (compiled.stage1 if compiled is not None else ft.partial(_stages.stage1, analysis))(ins)
+            operands, cts = (compiled.stage1 if compiled is not None else ft.partial(_stage1.stage1, analysis))(ins)
         with _stage("deferax stage 2: expensive calls"):
-            ys, diff_cts = _stages.stage2(analysis, operands, cts, eager=eager)
+            ys, diff_cts = _stage2.stage2(analysis, operands, cts, eager=eager)
         results = (cts, ys, diff_cts)
     with _stage("deferax stage 3: value and gradients"):
         if compiled is not None and compiled.stage3 is not None:
             outs, grads = compiled.stage3(ins, results)
         else:
-            outs, grads = _stages.stage3(analysis, traced.has_diff(), ins, results)
+            outs, grads = _stage3.stage3(analysis, traced.has_diff(), ins, results)
     return traced.result(outs, grads, has_aux)
 
 
@@ -194,7 +204,7 @@ def _stage(name: str):
 
 def _plan(fun, has_aux, schedule, max_basis, args, kwargs) -> Plan:
     if not args:
-        raise TypeError(_errors.NO_ARGS.format(where=_WHERE))
+        raise TypeError(_messages.NO_ARGS.format(where=_WHERE))
     x, *rest = args
     traced = _trace(fun, x, tuple(rest), kwargs, has_aux)
     return analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE).plan
@@ -212,7 +222,7 @@ class _ValueAndGradWrapper(eqx.Module):
 
     def __call__(self, *args, **kwargs):
         if not args:
-            raise TypeError(_errors.NO_ARGS.format(where=_WHERE))
+            raise TypeError(_messages.NO_ARGS.format(where=_WHERE))
         x, *rest = args
         return _value_and_grad(self._fun, self._has_aux, self._schedule, self._max_basis, x, tuple(rest), kwargs)
 
@@ -261,12 +271,14 @@ DEFAULT_MAX_BASIS = 1
 
 def _check_settings(schedule, max_basis):
     if schedule not in _SCHEDULES:
-        raise ValueError(_errors.BAD_SCHEDULE.format(where=_WHERE, found=schedule))
-    if not isinstance(max_basis, int) or isinstance(max_basis, bool) or max_basis < 0:
-        raise ValueError(_errors.BAD_MAX_BASIS.format(where=_WHERE, allowed="a non-negative int", found=max_basis))
+        raise ValueError(_messages.BAD_SCHEDULE.format(where=_WHERE, found=schedule))
+    if not _checks.is_count(max_basis):
+        raise ValueError(_messages.BAD_MAX_BASIS.format(where=_WHERE, allowed="a non-negative int", found=max_basis))
 
 
-def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "auto", max_basis: int = DEFAULT_MAX_BASIS):
+def filter_value_and_grad(
+    fun=None, *, has_aux: bool = False, schedule: str = "auto", max_basis: int = DEFAULT_MAX_BASIS
+):
     """Equinox's `filter_value_and_grad`, running the deferred VJP where it is sound.
 
     Differentiates `fun` with respect to the floating-point arrays of its first positional

@@ -24,7 +24,7 @@ import equinox as eqx
 import jaxtyping
 from beartype.door import is_bearable
 
-from ._checks import _messages as _errors
+from ._checks import _messages
 
 _ENV = "DEFERAX_TYPECHECK"
 _DEFAULT = os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
@@ -86,7 +86,9 @@ def _bindings() -> str:
     if not lines:
         return "none yet"
     origins = _origins(_FIELDS.get())
-    return ", ".join(f"{line} (field `{origins[line.split('=')[0]]}`)" if line.split("=")[0] in origins else line for line in lines)
+    return ", ".join(
+        f"{line} (field `{origins[line.split('=')[0]]}`)" if line.split("=")[0] in origins else line for line in lines
+    )
 
 
 def _origins(module: Any) -> dict[str, str]:
@@ -119,8 +121,12 @@ def check(value: Any, hint: Any, where: str, what: str) -> None:
         return
     if not is_bearable(value, hint):
         raise AnnotationError(
-            _errors.ANNOTATION.format(
-                where=where, what=what, expected=_hint_text(hint), found=_errors.tree_text(value), bindings=_bindings()
+            _messages.ANNOTATION.format(
+                where=where,
+                what=what,
+                expected=_hint_text(hint),
+                found=_messages.tree_text(value),
+                bindings=_bindings(),
             )
         )
 
@@ -165,7 +171,9 @@ def _signature(fn: Callable) -> tuple[inspect.Signature, dict[str, Any]]:
 
 
 @typing.no_type_check  # runs in the caller's jaxtyping bindings
-def check_call(fn: Callable, where: str, args: tuple, kwargs: dict, *, self_fields: Any = None, call: Callable | None = None):
+def check_call(
+    fn: Callable, where: str, args: tuple, kwargs: dict, *, self_fields: Any = None, call: Callable | None = None
+):
     """Call `fn(*args, **kwargs)` checking annotated arguments and the return value in
     one set of dimension bindings (shared with `self_fields`' annotated fields)."""
     call = fn if call is None else call

@@ -13,6 +13,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import deferax as dx  # noqa: E402
+from deferax._concurrency import _devices  # noqa: E402
 from deferax._concurrency import _threads as _concurrent  # noqa: E402
 
 devices = jax.local_devices()
@@ -63,7 +64,7 @@ traced_half = _concurrent._TracedHalf.__call__
 
 
 def spied_traced_half(self, device, consts, *args):  # a half made from fwd + bwd, run from the callback
-    note(self.name, _concurrent._on(device, args))
+    note(self.name, _devices.on(device, args))
     return traced_half(self, device, consts, *args)
 
 
@@ -103,7 +104,13 @@ for wrap in (lambda f: f, eqx.filter_jit):
     check(both, both_ref, pairs, wrap)
 
 # dx.fuse: the same placement for its two jitted halves
-fused = dx.ExpensiveFn(fwd=plain_a, bwd=lambda x, y, ct: A.T @ (ct * (1 - y**2)), fused=dx.fuse(plain_a, lambda x, ct: A.T @ ct, combine=lambda x, y, p: A.T @ (jnp.linalg.solve(A.T, p) * (1 - y**2))))
+fused = dx.ExpensiveFn(
+    fwd=plain_a,
+    bwd=lambda x, y, ct: A.T @ (ct * (1 - y**2)),
+    fused=dx.fuse(
+        plain_a, lambda x, ct: A.T @ ct, combine=lambda x, y, p: A.T @ (jnp.linalg.solve(A.T, p) * (1 - y**2))
+    ),
+)
 check(*one(fused), [("function", 0), ("function", 1)])
 
 # inputs the user put on device 3: the results come back there

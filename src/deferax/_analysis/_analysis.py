@@ -28,28 +28,21 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import jax.tree_util as jtu
 
 from .. import _jaxpr
-from .._checks import _messages as _errors
+from .._checks import _messages
+from .._forward_basis import _primitive as _forward_basis
+from .._misc import struct_of, structs
+from .._plan._decision import Basis, Decision
 from .._plan._plan import Plan, Site
-from .._site import _primitive as _site
+from .._site import _spec as _site
+from ._bwd import bwd_decisions
 
 
-def _describe(structs) -> str:
-    parts = [_errors.shape_text(s) for s in structs]
+def _describe(structs_) -> str:
+    parts = [_messages.shape_text(s) for s in structs_]
     text = ", ".join(parts)
     return text if len(parts) == 1 else f"({text})"
-
-
-@dataclasses.dataclass
-class Basis:
-    """A site on the basis schedule: its cotangent is a combination of `k` fixed cotangents."""
-
-    k: int
-    variables: tuple  # the frontier variables: variables of the program that stage 3 evaluates
-    program: Any  # what stage 1 evaluates for them: J with every expensive output an input, computing them
 
 
 @dataclasses.dataclass
@@ -81,7 +74,9 @@ class Analysis:
         return bool(self.nested) or len(self.deferred) < len(self.sites) or bool(self.early)
 
 
-def analyse(program, n_consts: int, *, schedule: str, max_basis: int, where: str, bwds: tuple | None = None) -> Analysis:
+def analyse(
+    program, n_consts: int, *, schedule: str, max_basis: int, where: str, bwds: tuple | None = None
+) -> Analysis:
     """Run the static check on `program` (`J`, with its constants as leading inputs).
     `bwds`: what `bwd_decisions(program)` returned, if it was called already.
 
@@ -91,27 +86,13 @@ def analyse(program, n_consts: int, *, schedule: str, max_basis: int, where: str
     program = _jaxpr.merge_duplicates(program, keep=(_site.SITE, _site.LINEAR))
     jaxpr = program.jaxpr
     sites = tuple(_jaxpr.top_level(program, _site.SITE))
-    nested = tuple(i for i, e in enumerate(jaxpr.eqns) if str(e.primitive) != _site.SITE and _jaxpr.contains(e, (_site.SITE,)))
+    nested = tuple(
+        i for i, e in enumerate(jaxpr.eqns) if str(e.primitive) != _site.SITE and _jaxpr.contains(e, (_site.SITE,))
+    )
     specs = [_site.spec_of(jaxpr.eqns[i]) for i in sites]
     bwds = bwd_decisions(program) if bwds is None else bwds
     check = _Check(program, n_consts, sites, nested, specs, schedule, max_basis, where, bwds)
     return check.run()
-
-
-def bwd_decisions(program) -> tuple:
-    """What the check reads beyond the program's equations: for each top-level site with
-    `fwd` and `bwd` only, why no `fused` can be made from them (None when one can), from
-    the program of `bwd` traced now (a global that it branches on may have been rebound
-    since the last call); None for the other sites. A key for the compiled stages covers it."""
-    decisions = []
-    for i in _jaxpr.top_level(program, _site.SITE):
-        eqn = program.jaxpr.eqns[i]
-        spec = _site.spec_of(eqn)
-        static = spec.static
-        derivable = static.fwd is not None and static.bwd is not None and static.fused is None and static.fused_batch is None
-        blocked = _site.bwd_blocks_fused(spec, [v.aval for v in eqn.invars[: spec.n_fn]]) if derivable and static.prefer is None else None
-        decisions.append(blocked)
-    return tuple(decisions)
 
 
 class _Check:
@@ -146,8 +127,10 @@ class _Check:
                 feeds.setdefault(lab, []).append(f"#{k} `{self.specs[k].name}`")
         for i in self.nested:
             for lab in frozenset().union(*marks[i]):
-                feeds.setdefault(lab, []).append(f"the expensive call inside {_jaxpr.kind_of(self.program.jaxpr.eqns[i])}")
-        decisions: dict[int, tuple] = {}
+                feeds.setdefault(lab, []).append(
+                    f"the expensive call inside {_jaxpr.kind_of(self.program.jaxpr.eqns[i])}"
+                )
+        decisions: dict[int, Decision] = {}
         once: dict[int, str | None] = {}
         candidates = []
         for k in range(n):
@@ -155,27 +138,34 @@ class _Check:
             if reason is None:
                 candidates.append(k)
             else:
-                decisions[k] = ("standard", reason, None, None)
+                decisions[k] = Decision("standard", reason)
         backward, backward_out = None, ()
         if candidates:
             ready = [k for k in range(n) if not upstream[k]]  # operands computable in stage 1
             backward, backward_out, ct_deps, labels = self._backward(candidates, ready)
             once = {k: self._ahead_once(backward, backward_out, k) for k in {*ready, *candidates}}
             for k in candidates:
-                decisions[k] = ("standard", once[k], None, None) if once[k] else self._decide(k, ct_deps[k], backward, labels)
+                decisions[k] = (
+                    Decision("standard", once[k]) if once[k] else self._decide(k, ct_deps[k], backward, labels)
+                )
         for k in range(n):
-            if decisions[k][0] == "standard" and _site.strategy(self.specs[k]) == "forward-basis":
-                _, reason, location, _ = decisions[k]
-                decisions[k] = ("forward-basis", reason + _forward_basis_why(self.specs[k]), location, _site.n_inputs(self.specs[k]))
-        deferred = tuple(k for k in range(n) if decisions[k][0] in ("deferred", "deferred-basis"))
-        basis = {k: decisions[k][3] for k in deferred if decisions[k][0] == "deferred-basis"}
+            spec = self.specs[k]
+            if decisions[k].schedule == "standard" and _forward_basis.strategy(spec) == "forward-basis":
+                reason = decisions[k].reason + _forward_basis_why(spec)
+                decisions[k] = Decision("forward-basis", reason, decisions[k].location, n=_forward_basis.n_inputs(spec))
+        deferred = tuple(k for k in range(n) if decisions[k].deferred)
+        basis = {k: decisions[k].basis for k in deferred if decisions[k].basis is not None}
         early = tuple(
             k for k in range(n)
-            if deferred and k not in deferred and not self.specs[k].static.autodiff and _site.strategy(self.specs[k]) == "standard" and not upstream[k]
+            if deferred and k not in deferred and not self.specs[k].static.autodiff
+            and _forward_basis.strategy(self.specs[k]) == "standard" and not upstream[k]
             and not once.get(k)
-        )  # fmt: skip
+        )
         if backward is not None:
-            keep = [(kind == "ct" and k in deferred and k not in basis) or (kind == "op" and (k in deferred or k in early)) for kind, k, _ in backward_out]
+            keep = [
+                (kind == "ct" and k in deferred and k not in basis) or (kind == "op" and (k in deferred or k in early))
+                for kind, k, _ in backward_out
+            ]
             backward = _jaxpr.prune(backward, keep)
             backward_out = tuple(o for o, u in zip(backward_out, keep, strict=True) if u)
         plan = self._plan(decisions, deferred, basis, early)
@@ -195,7 +185,9 @@ class _Check:
         if upstream[k]:
             return "its input depends on " + ", ".join(self._source(lab) for lab in sorted(upstream[k], key=str))
         if ("y", k) in feeds:
-            return "its output feeds the input of " + ", ".join(f"site {f}" if f.startswith("#") else f for f in feeds[("y", k)])
+            return "its output feeds the input of " + ", ".join(
+                f"site {f}" if f.startswith("#") else f for f in feeds[("y", k)]
+            )
         return None
 
     def _underivable(self, k) -> str | None:
@@ -217,11 +209,14 @@ class _Check:
     # ------------------------------------------------------------------ the backward pass, traced once
 
     def _ys_structs(self):
-        return [_site.structs_of(spec.y_avals()) for spec in self.specs]
+        return [structs(spec.y_avals()) for spec in self.specs]
 
     def _in_structs(self):
         # (a `jax.Ref` from outside by its abstract value: a struct would make it an array)
-        return [v.aval if _jaxpr.is_ref(v) else jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in self.program.jaxpr.invars]
+        return [
+            v.aval if _jaxpr.is_ref(v) else struct_of(v.aval, keep_weak_type=True)
+            for v in self.program.jaxpr.invars
+        ]
 
     def _backward(self, candidates, ready):
         program, sites = self.program, self.sites
@@ -243,7 +238,9 @@ class _Check:
 
                     return h
 
-                value = _jaxpr.interpret(program, [*ins[:n_consts], *leaves], {i: handler(k) for k, i in enumerate(sites)})[0]
+                value = _jaxpr.interpret(
+                    program, [*ins[:n_consts], *leaves], {i: handler(k) for k, i in enumerate(sites)}
+                )[0]
                 return value, [operands[k] for k in ready]
 
             if with_leaves:
@@ -280,7 +277,7 @@ class _Check:
     def _decide(self, k, ct_dep, backward, labels):
         sources, outputs = ct_dep
         if not sources:
-            return ("deferred", None, None, None)
+            return Decision("deferred")
         location = None
         uses = _jaxpr.nonlinear_uses(*self._tail(k))  # (to name the culprit as the user wrote it)
         for index in outputs:
@@ -295,17 +292,19 @@ class _Check:
         if location is not None:
             reason += f", through {location}"
         if self.specs[k].axes:
-            return ("standard", reason + "; the basis schedule is not used for a site under `vmap`", location, None)
+            return Decision("standard", reason + "; the basis schedule is not used for a site under `vmap`", location)
         basis = self._basis(k)
         limit = self.specs[k].static.max_basis
         limit = limit if limit is not None else self.max_basis
         if basis.k <= limit:
             ahead = _jaxpr.once_only(basis.program, [True] * len(basis.program.jaxpr.eqns))
             if ahead is not None:
-                return ("standard", reason + "; " + _once_reason("its basis cotangents", ahead), location, basis.k)
-            return ("deferred-basis", None, location, basis)
+                return Decision(
+                    "standard", reason + "; " + _once_reason("its basis cotangents", ahead), location, k=basis.k
+                )
+            return Decision("deferred-basis", None, location, k=basis.k, basis=basis)
         reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
-        return ("standard", reason, location, basis.k)
+        return Decision("standard", reason, location, k=basis.k)
 
     def _tail(self, k):
         """The value as a function of site `k`'s output: `(program, source, stand_ins)` for
@@ -334,27 +333,23 @@ class _Check:
     def _plan(self, decisions, deferred, basis, early) -> Plan:
         sites = []
         for index, (k, spec, kind) in enumerate(self._entries()):
-            if k is None:
-                schedule, reason, location, kk = "standard", f"called inside {kind}; sites there stay standard", None, None
-                if _site.strategy(spec) == "forward-basis":
-                    schedule, kk = "forward-basis", _site.n_inputs(spec)
-                    reason += _forward_basis_why(spec)
-            else:
-                schedule, reason, location, kk = decisions[k]
+            decision = _nested_decision(spec, kind) if k is None else decisions[k]
+            shapes = {"in_shapes": _describe(spec.x_structs), "out_shapes": _describe(spec.y_structs)}
+            row = {"schedule": decision.schedule, "reason": decision.reason, "location": decision.location}
             sites.append(
-                Site(
-                    index=index, name=spec.name, in_shapes=_describe(spec.x_structs), out_shapes=_describe(spec.y_structs),
-                    schedule=schedule, reason=reason, location=location,
-                    k=kk.k if isinstance(kk, Basis) else None if schedule == "forward-basis" else kk,
-                    n=kk if schedule == "forward-basis" else None, batch=spec.sizes,
-                )
-            )  # fmt: skip
+                Site(index=index, name=spec.name, **shapes, **row, k=decision.k, n=decision.n, batch=spec.sizes)
+            )
         if self.schedule == "deferred":
             refused = [s for s in sites if s.schedule == "standard"]
             if refused:
                 lines = "\n".join(f"  site #{s.index} `{s.name}`: {s.reason}" for s in refused)
-                raise ValueError(_errors.CANNOT_DEFER.format(where=self.where, lines=lines))
-        return Plan(sites=tuple(sites), stages=self._stages(sites, deferred, basis, early), requested=self.schedule, fallback=self.fallback)
+                raise ValueError(_messages.CANNOT_DEFER.format(where=self.where, lines=lines))
+        return Plan(
+            sites=tuple(sites),
+            stages=self._stages(sites, deferred, basis, early),
+            requested=self.schedule,
+            fallback=self.fallback,
+        )
 
     def _stages(self, sites, deferred, basis, early):
         """The expensive work in order: the deferred sites' `fused` calls together with the
@@ -377,8 +372,12 @@ class _Check:
             return label(s, "fused")
 
         if deferred:
-            first = [fused_label(s) + (f" (k={basis[position[s.index]].k} cotangents)" if position.get(s.index) in basis else "")
-                     for s in sites if position.get(s.index) in deferred]  # fmt: skip
+            first = [
+                fused_label(s)
+                + (f" (k={basis[position[s.index]].k} cotangents)" if position.get(s.index) in basis else "")
+                for s in sites
+                if position.get(s.index) in deferred
+            ]
             first += [label(s, "fwd") for s in sites if position.get(s.index) in early]
             stages.append(tuple(first))
         standard = [s for s in sites if position.get(s.index) not in deferred and s.schedule == "standard"]
@@ -398,24 +397,30 @@ def _fallback(program) -> str | None:
     if stranded is None:
         return None
     kind, location = stranded
-    return f"a {kind} rule {location.where()} closes over a value computed in the function, so it cannot run outside the trace that made it"
+    return f"a {kind} rule {location.where()} closes over a value computed in the function, so it cannot run \
+outside the trace that made it"
 
 
 def _once_reason(what: str, found) -> str:
     kind, location = found
     does = f"runs `{location.primitive}`" if kind == "effect" else "writes to a `jax.Ref` from outside the function"
-    return f"computing {what} ahead of the expensive calls {does} {location.where()}, which must happen once a call, with the value"
+    return f"computing {what} ahead of the expensive calls {does} {location.where()}, which must happen once a \
+call, with the value"
+
+
+def _nested_decision(spec: _site.Spec, kind: str) -> Decision:
+    """The decision for a site called inside `kind` (a `lax.scan`, ...): standard, or forward-basis."""
+    reason = f"called inside {kind}; sites there stay standard"
+    if _forward_basis.strategy(spec) == "forward-basis":
+        return Decision("forward-basis", reason + _forward_basis_why(spec), n=_forward_basis.n_inputs(spec))
+    return Decision("standard", reason)
 
 
 def _forward_basis_why(spec) -> str:
     """Why a site not deferred is differentiated on the forward-basis strategy."""
-    static, n = spec.static, _site.n_inputs(spec)
+    static, n = spec.static, _forward_basis.n_inputs(spec)
     if static.prefer == "forward-basis":
         return ""
     if not static.has_vjp:
         return f"; reverse mode from its forward-mode implementation: the output and n={n} tangents in one call"
     return f"; forward-basis: the output and n={n} tangents in one call, one stage where `fwd` then `bwd` take two"
-
-
-def zeros(structs) -> Any:
-    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), structs)

@@ -27,12 +27,14 @@ def tree_text(value: Any) -> str:
         return f"{type(value).__name__} (a pytree of {len(leaves)} leaves)"
     return text
 
-NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, `fused(x, ct_y) -> (y, ct_x)` or `jvp(x, t_x) -> (y, t_y)`:
+NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, `fused(x, ct_y) -> (y, ct_x)` or `jvp(x, \
+t_x) -> (y, t_y)`:
 
     dx.ExpensiveFn(fwd=simulate, bwd=adjoint)   # or
     dx.ExpensiveFn(fused=simulate_and_adjoint, out=jax.ShapeDtypeStruct((n,), jnp.float64))"""
 
-NO_OUT = """{call}: the output shape is unknown. With nothing to infer it from ({why}), declare it with `out=`, a pytree of
+NO_OUT = """{call}: the output shape is unknown. With nothing to infer it from ({why}), declare it with `out=`, a \
+pytree of
 `jax.ShapeDtypeStruct` (or a function from the input's structure to one):
 
     {example}"""
@@ -53,9 +55,15 @@ def out_example(make: str, impls: dict[str, Any]) -> str:
 NOT_CALLABLE = "{call}: `{impl}` must be a callable or None, but got {found!r}."
 
 SIGNATURES = {
-    "fwd": "fwd(x)", "bwd": "bwd(x, y, ct_y)", "fused": "fused(x, ct_y)", "fused_batch": "fused_batch(x, cts)",
-    "jvp": "jvp(x, t_x)", "jvp_batch": "jvp_batch(x, t_xs)", "adjoint": "adjoint(x, ct_y)", "combine": "combine(x, y, partial)",
-}  # fmt: skip
+    "fwd": "fwd(x)",
+    "bwd": "bwd(x, y, ct_y)",
+    "fused": "fused(x, ct_y)",
+    "fused_batch": "fused_batch(x, cts)",
+    "jvp": "jvp(x, t_x)",
+    "jvp_batch": "jvp_batch(x, t_xs)",
+    "adjoint": "adjoint(x, ct_y)",
+    "combine": "combine(x, y, partial)",
+}
 
 BAD_SIGNATURE = """{call}: `{impl}` cannot be called as `{expected}`: its signature is `{found}` ({why}).
 Each implementation is called with positional arguments only: `{expected}`."""
@@ -71,10 +79,13 @@ RULES = {
     "bwd": "`bwd(x, y, ct_y)` must return a cotangent with the structure, shapes and dtypes of `x`.",
     "fused": "`fused(x, ct_y)` must return a pair `(y, ct_x)`: `y` shaped like the output, `ct_x` shaped like `x`.",
     "combine": "`combine(x, y, partial)` must return a cotangent with the structure, shapes and dtypes of `x`.",
-    "adjoint": "`adjoint(x, ct_y)` (without `combine`) must return a cotangent with the structure, shapes and dtypes of `x`.",
+    "adjoint": "`adjoint(x, ct_y)` (without `combine`) must return a cotangent with the structure, shapes and \
+dtypes of `x`.",
     "jvp": "`jvp(x, t_x)` must return a pair `(y, t_y)`: `y` and `t_y` shaped like the output.",
-    "jvp_batch": "`jvp_batch(x, t_xs)` must return a pair `(y, t_ys)`: `y` shaped like the output, `t_ys` shaped like the output with a leading axis of length `k` (one tangent per row of `t_xs`).",
-    "fused_batch": "`fused_batch(x, cts)` must return a pair `(y, ct_xs)`: `y` shaped like the output, `ct_xs` shaped like `x` with a leading axis of length `k` (one cotangent per row of `cts`).",
+    "jvp_batch": "`jvp_batch(x, t_xs)` must return a pair `(y, t_ys)`: `y` shaped like the output, `t_ys` shaped \
+like the output with a leading axis of length `k` (one tangent per row of `t_xs`).",
+    "fused_batch": "`fused_batch(x, cts)` must return a pair `(y, ct_xs)`: `y` shaped like the output, `ct_xs` \
+shaped like `x` with a leading axis of length `k` (one cotangent per row of `cts`).",
 }
 
 FUSED_NOT_PAIR = """{call}: `fused` returned {found}, not a pair. `fused(x, ct_y)` must return `(y, ct_x)`:
@@ -90,7 +101,8 @@ forward-mode implementation, but this function's derivative is {how}, which serv
 
 or use reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`)."""
 
-TOO_MANY_TANGENTS = """{call}: reverse-mode differentiation (`jax.grad`, `jax.vjp`, `jax.jacrev`) needs `bwd` or `fused`, or the
+TOO_MANY_TANGENTS = """{call}: reverse-mode differentiation (`jax.grad`, `jax.vjp`, `jax.jacrev`) needs `bwd` or \
+`fused`, or the
 forward-basis strategy: the primal with one tangent per input number. This input has n={n} numbers, more than
 max_tangents={limit}. Give `bwd(x, y, ct_y) -> ct_x` (an adjoint), or raise `max_tangents`."""
 
@@ -109,7 +121,8 @@ Give `jvp_batch(x, t_xs) -> (y, t_ys)` to compute it once."""
 
 NOT_SCALAR = "{where}: the differentiated function must return a real scalar, but it returned {found}."
 
-DEFERRED_UNDER_DIFFERENTIATION = """{where}: schedule='deferred' was requested inside an enclosing differentiation (`jax.grad`,
+DEFERRED_UNDER_DIFFERENTIATION = """{where}: schedule='deferred' was requested inside an enclosing differentiation \
+(`jax.grad`,
 `jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' deferred calls
 run outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from `fwd` and
 `bwd` or `adjoint`, or a host function): {sites}. Use schedule='auto': under differentiation it keeps them standard."""
@@ -119,11 +132,13 @@ CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sit
 Use schedule='auto' to defer what can be and keep the rest standard, or restructure the loss so that the
 cotangent reaching each expensive output does not depend on an expensive output (see "How the deferred VJP works")."""
 
-NOT_PAIR = "{where}: with `has_aux=True` the differentiated function must return a pair `(value, aux)`, but it returned {found}."
+NOT_PAIR = "{where}: with `has_aux=True` the differentiated function must return a pair `(value, aux)`, but it \
+returned {found}."
 
 BAD_SCHEDULE = "{where}: `schedule` must be one of 'auto', 'standard' or 'deferred', but got {found!r}."
 
-NO_ARGS = "{where}: the function must be called with at least one positional argument, passed by position (the argument that is differentiated)."
+NO_ARGS = "{where}: the function must be called with at least one positional argument, passed by position (the \
+argument that is differentiated)."
 
 BAD_MAX_BASIS = "{where}: `max_basis` must be {allowed}, but got {found!r}."
 
@@ -138,15 +153,137 @@ cotangent. Give `fused_batch(x, cts) -> (y, ct_xs)` to compute it once."""
 
 BAD_MODE = "`deferax.jacobian`: `mode` must be 'auto', 'forward' or 'reverse', but got {found!r}."
 
-BOTH_ADJOINTS = """{call}: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both. Prefer `adjoint` (with `combine` if the
+BOTH_ADJOINTS = """{call}: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both. Prefer `adjoint` (with `combine` \
+if the
 cotangent needs `y`): it does not need the output, so forward and adjoint can run at the same time."""
 
-ONLY_WITH_ADJOINT = "{call}: `{what}` was given without `adjoint`; `combine` and `adjoint_out` describe what `adjoint` returns."
+ONLY_WITH_ADJOINT = (
+    "{call}: `{what}` was given without `adjoint`; `combine` and `adjoint_out` describe what `adjoint` returns."
+)
 
-X64_OFF = """JAX's 64-bit mode is off (`jax_enable_x64`), so JAX computes in 32 bits: declare 32-bit dtypes in `out=`, or turn it
+X64_OFF = """JAX's 64-bit mode is off (`jax_enable_x64`), so JAX computes in 32 bits: declare 32-bit dtypes in \
+`out=`, or turn it
 on first with `jax.config.update("jax_enable_x64", True)`."""
 
 WIDE_DECLARED = """{call}: {what} declares {found}, a 64-bit dtype. """ + X64_OFF
 
-BAD_DEVICES = """`deferax.set_devices`: `devices` must be None (every local device) or a non-empty list of `jax.Device`s, such as
+BAD_DEVICES = """`deferax.set_devices`: `devices` must be None (every local device) or a non-empty list of \
+`jax.Device`s, such as
 `jax.local_devices()[:2]`, but got {found}."""
+
+
+# ----------------------------------------------------------------------------- `dx.host`
+
+HOST_NO_OUT = """{call}: host functions cannot be traced by JAX, so the output's shape and dtype must be declared \
+with `out=`,
+a pytree of `jax.ShapeDtypeStruct` (or a function from the input's structure to one):
+
+    {example}"""
+
+HOST_NO_PRIMAL = """{call}: nothing computes the output. Give the forward host function `fwd(x) -> y`, or `fused(x, \
+ct_y) -> (y, ct_x)`:
+
+    dx.host(simulate, adjoint=simulate_adjoint, out=...)"""
+
+HOST_BAD_EXECUTOR = """{call}: `executor` must be a `concurrent.futures.Executor` (a `ThreadPoolExecutor`, a \
+`ProcessPoolExecutor`,
+`distributed.Client(...).get_executor()`) or None for deferax's thread pool, but got {found!r}."""
+
+HOST_BATCH_WITHOUT_FUSED = """{call}: `fused_batch` was given without `fused`. It serves the deferred-basis \
+schedule; the deferred
+schedule needs `fused(x, ct_y) -> (y, ct_x)` for one cotangent:
+
+    dx.host(simulate, bwd=..., fused=simulate_and_adjoint, fused_batch=simulate_and_adjoints, out=...)"""
+
+HOST_BAD_TIMEOUT = "{call}: `timeout` must be a positive number of seconds or None, but got {found!r}."
+
+HOST_KEY_OUT = """{call}: {what} declares a typed PRNG key ({found}), but a host function returns NumPy arrays, \
+which cannot
+hold one (nor can `jax.pure_callback` return one). Declare the key's raw data, and wrap it after the call:
+
+    data = sim(x)                       # out=jax.ShapeDtypeStruct((2,), jnp.uint32)
+    key = jax.random.wrap_key_data(data)"""
+
+HOST_MISMATCH = """{call}: the host function `{impl}` returned {found}, where {expected} was expected ({why}).
+A host function must return NumPy arrays with exactly the declared shapes and dtypes (convert with
+`np.asarray(value, dtype=...)`), or the declaration must be corrected."""
+
+# What a host function's result must be, for `HOST_MISMATCH`.
+EXPECTED_BY_OUT = "declared by `out=`"
+
+EXPECTED_LIKE_X = "a cotangent shaped like the input `x`"
+
+EXPECTED_PAIR = "a pair `(y, ct_x)`: `y` declared by `out=`, `ct_x` shaped like the input `x`"
+
+EXPECTED_PAIR_BATCH = "a pair `(y, ct_xs)`: `y` declared by `out=`, `ct_xs` shaped like the input `x` with a \
+leading axis of one cotangent each"
+
+EXPECTED_PAIR_JVP = "a pair `(y, t_y)`: both declared by `out=`"
+
+EXPECTED_PAIR_JVP_BATCH = (
+    "a pair `(y, t_ys)`: `y` declared by `out=`, `t_ys` the same with a leading axis of one tangent each"
+)
+
+# ----------------------------------------------------------------------------- host jobs
+
+HOST_RAISED = """{call}: the host function `{impl}` raised {error} (on {where}).
+The original exception {chained} this error's `original`."""
+
+HOST_LOST = """{call}: the host function `{impl}` did not complete: the worker running it was lost ({error}, on \
+{where}).
+{advice}"""
+
+HOST_ADVICE_PROCESS_POOL = """A `concurrent.futures.ProcessPoolExecutor` cannot be used once one of its workers has \
+died: make a new one.
+A Dask executor (`distributed.Client(...).get_executor()`) runs a job again on another worker when its worker dies."""
+
+HOST_ADVICE_DASK = """The Dask scheduler ran the job again on other workers \
+(`distributed.scheduler.allowed-failures` times) and all of
+them died: the job itself probably kills its worker (a crash, an out-of-memory kill, `os._exit`). Jobs that *raise* are
+retried with `client.get_executor(retries=n)`."""
+
+HOST_ADVICE_OTHER = "Submit the job again on a working executor."
+
+HOST_TIMEOUT = """{call}: the host function `{impl}` did not finish within timeout={timeout:g} s (on {where}).
+Jobs not yet started were cancelled; a job already running on a thread keeps its thread until it returns.
+Raise `timeout=` in `dx.host(...)`, or give `timeout=None` to wait without limit."""
+
+HOST_SUBMIT_FAILED = """{call}: the host function `{impl}` could not be submitted to {where}: {error}.
+Give `dx.host(..., executor=...)` an executor that accepts jobs (not one that was shut down)."""
+
+HOST_NOT_PICKLABLE = """{call}: `{impl}` cannot be sent to the worker processes of {where}: {pickler} failed with \
+{error}.
+Host functions that run in other processes must be picklable: use functions defined at module level (for Dask, also
+closures over picklable data), and open files, locks and connections inside the function rather than capturing them."""
+
+# ----------------------------------------------------------------------------- `dx.sparse_solve`
+
+SPARSE_BAD_PATTERN = """`dx.SparsePattern`: {what}, but got {found}.
+A pattern is the row and column index of each stored entry of an `n x n` matrix:
+
+    dx.SparsePattern(rows=np.array([0, 1, 1]), cols=np.array([0, 0, 1]), n=2)"""
+
+SPARSE_NOT_PATTERN = """`dx.sparse_solve(name={name!r})`: `pattern` must be a `dx.SparsePattern`, but got {found}.
+Make one from the index arrays, or from a SciPy matrix:
+
+    pattern = dx.SparsePattern(rows, cols, n)   # or: values, pattern = dx.SparsePattern.from_scipy(matrix)"""
+
+SPARSE_BAD_OPERAND = """`dx.sparse_solve(name={name!r})`: `{what}` must be {expected}, but got {found}.
+{fix}"""
+
+SPARSE_FIX_VALUES = (
+    "`values[k]` is the entry at `(pattern.rows[k], pattern.cols[k])`; for several systems, `jax.vmap` over `values`."
+)
+
+SPARSE_FIX_B = "`b` is one right-hand side; for several, `jax.vmap` over `b` (the factorisation is shared)."
+
+SPARSE_NO_SCIPY = """`dx.sparse_solve(name={name!r})`: SciPy is not installed, and the solve needs it (the matrix \
+is handed to the
+solver as a `scipy.sparse.csc_matrix`; the default solver is SciPy's `splu`). Install it: `pip install scipy`."""
+
+SPARSE_BAD_SOLVER = "`dx.sparse_solve(name={name!r})`: `solver` must be a `dx.AbstractSparseSolver` (e.g. \
+`dx.SuperLU()`), but got {found!r}."
+
+SPARSE_SINGULAR = """the matrix is singular: {solver} found {why}.
+Check that `values` has no zero (or cancelling) entries on the pivots and that the pattern covers every row and \
+column."""

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .._checks import _messages as _errors
+from .._checks import _checks, _messages
+from .._implementation._abstract import AbstractExpensiveFn
+from .._misc import stacked, zero_like
 
 # The most tangents the forward-basis strategy takes by default, when the function also has
 # a reverse-mode implementation (`bwd` or `fused`); `ExpensiveFn(max_tangents=...)` changes it.
@@ -35,13 +37,6 @@ def n_inputs(x: Any) -> int:
             size = int(np.prod(jnp.shape(leaf), dtype=int))
             total += 2 * size if jnp.issubdtype(dtype, jnp.complexfloating) else size
     return total
-
-
-def zero_like(a: Any) -> Any:
-    """A zero tangent (or cotangent) for `a`: zeros of its dtype, `float0` for an integer."""
-    if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
-        return jnp.zeros(jnp.shape(a), jnp.result_type(a))
-    return np.zeros(jnp.shape(a), jax.dtypes.float0)
 
 
 def unit_tangents(x: Any) -> Any:
@@ -82,25 +77,21 @@ def flatten_tangent(t_x: Any, x: Any) -> jax.Array:
 
 def tangent_struct(y_struct: Any) -> Any:
     """The structure of a tangent of `y`: `float0` for integer leaves (JAX's convention)."""
-    return jtu.tree_map(lambda s: s if jnp.issubdtype(s.dtype, jnp.inexact) else jax.ShapeDtypeStruct(s.shape, jax.dtypes.float0), y_struct)
+    return jtu.tree_map(
+        lambda s: s if jnp.issubdtype(s.dtype, jnp.inexact) else jax.ShapeDtypeStruct(s.shape, jax.dtypes.float0),
+        y_struct,
+    )
 
 
-def _pair(fn: Any, impl: str, result: Any) -> tuple[Any, Any]:
-    if not (isinstance(result, tuple | list) and len(result) == 2):
-        found = f"a {type(result).__name__} of length {len(result)}" if isinstance(result, tuple | list) else _errors.tree_text(result)
-        raise ValueError(_errors.NOT_PAIR_IMPL.format(call=fn._call, impl=impl, found=found, rule=_errors.RULES[impl]))
-    return result[0], result[1]
-
-
-def _jvp(fn: Any, x: Any, t_x: Any, y_struct: Any) -> tuple[Any, Any]:
+def _jvp(fn: AbstractExpensiveFn, x: Any, t_x: Any, y_struct: Any) -> tuple[Any, Any]:
     """`jvp(x, t_x)`, checked against the output structure."""
-    y, t_y = _pair(fn, "jvp", fn._invoke("jvp", x, t_x))
-    fn._check("jvp", "an output `y`", y, y_struct, "the output structure")
-    fn._check("jvp", "a tangent `t_y`", t_y, tangent_struct(y_struct), "the output structure")
+    y, t_y = _checks.checked_pair(fn.title, "jvp", fn.invoke("jvp", x, t_x))
+    fn.check_result("jvp", "an output `y`", y, y_struct, "the output structure")
+    fn.check_result("jvp", "a tangent `t_y`", t_y, tangent_struct(y_struct), "the output structure")
     return y, t_y
 
 
-def tangent(fn: Any, x: Any, t_x: Any) -> Any:
+def tangent(fn: AbstractExpensiveFn, x: Any, t_x: Any) -> Any:
     """`t_y = J t_x`: `jvp(x, t_x)[1]`, or `jvp_batch` on one tangent."""
     if fn.jvp is not None:
         return _jvp(fn, x, t_x, fn.out_struct(x))[1]
@@ -108,13 +99,13 @@ def tangent(fn: Any, x: Any, t_x: Any) -> Any:
     return jtu.tree_map(lambda t: t[0], t_ys)
 
 
-def primal_once(one: Any, stacked: Any) -> Any:
+def output_once(one: Any, stacked_: Any) -> Any:
     """`jax.vmap(one)` over the leading axis of `stacked`, where `one(s) -> (y, out)`, with
     `y` computed once (not batched); None when `vmap` cannot see that `y` does not depend
     on `s` (a host callback computes it, say). Only traces to find out."""
     separable = jax.vmap(one, out_axes=(None, 0))
     try:
-        jax.eval_shape(separable, stacked)  # traces only: nothing expensive runs
+        jax.eval_shape(separable, stacked_)  # traces only: nothing expensive runs
     except ValueError as error:
         if "out_axes" not in str(error):
             raise
@@ -122,61 +113,62 @@ def primal_once(one: Any, stacked: Any) -> Any:
     return separable
 
 
-def primal_each(one: Any, stacked: Any) -> tuple[Any, Any]:
+def output_each(one: Any, stacked_: Any) -> tuple[Any, Any]:
     """`jax.vmap(one)` over the leading axis of `stacked`, `y` computed for each element (the
     first one kept): correct, but the primal runs once per element."""
-    y, outs = jax.vmap(one)(stacked)
+    y, outs = jax.vmap(one)(stacked_)
     return jtu.tree_map(lambda a: a[0], y), outs
 
 
-def tangents(fn: Any, x: Any, t_xs: Any) -> tuple[Any, Any]:
+def tangents(fn: AbstractExpensiveFn, x: Any, t_xs: Any) -> tuple[Any, Any]:
     """`(y, t_ys)` for `k` tangents stacked on a leading axis: `jvp_batch` once, or `jvp`
     batched with `jax.vmap` over the tangent (the primal computed once where `vmap` can
     see that it does not depend on the tangent)."""
     y_struct = fn.out_struct(x)
     k = jtu.tree_leaves(t_xs)[0].shape[0]
-    stacked = jtu.tree_map(lambda s: jax.ShapeDtypeStruct((k, *s.shape), s.dtype), tangent_struct(y_struct))
     if fn.jvp_batch is not None:
-        y, t_ys = _pair(fn, "jvp_batch", fn._invoke("jvp_batch", x, t_xs))
-        fn._check("jvp_batch", "an output `y`", y, y_struct, "the output structure")
-        fn._check("jvp_batch", "a batch of tangents", t_ys, stacked, "the output with a leading axis of one tangent each")
+        y, t_ys = _checks.checked_pair(fn.title, "jvp_batch", fn.invoke("jvp_batch", x, t_xs))
+        fn.check_result("jvp_batch", "an output `y`", y, y_struct, "the output structure")
+        against = "the output with a leading axis of one tangent each"
+        fn.check_result("jvp_batch", "a batch of tangents", t_ys, stacked(tangent_struct(y_struct), k), against)
         return y, t_ys
 
     def one(t):
         return _jvp(fn, x, t, y_struct)
 
-    separable = primal_once(one, t_xs)
+    separable = output_once(one, t_xs)
     if separable is not None:
         return separable(t_xs)
-    warnings.warn(_errors.NOT_SEPARABLE_JVP.format(call=fn._call, k=k), stacklevel=2)
-    return primal_each(one, t_xs)
+    warnings.warn(_messages.NOT_SEPARABLE_JVP.format(call=fn.title, k=k), stacklevel=2)
+    return output_each(one, t_xs)
 
 
-def jacobian(fn: Any, x: Any) -> tuple[Any, Any]:
+def output_and_jacobian(fn: AbstractExpensiveFn, x: Any) -> tuple[Any, Any]:
     """`(y, J)`: the output and its tangents along the `n` unit tangents of `x` (stacked on
     a leading axis), in one batched call."""
     return tangents(fn, x, unit_tangents(x))
 
 
-def primal_of(fn: Any, x: Any) -> tuple[str, Any]:
+def unchecked_output(fn: AbstractExpensiveFn, x: Any) -> tuple[str, Any]:
     """`(impl, y)`: `y` from the forward-mode implementation `impl` alone (a wasted zero
     tangent), unchecked."""
     zero = jtu.tree_map(zero_like, x)
     if fn.jvp is not None:
-        return "jvp", _pair(fn, "jvp", fn._invoke("jvp", x, zero))[0]
-    return "jvp_batch", _pair(fn, "jvp_batch", fn._invoke("jvp_batch", x, jtu.tree_map(lambda t: t[None], zero)))[0]
+        return "jvp", _checks.checked_pair(fn.title, "jvp", fn.invoke("jvp", x, zero))[0]
+    zeros = jtu.tree_map(lambda t: t[None], zero)
+    return "jvp_batch", _checks.checked_pair(fn.title, "jvp_batch", fn.invoke("jvp_batch", x, zeros))[0]
 
 
-def primal(fn: Any, x: Any) -> Any:
+def output(fn: AbstractExpensiveFn, x: Any) -> Any:
     """`y` from the forward-mode implementations alone (a wasted zero tangent), checked
     against the declared output structure (without one, the structure *is* theirs)."""
-    impl, y = primal_of(fn, x)
+    impl, y = unchecked_output(fn, x)
     if fn.out is not None:
-        fn._check(impl, "an output `y`", y, fn.out_struct(x), "the output structure")
+        fn.check_result(impl, "an output `y`", y, fn.out_struct(x), "the output structure")
     return y
 
 
-def strategy(fn: Any, n: int) -> str:
+def strategy(fn: AbstractExpensiveFn, n: int) -> str:
     """The reverse-mode strategy of a site whose input has `n` numbers, by the default rule:
     fewest sequential expensive stages, then fewest expensive calls.
 

@@ -16,36 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _record
+from .._checks import _messages
+from .._concurrency._serial import SERIAL_LOCK, concurrency_enabled
 
 _DEFAULT: cf.Executor | None = None
 _DEFAULT_LOCK = threading.Lock()
-
-# Whether deferax may run two implementation calls at once (`set_concurrency`).
-_CONCURRENT = True
-# Held around every call of an implementation declared not thread-safe that deferax runs
-# on its own threads: no two such calls overlap.
-SERIAL_LOCK = threading.RLock()
-
-
-def set_concurrency(enabled: bool) -> None:
-    """Allow (`True`, the default) or forbid deferax to run two implementation calls at the
-    same time, for every function.
-
-    Concurrency is the point of the deferred schedules (a forward and an adjoint together,
-    several sites together), but an implementation that keeps one shared workspace (many C
-    and Fortran solvers) gives wrong results when entered twice at once. Forbid it for one
-    function with `ExpensiveFn(thread_safe=False)` or `dx.host(..., thread_safe=False)`,
-    or for all of them here; the schedules stay the same, their calls run one at a time.
-    It is read when the calls run, so it holds for steps compiled (`jax.jit`,
-    `eqx.filter_jit`) before it was called too.
-    """
-    global _CONCURRENT
-    _CONCURRENT = bool(enabled)
-
-
-def concurrency_enabled() -> bool:
-    return _CONCURRENT
-
 
 def default_executor() -> cf.Executor:
     """The thread pool that host jobs run on when no `executor=` is given (created on first use)."""
@@ -77,33 +52,6 @@ class HostError(RuntimeError):
     def __init__(self, message: str, original: BaseException | None = None):
         super().__init__(message)
         self.original = original
-
-
-RAISED = """{call}: the host function `{impl}` raised {error} (on {where}).
-The original exception {chained} this error's `original`."""
-
-LOST = """{call}: the host function `{impl}` did not complete: the worker running it was lost ({error}, on {where}).
-{advice}"""
-
-ADVICE_PROCESS_POOL = """A `concurrent.futures.ProcessPoolExecutor` cannot be used once one of its workers has died: make a new one.
-A Dask executor (`distributed.Client(...).get_executor()`) runs a job again on another worker when its worker dies."""
-
-ADVICE_DASK = """The Dask scheduler ran the job again on other workers (`distributed.scheduler.allowed-failures` times) and all of
-them died: the job itself probably kills its worker (a crash, an out-of-memory kill, `os._exit`). Jobs that *raise* are
-retried with `client.get_executor(retries=n)`."""
-
-ADVICE_OTHER = "Submit the job again on a working executor."
-
-TIMEOUT = """{call}: the host function `{impl}` did not finish within timeout={timeout:g} s (on {where}).
-Jobs not yet started were cancelled; a job already running on a thread keeps its thread until it returns.
-Raise `timeout=` in `dx.host(...)`, or give `timeout=None` to wait without limit."""
-
-SUBMIT_FAILED = """{call}: the host function `{impl}` could not be submitted to {where}: {error}.
-Give `dx.host(..., executor=...)` an executor that accepts jobs (not one that was shut down)."""
-
-NOT_PICKLABLE = """{call}: `{impl}` cannot be sent to the worker processes of {where}: {pickler} failed with {error}.
-Host functions that run in other processes must be picklable: use functions defined at module level (for Dask, also
-closures over picklable data), and open files, locks and connections inside the function rather than capturing them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +98,9 @@ def check_picklable(call: str, executor: cf.Executor, impls: dict[str, Callable[
             dumps(fn)
         except Exception as e:
             raise TypeError(
-                NOT_PICKLABLE.format(call=call, impl=impl, where=name(executor), pickler=pickler, error=_error(e))
+                _messages.HOST_NOT_PICKLABLE.format(
+                    call=call, impl=impl, where=name(executor), pickler=pickler, error=_error(e)
+                )
             ) from e
 
 
@@ -167,18 +117,27 @@ def _failure(call: str, executor: cf.Executor, job: Job, e: BaseException) -> Ho
     where = describe(executor)
     if _lost(e):
         if isinstance(executor, cf.ProcessPoolExecutor):
-            advice = ADVICE_PROCESS_POOL
+            advice = _messages.HOST_ADVICE_PROCESS_POOL
         elif _is_dask(executor):
-            advice = ADVICE_DASK
+            advice = _messages.HOST_ADVICE_DASK
         else:
-            advice = ADVICE_OTHER
-        return HostError(LOST.format(call=call, impl=job.impl, error=_error(e), where=where, advice=advice), e)
+            advice = _messages.HOST_ADVICE_OTHER
+        return HostError(
+            _messages.HOST_LOST.format(call=call, impl=job.impl, error=_error(e), where=where, advice=advice), e
+        )
     chained = "is" if isinstance(executor, cf.ThreadPoolExecutor) else "came back from the worker and is"
-    return HostError(RAISED.format(call=call, impl=job.impl, error=_error(e), where=where, chained=chained), e)
+    return HostError(
+        _messages.HOST_RAISED.format(call=call, impl=job.impl, error=_error(e), where=where, chained=chained), e
+    )
 
 
 def run(
-    call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], serial: bool = False, check: Any = None
+    call: str,
+    executor: cf.Executor | None,
+    timeout: float | None,
+    jobs: list[Job],
+    serial: bool = False,
+    check: Any = None,
 ) -> list[Any]:
     """Submit all `jobs` at once, wait for all of them, and return their results in order.
 
@@ -191,7 +150,7 @@ def run(
     result of the wrong shape (a wrong `out=`) is often why another job failed, and is the
     error to report.
     """
-    if (serial or not _CONCURRENT) and len(jobs) > 1:
+    if (serial or not concurrency_enabled()) and len(jobs) > 1:
         results = []
         for i, job in enumerate(jobs):
             (result,) = run(call, executor, timeout, [job], serial=True)
@@ -199,7 +158,7 @@ def run(
                 check(i, result)
             results.append(result)
         return results
-    if serial or not _CONCURRENT:
+    if serial or not concurrency_enabled():
         with SERIAL_LOCK:
             return _run(call, executor, timeout, jobs, check)
     return _run(call, executor, timeout, jobs, check)
@@ -208,7 +167,9 @@ def run(
 _GRACE = 1.0  # seconds to let the other jobs finish when one fails, to check their results
 
 
-def _run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], check: Any = None) -> list[Any]:
+def _run(
+    call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], check: Any = None
+) -> list[Any]:
     executor = executor if executor is not None else default_executor()
     futures: list[cf.Future] = []
     where = name(executor)
@@ -221,7 +182,9 @@ def _run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: l
         except Exception as e:
             for f in futures:
                 f.cancel()
-            raise HostError(SUBMIT_FAILED.format(call=call, impl=job.impl, where=name(executor), error=_error(e))) from e
+            raise HostError(
+                _messages.HOST_SUBMIT_FAILED.format(call=call, impl=job.impl, where=name(executor), error=_error(e))
+            ) from e
     job_of = dict(zip(futures, jobs, strict=True))
     done, pending = cf.wait(futures, timeout=timeout, return_when=cf.FIRST_EXCEPTION)
     for f in futures:
@@ -237,7 +200,9 @@ def _run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: l
         for f in pending:
             f.cancel()
         job = job_of[next(f for f in futures if f in pending)]
-        raise HostError(TIMEOUT.format(call=call, impl=job.impl, timeout=timeout, where=describe(executor)))
+        raise HostError(
+            _messages.HOST_TIMEOUT.format(call=call, impl=job.impl, timeout=timeout, where=describe(executor))
+        )
     return [f.result() for f in futures]
 
 

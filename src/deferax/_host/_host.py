@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools as ft
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -16,51 +16,30 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .. import _jaxpr
-from .._checks import _messages as _errors
-from .._concurrency._threads import is_concrete
-from .._implementation._expensive import ExpensiveFn, _struct, check_ct_x, check_declared_width, check_signature
+from .._checks import _checks, _messages
+from .._implementation._abstract import AbstractImplementation, Implementation
+from .._implementation._expensive import ExpensiveFn
+from .._misc import is_concrete, stacked, structs
 from . import _executor
 from ._runner import Runner
-
-NO_OUT = """{call}: host functions cannot be traced by JAX, so the output's shape and dtype must be declared with `out=`,
-a pytree of `jax.ShapeDtypeStruct` (or a function from the input's structure to one):
-
-    {example}"""
-
-NO_PRIMAL = """{call}: nothing computes the output. Give the forward host function `fwd(x) -> y`, or `fused(x, ct_y) -> (y, ct_x)`:
-
-    dx.host(simulate, adjoint=simulate_adjoint, out=...)"""
-
-
-BAD_EXECUTOR = """{call}: `executor` must be a `concurrent.futures.Executor` (a `ThreadPoolExecutor`, a `ProcessPoolExecutor`,
-`distributed.Client(...).get_executor()`) or None for deferax's thread pool, but got {found!r}."""
-
-BATCH_WITHOUT_FUSED = """{call}: `fused_batch` was given without `fused`. It serves the deferred-basis schedule; the deferred
-schedule needs `fused(x, ct_y) -> (y, ct_x)` for one cotangent:
-
-    dx.host(simulate, bwd=..., fused=simulate_and_adjoint, fused_batch=simulate_and_adjoints, out=...)"""
-
-BAD_TIMEOUT = "{call}: `timeout` must be a positive number of seconds or None, but got {found!r}."
-
-KEY_OUT = """{call}: {what} declares a typed PRNG key ({found}), but a host function returns NumPy arrays, which cannot
-hold one (nor can `jax.pure_callback` return one). Declare the key's raw data, and wrap it after the call:
-
-    data = sim(x)                       # out=jax.ShapeDtypeStruct((2,), jnp.uint32)
-    key = jax.random.wrap_key_data(data)"""
 
 
 def _raw(tree: PyTree) -> PyTree:
     """`tree` with each typed PRNG key (the extended dtype `key<fry>`, say) as its raw data
     (`jax.random.key_data`, `uint32`): what a host function gets, as `jax.pure_callback`
     hands a callback."""
-    return jtu.tree_map(lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(jnp.result_type(a), jax.dtypes.prng_key) else a, tree)
+
+    def raw(a):
+        return jax.random.key_data(a) if jax.dtypes.issubdtype(jnp.result_type(a), jax.dtypes.prng_key) else a
+
+    return jtu.tree_map(raw, tree)
 
 
 def _check_declared(call: str, what: str, declared: PyTree) -> PyTree:
-    check_declared_width(call, what, declared)
+    _checks.check_declared_width(call, what, declared)
     keys = [s for s in jtu.tree_leaves(declared) if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)]
     if keys:
-        raise TypeError(KEY_OUT.format(call=call, what=what, found=_errors.shape_text(keys[0])))
+        raise TypeError(_messages.HOST_KEY_OUT.format(call=call, what=what, found=_messages.shape_text(keys[0])))
     return declared
 
 
@@ -74,72 +53,49 @@ class _Host(eqx.Module):
     through one `jax.pure_callback` (or calls the host functions directly when its
     arguments are concrete arrays)."""
 
-    # Read by the deferred schedule: under `jit`, the expensive calls of several sites whose
-    # implementations run on the host are gathered into one callback that runs them together.
-    runs_on_host = True
-
-    call: str = eqx.field(static=True)
-    host_fwd: Callable[..., Any] | None = eqx.field(static=True)
-    host_adjoint: Callable[..., Any] | None = eqx.field(static=True)
-    host_bwd: Callable[..., Any] | None = eqx.field(static=True)
-    host_fused: Callable[..., Any] | None = eqx.field(static=True)
-    host_fused_batch: Callable[..., Any] | None = eqx.field(static=True)
-    host_jvp: Callable[..., Any] | None = eqx.field(static=True)
-    host_jvp_batch: Callable[..., Any] | None = eqx.field(static=True)
-    executor: cf.Executor | None = eqx.field(static=True)
-    timeout: float | None = eqx.field(static=True)
-    vectorized: bool = eqx.field(static=True)
-    linear_adjoint: bool = eqx.field(static=True)
-    thread_safe: bool = eqx.field(static=True)
+    runner: Runner = eqx.field(static=True)
     combine: Callable[..., Any]
     out: Any
     adjoint_out: Any
 
-    def _runner(self) -> Runner:
-        why = "declared by `adjoint_out=`" if self.adjoint_out is not None else "shaped like the input `x`, the default of `adjoint_out=`"
-        return Runner(
-            self.call, self.host_fwd, self.host_adjoint, self.host_bwd, self.host_fused,
-            self.executor, self.timeout, self.vectorized, self.linear_adjoint, why,
-            self.host_jvp, self.host_jvp_batch, self.thread_safe, self.host_fused_batch,
-        )  # fmt: skip
-
     def _out(self, x: PyTree) -> PyTree:
-        declared = self.out(_struct(x)) if callable(self.out) else self.out
-        return _check_declared(self.call, "`out=`", declared)
+        declared = self.out(structs(x)) if callable(self.out) else self.out
+        return _check_declared(self.runner.call, "`out=`", declared)
 
     def _adjoint_out(self, x: PyTree) -> PyTree:
         if self.adjoint_out is None:
-            return _struct(_raw(x))
-        declared = self.adjoint_out(_struct(x)) if callable(self.adjoint_out) else self.adjoint_out
-        return _check_declared(self.call, "`adjoint_out=`", declared)
+            return structs(_raw(x))
+        declared = self.adjoint_out(structs(x)) if callable(self.adjoint_out) else self.adjoint_out
+        return _check_declared(self.runner.call, "`adjoint_out=`", declared)
 
     def _run(self, kind: str, args: tuple, result: PyTree) -> PyTree:
-        runner = self._runner()
+        runner = self.runner
         args = _raw(args)
-        arg_structs = _struct(args)
+        arg_structs = structs(args)
         if is_concrete(args):
             return jtu.tree_map(jnp.asarray, runner(kind, result, arg_structs, *jtu.tree_map(np.asarray, args)))
         # (with the caller's context: the site's name and schedule, for the recording)
-        return jax.pure_callback(_jaxpr.carry_context(ft.partial(runner, kind, result, arg_structs)), result, *args, vmap_method="broadcast_all")
+        callback = _jaxpr.carry_context(ft.partial(runner, kind, result, arg_structs))
+        return jax.pure_callback(callback, result, *args, vmap_method="broadcast_all")
 
     def _combine(self, x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
         """`combine(x, y, partial)`; a wrong result is reported as `combine`'s (it would
         otherwise be blamed on the `bwd` or `fused` made from it, which the user never wrote)."""
         if self.combine is _identity:
             return partial
-        return check_ct_x(self.call, "combine", self.combine(x, y, partial), x)
+        return _checks.checked_ct_x(self.runner.call, "combine", self.combine(x, y, partial), x)
 
     def fwd(self, x: PyTree) -> PyTree:
         return self._run("fwd", (x,), self._out(x))
 
     def bwd(self, x: PyTree, y: PyTree, ct_y: PyTree) -> PyTree:
-        if self.host_adjoint is not None:
+        if self.runner.adjoint is not None:
             return self._combine(x, y, self._run("adjoint", (x, ct_y), self._adjoint_out(x)))
-        return self._run("bwd", (x, y, ct_y), _struct(_raw(x)))
+        return self._run("bwd", (x, y, ct_y), structs(_raw(x)))
 
     def fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
-        if self.host_fused is not None:
-            return self._run("fused", (x, ct_y), (self._out(x), _struct(_raw(x))))
+        if self.runner.fused is not None:
+            return self._run("fused", (x, ct_y), (self._out(x), structs(_raw(x))))
         y, partial = self._run("fwd+adjoint", (x, ct_y), (self._out(x), self._adjoint_out(x)))
         return y, self._combine(x, y, partial)
 
@@ -148,31 +104,48 @@ class _Host(eqx.Module):
 
     def jvp_batch(self, x: PyTree, t_xs: PyTree) -> tuple[PyTree, PyTree]:
         k = jtu.tree_leaves(t_xs)[0].shape[0]
-        stacked = jtu.tree_map(lambda s: jax.ShapeDtypeStruct((k, *s.shape), s.dtype), self._out(x))
-        kind = "jvp_batch" if self.host_jvp_batch is not None else "jvp*k"
-        return self._run(kind, (x, t_xs), (self._out(x), stacked))
+        kind = "jvp_batch" if self.runner.jvp_batch is not None else "jvp*k"
+        return self._run(kind, (x, t_xs), (self._out(x), stacked(self._out(x), k)))
 
     def fused_batch(self, x: PyTree, cts: PyTree) -> tuple[PyTree, PyTree]:
         k = jtu.tree_leaves(cts)[0].shape[0]
-        batched = lambda struct: jtu.tree_map(lambda s: jax.ShapeDtypeStruct((k, *s.shape), s.dtype), struct)  # noqa: E731
-        if self.host_fwd is not None and self.host_adjoint is not None:
-            y, partials = self._run("fwd+adjoints", (x, cts), (self._out(x), batched(self._adjoint_out(x))))
-            return y, jax.vmap(lambda p: self._combine(x, y, p))(partials)
-        kind = "fused_batch" if self.host_fused_batch is not None else "fused*k"
-        return self._run(kind, (x, cts), (self._out(x), batched(_struct(_raw(x)))))
+        if self.runner.fwd is not None and self.runner.adjoint is not None:
+            y, partials = self._run("fwd+adjoints", (x, cts), (self._out(x), stacked(self._adjoint_out(x), k)))
+            return y, jax.vmap(ft.partial(self._combine, x, y))(partials)
+        kind = "fused_batch" if self.runner.fused_batch is not None else "fused*k"
+        return self._run(kind, (x, cts), (self._out(x), stacked(structs(_raw(x)), k)))
 
 
-# Typed `Any` where a wrong value must reach the checks below, whose messages name the function.
+_METHODS = {
+    "fwd": _Host.fwd, "bwd": _Host.bwd, "fused": _Host.fused, "fused_batch": _Host.fused_batch, "jvp": _Host.jvp,
+    "jvp_batch": _Host.jvp_batch,
+}
+
+
+class HostImplementation(AbstractImplementation):
+    """One implementation of a host `ExpensiveFn` (`impl`: "fwd", "bwd", "fused", ...), as
+    the `ExpensiveFn` calls it. Its jobs are recorded where they run, on the executor;
+    under `jit`, the stages gather several sites' host work into one callback."""
+
+    host: _Host
+    impl: str = eqx.field(static=True)
+    runs_on_host: ClassVar[bool] = True
+
+    def __call__(self, *args: Any) -> Any:
+        return _METHODS[self.impl](self.host, *args)
+
+
+# `executor` and `timeout` typed `Any`: a wrong value must reach the checks below, whose messages name the function.
 def host(
-    fwd: Any = None,
+    fwd: Implementation | None = None,
     *,
-    adjoint: Any = None,
-    combine: Any = None,
-    bwd: Any = None,
-    fused: Any = None,
-    fused_batch: Any = None,
-    jvp: Any = None,
-    jvp_batch: Any = None,
+    adjoint: Implementation | None = None,
+    combine: Implementation | None = None,
+    bwd: Implementation | None = None,
+    fused: Implementation | None = None,
+    fused_batch: Implementation | None = None,
+    jvp: Implementation | None = None,
+    jvp_batch: Implementation | None = None,
     out: Any = None,
     adjoint_out: Any = None,
     name: str | None = None,
@@ -272,65 +245,60 @@ def host(
         dx.filter_value_and_grad(lambda b: jnp.sum(solve(b)))(jnp.array([1.0, 2.0]))
         ```
     """
-    impls = {
-        "fwd": fwd, "adjoint": adjoint, "combine": combine, "bwd": bwd, "fused": fused, "fused_batch": fused_batch,
-        "jvp": jvp, "jvp_batch": jvp_batch,
-    }  # fmt: skip
-    if name is None:
-        first = next((f for f in (fwd, fused, jvp, jvp_batch, adjoint, bwd) if f is not None), None)
-        name = getattr(first, "__name__", None) or type(first).__name__
-    call = f"`ExpensiveFn(name={name!r})`"
-    for impl, fn in impls.items():
-        if fn is not None and not callable(fn):
-            raise TypeError(_errors.NOT_CALLABLE.format(call=call, impl=impl, found=fn))
-        if fn is not None:
-            check_signature(call, impl, fn)
+    impls = {"fwd": fwd, "adjoint": adjoint, "combine": combine, "bwd": bwd, "fused": fused, "fused_batch": fused_batch}
+    impls |= {"jvp": jvp, "jvp_batch": jvp_batch}
+    name = _checks.default_name(impls) if name is None else name
+    call = _checks.title(name)
+    _checks.check_implementations(call, impls)
     if fwd is None and fused is None and jvp is None and jvp_batch is None:
-        raise TypeError(NO_PRIMAL.format(call=call))
+        raise TypeError(_messages.HOST_NO_PRIMAL.format(call=call))
     if out is None:
-        raise TypeError(NO_OUT.format(call=call, example=_errors.out_example("dx.host", impls)))
-    if adjoint is not None and bwd is not None:
-        raise TypeError(_errors.BOTH_ADJOINTS.format(call=call))
-    for what, value in (("combine", combine), ("adjoint_out", adjoint_out)):
-        if value is not None and adjoint is None:
-            raise TypeError(_errors.ONLY_WITH_ADJOINT.format(call=call, what=what))
+        raise TypeError(_messages.HOST_NO_OUT.format(call=call, example=_messages.out_example("dx.host", impls)))
+    _checks.check_adjoint_split(call, adjoint, bwd, combine=combine, adjoint_out=adjoint_out)
     if fused_batch is not None and fused is None:
-        raise TypeError(BATCH_WITHOUT_FUSED.format(call=call))
+        raise TypeError(_messages.HOST_BATCH_WITHOUT_FUSED.format(call=call))
     if executor is not None and not isinstance(executor, cf.Executor):
-        raise TypeError(BAD_EXECUTOR.format(call=call, found=executor))
+        raise TypeError(_messages.HOST_BAD_EXECUTOR.format(call=call, found=executor))
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            raise ValueError(BAD_TIMEOUT.format(call=call, found=timeout))
+            raise ValueError(_messages.HOST_BAD_TIMEOUT.format(call=call, found=timeout))
         timeout = float(timeout)
     if executor is not None:
         _executor.check_picklable(call, executor, {k: v for k, v in impls.items() if v is not None and k != "combine"})
-    h = _Host(
+    if adjoint_out is not None:
+        adjoint_why = "declared by `adjoint_out=`"
+    else:
+        adjoint_why = "shaped like the input `x`, the default of `adjoint_out=`"
+    runner = Runner(
         call=call,
-        host_fwd=fwd,
-        host_adjoint=adjoint,
-        host_bwd=bwd,
-        host_fused=fused,
-        host_fused_batch=fused_batch,
-        host_jvp=jvp,
-        host_jvp_batch=jvp_batch,
+        fwd=fwd,
+        adjoint=adjoint,
+        bwd=bwd,
+        fused=fused,
         executor=executor,
         timeout=timeout,
         vectorized=vectorized,
         linear_adjoint=linear_adjoint,
+        adjoint_why=adjoint_why,
+        jvp=jvp,
+        jvp_batch=jvp_batch,
         thread_safe=thread_safe,
-        combine=combine if combine is not None else _identity,
-        out=out,
-        adjoint_out=adjoint_out,
+        fused_batch=fused_batch,
     )
+    h = _Host(runner, combine if combine is not None else _identity, out, adjoint_out)
     deferrable = fused is not None or (fwd is not None and adjoint is not None)
-    return ExpensiveFn(
-        fwd=h.fwd if fwd is not None else None,
-        bwd=h.bwd if (adjoint is not None or bwd is not None) else None,
-        fused=h.fused if deferrable else None,
-        fused_batch=h.fused_batch if deferrable else None,
-        jvp=h.jvp if jvp is not None else None,
+    given = {
+        "fwd": fwd is not None,
+        "bwd": adjoint is not None or bwd is not None,
+        "fused": deferrable,
+        "fused_batch": deferrable,
+        "jvp": jvp is not None,
         # with `jvp` alone, its calls for several tangents are submitted together
-        jvp_batch=h.jvp_batch if (jvp is not None or jvp_batch is not None) else None,
+        "jvp_batch": jvp is not None or jvp_batch is not None,
+    }
+    implementations = {impl: HostImplementation(h, impl) if on else None for impl, on in given.items()}
+    return ExpensiveFn(
+        **implementations,
         name=name,
         out=out,
         # A complex-linear adjoint answers a complex overlap's two basis cotangents with one

@@ -18,19 +18,9 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._checks import _messages as _errors
+from .._checks import _messages
+from .._misc import stacked
 from . import _executor
-
-MISMATCH = """{call}: the host function `{impl}` returned {found}, where {expected} was expected ({why}).
-A host function must return NumPy arrays with exactly the declared shapes and dtypes (convert with
-`np.asarray(value, dtype=...)`), or the declaration must be corrected."""
-
-BY_OUT = "declared by `out=`"
-LIKE_X = "a cotangent shaped like the input `x`"
-PAIR = "a pair `(y, ct_x)`: `y` declared by `out=`, `ct_x` shaped like the input `x`"
-PAIR_BATCH = "a pair `(y, ct_xs)`: `y` declared by `out=`, `ct_xs` shaped like the input `x` with a leading axis of one cotangent each"
-PAIR_JVP = "a pair `(y, t_y)`: both declared by `out=`"
-PAIR_JVP_BATCH = "a pair `(y, t_ys)`: `y` declared by `out=`, `t_ys` the same with a leading axis of one tangent each"
 
 _ARRAY_LIKE = (np.ndarray, np.generic, jax.Array, int, float, complex)
 
@@ -80,6 +70,10 @@ def _multiples(rows: list, partial_struct: PyTree) -> tuple[list[tuple[int | Non
             unique.append(j)
             basis.append(v)
     return recipe, unique
+
+
+def _first(results: list) -> Any:
+    return results[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,46 +131,54 @@ class Runner:
         return outs
 
     def _plan(self, kind: str, result: PyTree, args: tuple) -> tuple[list[_Call], Callable[[list], Any]]:
-        first = lambda r: r[0]  # noqa: E731
-        if kind == "fwd":
-            return [_Call("fwd", self.fwd, args, result, BY_OUT)], first
-        if kind == "adjoint":
-            return [_Call("adjoint", self.adjoint, args, result, self.adjoint_why)], first
-        if kind == "bwd":
-            return [_Call("bwd", self.bwd, args, result, LIKE_X)], first
-        if kind == "fused":
-            return [_Call("fused", self.fused, args, result, PAIR)], first
-        if kind == "jvp":
-            return [_Call("jvp", self.jvp, args, result, PAIR_JVP)], first
-        if kind == "fused_batch":
-            return [_Call("fused_batch", self.fused_batch, args, result, PAIR_BATCH)], first
-        if kind == "jvp_batch":
-            return [_Call("jvp_batch", self.jvp_batch, args, result, PAIR_JVP_BATCH)], first
+        one_call = {
+            "fwd": (self.fwd, _messages.EXPECTED_BY_OUT),
+            "adjoint": (self.adjoint, self.adjoint_why),
+            "bwd": (self.bwd, _messages.EXPECTED_LIKE_X),
+            "fused": (self.fused, _messages.EXPECTED_PAIR),
+            "jvp": (self.jvp, _messages.EXPECTED_PAIR_JVP),
+            "fused_batch": (self.fused_batch, _messages.EXPECTED_PAIR_BATCH),
+            "jvp_batch": (self.jvp_batch, _messages.EXPECTED_PAIR_JVP_BATCH),
+        }
+        if kind in one_call:
+            fn, why = one_call[kind]
+            return [_Call(kind, fn, args, result, why)], _first
         x, ct = args
         out_struct, second = result
         if kind == "fwd+adjoint":
-            calls = [_Call("fwd", self.fwd, (x,), out_struct, BY_OUT), _Call("adjoint", self.adjoint, (x, ct), second, self.adjoint_why)]
+            calls = [
+                _Call("fwd", self.fwd, (x,), out_struct, _messages.EXPECTED_BY_OUT),
+                _Call("adjoint", self.adjoint, (x, ct), second, self.adjoint_why),
+            ]
             return calls, tuple
         k = jtu.tree_leaves(ct)[0].shape[0]
         rows = [jtu.tree_map(lambda c, j=j: c[j], ct) for j in range(k)]
         row_struct = _unstack(second)
         if kind == "jvp*k":  # `jvp` once per tangent, all submitted together; `y` from the first
-            calls = [_Call("jvp", self.jvp, (x, row), (out_struct, row_struct), PAIR_JVP) for row in rows]
+            calls = [
+                _Call("jvp", self.jvp, (x, row), (out_struct, row_struct), _messages.EXPECTED_PAIR_JVP) for row in rows
+            ]
             return calls, lambda r: (r[0][0] if r else _zeros(out_struct), _stack([p[1] for p in r], row_struct))
         if kind == "fused*k":  # `fused` once per cotangent; `y` from the first
-            calls = [_Call("fused", self.fused, (x, row), (out_struct, row_struct), PAIR) for row in rows]
+            calls = [
+                _Call("fused", self.fused, (x, row), (out_struct, row_struct), _messages.EXPECTED_PAIR) for row in rows
+            ]
             return calls, lambda r: (r[0][0] if r else _zeros(out_struct), _stack([p[1] for p in r], row_struct))
         # "fwd+adjoints": the forward once and the adjoints, all at the same time
         if self.linear_adjoint:
             recipe, unique = _multiples(rows, row_struct)
         else:
             recipe, unique = [(j, 1.0) for j in range(k)], list(range(k))
-        calls = [_Call("fwd", self.fwd, (x,), out_struct, BY_OUT)]
+        calls = [_Call("fwd", self.fwd, (x,), out_struct, _messages.EXPECTED_BY_OUT)]
         calls += [_Call("adjoint", self.adjoint, (x, rows[j]), row_struct, self.adjoint_why) for j in unique]
 
         def assemble(r):
             partials = [
-                _zeros(row_struct) if u is None else r[1 + u] if c == 1.0 else jtu.tree_map(lambda p, c=c: (p * c).astype(p.dtype), r[1 + u])
+                _zeros(row_struct)
+                if u is None
+                else r[1 + u]
+                if c == 1.0
+                else jtu.tree_map(lambda p, c=c: (p * c).astype(p.dtype), r[1 + u])
                 for u, c in recipe
             ]
             return r[0], _stack(partials, row_struct)
@@ -187,24 +189,26 @@ class Runner:
         if not self.vectorized:
             jobs = [_executor.Job(c.impl, c.fn, c.args) for c in calls]
             check = lambda i, r: self._check(calls[i], r)  # noqa: E731
-            results = _executor.run(self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe, check=check)
+            results = _executor.run(
+                self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe, check=check
+            )
             return [self._check(c, r) for c, r in zip(calls, results, strict=True)]
         # One call per host function, with the arguments of all its calls stacked on a leading axis.
         groups: dict[str, list[int]] = {}
         for i, c in enumerate(calls):
             groups.setdefault(c.impl, []).append(i)
-        stacked = []
+        grouped = []
         for impl, members in groups.items():
             head = calls[members[0]]
             args = jtu.tree_map(lambda *a: np.stack(a), *[calls[i].args for i in members])
             size = len(members)
-            expected = jtu.tree_map(lambda s, n=size: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), head.expected)
+            expected = stacked(head.expected, size)
             why = f"{head.why}, with a leading batch axis of length {len(members)} (`vectorized=True`)"
-            stacked.append(_Call(impl, head.fn, args, expected, why))
-        jobs = [_executor.Job(c.impl, c.fn, c.args) for c in stacked]
+            grouped.append(_Call(impl, head.fn, args, expected, why))
+        jobs = [_executor.Job(c.impl, c.fn, c.args) for c in grouped]
         results = _executor.run(self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe)
         out: list = [None] * len(calls)
-        for (_, members), c, r in zip(groups.items(), stacked, results, strict=True):
+        for (_, members), c, r in zip(groups.items(), grouped, results, strict=True):
             r = self._check(c, r)
             for n, i in enumerate(members):
                 out[i] = jtu.tree_map(lambda a, n=n: a[n], r)
@@ -219,5 +223,13 @@ class Runner:
             for a, s in zip(jtu.tree_leaves(r), jtu.tree_leaves(c.expected), strict=True)
         )
         if not ok:
-            raise ValueError(MISMATCH.format(call=self.call, impl=c.impl, found=_errors.tree_text(r), expected=_errors.tree_text(c.expected), why=c.why))
+            raise ValueError(
+                _messages.HOST_MISMATCH.format(
+                    call=self.call,
+                    impl=c.impl,
+                    found=_messages.tree_text(r),
+                    expected=_messages.tree_text(c.expected),
+                    why=c.why,
+                )
+            )
         return r

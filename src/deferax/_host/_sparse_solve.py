@@ -28,29 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Inexact
 
+from .._checks import _messages
+from .._implementation._expensive import ExpensiveFn
 from ._host import host
 from ._sparse_solver import AbstractSparseSolver, SuperLU
-
-BAD_PATTERN = """`dx.SparsePattern`: {what}, but got {found}.
-A pattern is the row and column index of each stored entry of an `n x n` matrix:
-
-    dx.SparsePattern(rows=np.array([0, 1, 1]), cols=np.array([0, 0, 1]), n=2)"""
-
-NOT_PATTERN = """`dx.sparse_solve(name={name!r})`: `pattern` must be a `dx.SparsePattern`, but got {found}.
-Make one from the index arrays, or from a SciPy matrix:
-
-    pattern = dx.SparsePattern(rows, cols, n)   # or: values, pattern = dx.SparsePattern.from_scipy(matrix)"""
-
-BAD_OPERAND = """`dx.sparse_solve(name={name!r})`: `{what}` must be {expected}, but got {found}.
-{fix}"""
-
-FIX_VALUES = "`values[k]` is the entry at `(pattern.rows[k], pattern.cols[k])`; for several systems, `jax.vmap` over `values`."
-FIX_B = "`b` is one right-hand side; for several, `jax.vmap` over `b` (the factorisation is shared)."
-
-NO_SCIPY = """`dx.sparse_solve(name={name!r})`: SciPy is not installed, and the solve needs it (the matrix is handed to the
-solver as a `scipy.sparse.csc_matrix`; the default solver is SciPy's `splu`). Install it: `pip install scipy`."""
-
-BAD_SOLVER = "`dx.sparse_solve(name={name!r})`: `solver` must be a `dx.AbstractSparseSolver` (e.g. `dx.SuperLU()`), but got {found!r}."
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -75,18 +56,32 @@ class SparsePattern:
     def __post_init__(self):
         n = self.n
         if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
-            raise ValueError(BAD_PATTERN.format(what="`n` must be a positive int", found=repr(n)))
-        for what in ("rows", "cols"):
-            a = np.asarray(getattr(self, what))
+            raise ValueError(_messages.SPARSE_BAD_PATTERN.format(what="`n` must be a positive int", found=repr(n)))
+        for what, given in (("rows", self.rows), ("cols", self.cols)):
+            a = np.asarray(given)
             if a.ndim != 1 or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
-                raise ValueError(BAD_PATTERN.format(what=f"`{what}` must be a 1-D integer array", found=f"{a.dtype.name}{list(a.shape)}"))
+                raise ValueError(
+                    _messages.SPARSE_BAD_PATTERN.format(
+                        what=f"`{what}` must be a 1-D integer array", found=f"{a.dtype.name}{list(a.shape)}"
+                    )
+                )
             if a.size and (a.min() < 0 or a.max() >= n):
-                raise ValueError(BAD_PATTERN.format(what=f"every entry of `{what}` must be in [0, n) = [0, {n})", found=f"entries from {a.min()} to {a.max()}"))
+                raise ValueError(
+                    _messages.SPARSE_BAD_PATTERN.format(
+                        what=f"every entry of `{what}` must be in [0, n) = [0, {n})",
+                        found=f"entries from {a.min()} to {a.max()}",
+                    )
+                )
             a = a.astype(np.int64)  # (a copy: the caller's array may change, the pattern may not)
             a.setflags(write=False)
             object.__setattr__(self, what, a)
         if self.rows.shape != self.cols.shape:
-            raise ValueError(BAD_PATTERN.format(what="`rows` and `cols` must have the same length", found=f"{self.rows.size} rows and {self.cols.size} cols"))
+            raise ValueError(
+                _messages.SPARSE_BAD_PATTERN.format(
+                    what="`rows` and `cols` must have the same length",
+                    found=f"{self.rows.size} rows and {self.cols.size} cols",
+                )
+            )
         object.__setattr__(self, "n", int(n))
         object.__setattr__(self, "_hash", hash((self.n, self.rows.tobytes(), self.cols.tobytes())))
 
@@ -96,7 +91,12 @@ class SparsePattern:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SparsePattern):
             return NotImplemented
-        return self is other or (self._hash == other._hash and self.n == other.n and np.array_equal(self.rows, other.rows) and np.array_equal(self.cols, other.cols))
+        return self is other or (
+            self._hash == other._hash
+            and self.n == other.n
+            and np.array_equal(self.rows, other.rows)
+            and np.array_equal(self.cols, other.cols)
+        )
 
     def __repr__(self) -> str:
         return f"SparsePattern(n={self.n}, nnz={self.nnz})"
@@ -111,7 +111,9 @@ class SparsePattern:
         """`(values, pattern)` of a square SciPy sparse matrix (any format), in COO order."""
         coo = matrix.tocoo()
         if coo.shape[0] != coo.shape[1]:
-            raise ValueError(BAD_PATTERN.format(what="the matrix must be square", found=f"shape {coo.shape}"))
+            raise ValueError(
+                _messages.SPARSE_BAD_PATTERN.format(what="the matrix must be square", found=f"shape {coo.shape}")
+            )
         return np.asarray(coo.data), cls(coo.row, coo.col, coo.shape[0])
 
     def todense(self, values: ArrayLike) -> Inexact[Array, "n n"]:
@@ -208,7 +210,9 @@ class _Solve:
         import scipy.sparse
 
         p = self.pattern
-        return self.solver.factor(scipy.sparse.csc_matrix((values.astype(self.dtype), (p.rows, p.cols)), shape=(p.n, p.n)))
+        return self.solver.factor(
+            scipy.sparse.csc_matrix((values.astype(self.dtype), (p.rows, p.cols)), shape=(p.n, p.n))
+        )
 
     def _key(self, values: np.ndarray) -> Any:
         return (self, values.dtype.str, values.tobytes())
@@ -282,7 +286,7 @@ def _like(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 @ft.lru_cache(maxsize=64)
-def _site(solve: _Solve, executor: Any, timeout: Any, name: str, max_basis: int | None) -> Any:
+def _solve_site(solve: _Solve, executor: Any, timeout: Any, name: str, max_basis: int | None) -> ExpensiveFn:
     return host(
         solve.fwd,
         bwd=solve.bwd,
@@ -323,7 +327,8 @@ def sparse_solve(
 
     | schedule | what runs |
     | --- | --- |
-    | standard (`jax.grad`, or a site that cannot be deferred) | forward: factor, solve `b`; backward: solve `A^T lam = ct_x` with the forward's factorisation |
+    | standard (`jax.grad`, or a site that cannot be deferred) | forward: factor, solve `b`; backward: solve `A^T \
+lam = ct_x` with the forward's factorisation |
     | deferred | one job: factor, solve `b` and `ct_x` |
     | deferred-basis (`k` cotangents) | one job: factor, solve `b`, then the `k` adjoint right-hand sides in one solve |
     | forward mode | one job: factor, solve `b`, then the tangent right-hand sides in one solve |
@@ -372,19 +377,24 @@ def sparse_solve(
         ```
     """
     if importlib.util.find_spec("scipy") is None:
-        raise ImportError(NO_SCIPY.format(name=name))
+        raise ImportError(_messages.SPARSE_NO_SCIPY.format(name=name))
     if not isinstance(pattern, SparsePattern):
-        raise TypeError(NOT_PATTERN.format(name=name, found=_found(pattern)))
+        raise TypeError(_messages.SPARSE_NOT_PATTERN.format(name=name, found=_found(pattern)))
     solver = SuperLU() if solver is None else solver
     if not isinstance(solver, AbstractSparseSolver):
-        raise TypeError(BAD_SOLVER.format(name=name, found=solver))
+        raise TypeError(_messages.SPARSE_BAD_SOLVER.format(name=name, found=solver))
     values, b = jnp.asarray(values), jnp.asarray(b)
-    for what, a, shape, fix in (("values", values, (pattern.nnz,), FIX_VALUES), ("b", b, (pattern.n,), FIX_B)):
+    for what, a, shape, fix in (
+        ("values", values, (pattern.nnz,), _messages.SPARSE_FIX_VALUES),
+        ("b", b, (pattern.n,), _messages.SPARSE_FIX_B),
+    ):
         if a.shape != shape or not jnp.issubdtype(a.dtype, jnp.inexact):
             expected = f"a real or complex array of shape {shape} (for {pattern!r})"
-            raise ValueError(BAD_OPERAND.format(name=name, what=what, expected=expected, found=_found(a), fix=fix))
+            raise ValueError(
+                _messages.SPARSE_BAD_OPERAND.format(name=name, what=what, expected=expected, found=_found(a), fix=fix)
+            )
     dtype = np.result_type(np.dtype(values.dtype), np.dtype(b.dtype))
-    fn = _site(_Solve(pattern, solver, dtype), executor, timeout, name, max_basis)
+    fn = _solve_site(_Solve(pattern, solver, dtype), executor, timeout, name, max_basis)
     return fn((values, b))
 
 

@@ -13,8 +13,7 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
-SINGULAR = """the matrix is singular: {solver} found {why}.
-Check that `values` has no zero (or cancelling) entries on the pivots and that the pattern covers every row and column."""
+from .._checks import _messages
 
 
 class AbstractSparseSolver(eqx.Module):
@@ -84,7 +83,9 @@ class SuperLU(AbstractSparseSolver):
         except RuntimeError as e:  # SuperLU reports a zero pivot as "Factor is exactly singular"
             if "singular" not in str(e):
                 raise
-            raise np.linalg.LinAlgError(SINGULAR.format(solver="SuperLU", why=f"a zero pivot ({e})")) from None
+            raise np.linalg.LinAlgError(
+                _messages.SPARSE_SINGULAR.format(solver="SuperLU", why=f"a zero pivot ({e})")
+            ) from None
 
     def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
         return factorisation.solve(np.ascontiguousarray(rhs), trans="T" if transpose else "N")

@@ -70,7 +70,11 @@ _INSTALLED = tuple({p for p in (sysconfig.get_path("purelib"), sysconfig.get_pat
 
 def _installed(path: str) -> bool:
     """Whether `path` is in an installed package (site-packages), not the user's own code."""
-    return path.startswith(_INSTALLED) or f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
+    return (
+        path.startswith(_INSTALLED)
+        or f"{os.sep}site-packages{os.sep}" in path
+        or f"{os.sep}dist-packages{os.sep}" in path
+    )
 
 
 def _location(eqn) -> Location:
@@ -117,7 +121,9 @@ def uses_refs(closed) -> bool:
     an equation (at any depth) makes or takes."""
     def holds(jaxpr) -> bool:
         return any(is_ref(v) for v in [*jaxpr.constvars, *jaxpr.invars]) or any(
-            any(is_ref(v) for v in [*e.invars, *e.outvars]) or any(holds(sub) for sub in _core.jaxprs_in_params(e.params)) for e in jaxpr.eqns
+            any(is_ref(v) for v in [*e.invars, *e.outvars])
+            or any(holds(sub) for sub in _core.jaxprs_in_params(e.params))
+            for e in jaxpr.eqns
         )
 
     return holds(closed.jaxpr)
@@ -130,7 +136,9 @@ def written(eqn) -> list:
     return [v for v in eqn.invars if is_ref(v)]
 
 
-def _mark(jaxpr, in_marks: Sequence[frozenset], eqn_labels=None, effects=None) -> tuple[list[frozenset], list[list[frozenset]]]:
+def _mark(
+    jaxpr, in_marks: Sequence[frozenset], eqn_labels=None, effects=None
+) -> tuple[list[frozenset], list[list[frozenset]]]:
     """Forward dependency analysis over `jaxpr`.
 
     Returns the marks (sets of source labels) of the outputs, and for each equation the
@@ -242,7 +250,13 @@ def needed_equations(jaxpr, targets) -> list[bool]:
 
 
 def first_culprit(
-    closed, in_labels: Sequence[object], output: int, sources: frozenset, seed: object, eqn_labels=None, named_by: Sequence[Location] = ()
+    closed,
+    in_labels: Sequence[object],
+    output: int,
+    sources: frozenset,
+    seed: object,
+    eqn_labels=None,
+    named_by: Sequence[Location] = (),
 ) -> Location | None:
     """The operation that makes `output` (a cotangent) depend on one of `sources`.
 

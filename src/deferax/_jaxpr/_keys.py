@@ -26,7 +26,11 @@ def structural_key(closed) -> tuple | None:
 
 
 def _aval_key(aval) -> tuple:
-    return (tuple(getattr(aval, "shape", ())), str(getattr(aval, "dtype", type(aval).__name__)), getattr(aval, "weak_type", False))
+    return (
+        tuple(getattr(aval, "shape", ())),
+        str(getattr(aval, "dtype", type(aval).__name__)),
+        getattr(aval, "weak_type", False),
+    )
 
 
 def _jaxpr_key(jaxpr) -> tuple:
@@ -44,7 +48,7 @@ def _jaxpr_key(jaxpr) -> tuple:
         (str(e.primitive), tuple(var(v) for v in e.invars), tuple((var(v), _aval_key(v.aval)) for v in e.outvars),
          tuple(sorted((k, _jvp_rule_key(e) if k == "jvp_jaxpr_fun" else _param_key(p)) for k, p in e.params.items())))
         for e in jaxpr.eqns
-    )  # fmt: skip
+    )
     return head, eqns, tuple(var(v) for v in jaxpr.outvars)
 
 
@@ -56,7 +60,9 @@ def equation_key(eqn, inputs) -> tuple | None:
         return None
     try:
         params = tuple(sorted((k, _param_key(p)) for k, p in eqn.params.items()))
-        ins = tuple(("lit", _value_key(v.val), _aval_key(v.aval)) if isinstance(v, _core.Literal) else v for v in inputs)
+        ins = tuple(
+            ("lit", _value_key(v.val), _aval_key(v.aval)) if isinstance(v, _core.Literal) else v for v in inputs
+        )
     except _Unkeyable:
         return None
     return str(eqn.primitive), ins, params
@@ -115,7 +121,9 @@ def _param_key(p):
         # (a wrapped function, a `custom_vjp`'s backward rule, is made anew by every trace:
         # keyed by identity, it would never match again and only fill the cache)
         raise _Unkeyable
-    if isinstance(p, eqx.Module) or (dataclasses.is_dataclass(p) and not isinstance(p, type) and p.__dataclass_params__.frozen):
+    if isinstance(p, eqx.Module) or (
+        dataclasses.is_dataclass(p) and not isinstance(p, type) and p.__dataclass_params__.frozen
+    ):
         # field by field (an `ExpensiveFn` and its Module implementations are immutable
         # dataclasses): a number among them by its bits, as a literal, where `==` would take
         # 0.0 for -0.0 and 1 for True. (A mutable one can change after its program is

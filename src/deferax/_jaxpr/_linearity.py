@@ -110,7 +110,9 @@ def linear_frontier(closed, source: Sequence[bool], stand_ins: Sequence[bool]):
     # Views that overlap (`y[:3]` and `y[1:]`) can hold more numbers than the source: then
     # the source itself (what of it the program uses) is the frontier.
     used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, _core.Literal)} | set(jaxpr.outvars)
-    whole = [v for v in jaxpr.invars if v in sources and v in used and jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)]
+    whole = [
+        v for v in jaxpr.invars if v in sources and v in used and jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)
+    ]
     return whole if frontier_size(found) > frontier_size(whole) else found
 
 

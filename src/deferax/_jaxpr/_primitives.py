@@ -12,7 +12,8 @@ def define_primitive(name, *, impl, abstract_eval, jvp=None, batch=None, transpo
     """A JAX primitive with multiple results and the rules given.
 
     `impl(*args, **params)` runs it on concrete arrays, and is traced to lower it into a
-    compiled program; `abstract_eval(*avals, **params)` returns the output avals; `jvp(primals, tangents, **params)`, `batch(args,
+    compiled program; `abstract_eval(*avals, **params)` returns the output avals; `jvp(primals, tangents, \
+**params)`, `batch(args,
     dims, **params)` and `transpose(cts, *args, **params)` follow JAX's conventions.
     """
     from jax.interpreters import ad, batching, mlir

@@ -79,7 +79,15 @@ def contains(eqn, primitives) -> bool:
 # Call-like primitives whose body can be inlined into the surrounding jaxpr: a nested
 # `jit`/`eqx.filter_jit` and `jax.checkpoint` (whose rematerialisation is then decided at
 # the top level). Their body runs once on the equation's inputs.
-_INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr"}
+_INLINE = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+    "remat2": "jaxpr",
+}
 
 
 def inline(closed, primitives):
@@ -160,7 +168,7 @@ def kind_of(eqn) -> str:
     return {
         "scan": "lax.scan", "cond": "lax.cond", "while": "lax.while_loop", "custom_jvp_call": "a custom_jvp rule",
         "custom_vjp_call": "a custom_vjp rule", "custom_vjp_call_jaxpr": "a custom_vjp rule",
-    }.get(name, f"`{name}`")  # fmt: skip
+    }.get(name, f"`{name}`")
 
 
 def merge_duplicates(closed, keep=()):
@@ -179,7 +187,9 @@ def merge_duplicates(closed, keep=()):
 
     for eqn in jaxpr.eqns:
         inputs = [read(v) for v in eqn.invars]
-        mergeable = not contains(eqn, (*keep, "pure_callback")) and not any(isinstance(v, _core.DropVar) for v in eqn.outvars)
+        mergeable = not contains(eqn, (*keep, "pure_callback")) and not any(
+            isinstance(v, _core.DropVar) for v in eqn.outvars
+        )
         key = equation_key(eqn, inputs) if mergeable else None
         if key is not None and key in first:
             alias.update(zip(eqn.outvars, first[key].outvars, strict=True))

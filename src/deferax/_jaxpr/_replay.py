@@ -66,7 +66,9 @@ def _differentiable_alone(eqn) -> bool:
             _, consts, _ = params["jvp_jaxpr_fun"].call_wrapped(*([False] * len(eqn.invars)))
             return not any(_stale(c) for c in consts)
         if "fwd_jaxpr_thunk" in params:
-            _, consts = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * (len(eqn.invars) - params.get("num_consts", 0))))
+            _, consts = params["fwd_jaxpr_thunk"].call_wrapped(
+                *([True] * (len(eqn.invars) - params.get("num_consts", 0)))
+            )
             if any(_stale(c) for c in consts):
                 return False
     except Exception:  # noqa: BLE001 - whatever it raises here, it would raise in the stages
@@ -80,7 +82,10 @@ def _differentiable_alone(eqn) -> bool:
         outs, vjp = jax.vjp(lambda *a: bind_equation(eqn, a), *args)
         return vjp([_cotangent(jax.typeof(o)) for o in outs])
 
-    structs = [v.aval if is_ref(v) else jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in eqn.invars]
+    structs = [
+        v.aval if is_ref(v) else jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in eqn.invars
+    ]
     try:
         closed = jax.make_jaxpr(pullback)(*structs)
     except Exception:  # noqa: BLE001 - whatever it raises there, it would raise in the stages

@@ -87,7 +87,8 @@ class Plan(eqx.Module):
                 s.in_shapes,
                 s.out_shapes,
                 "x".join(map(str, s.batch)) or "-",
-                s.schedule + (f" k={s.k}" if s.schedule == "deferred-basis" else f" n={s.n}" if s.n is not None else ""),
+                s.schedule
+                + (f" k={s.k}" if s.schedule == "deferred-basis" else f" n={s.n}" if s.n is not None else ""),
                 note_of.get(id(s), ""),
             )
             for s in self.sites
@@ -103,7 +104,10 @@ class Plan(eqx.Module):
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
         n = len(self.sites)
-        out = [f"deferax plan (schedule={self.requested!r}): {n} site{'' if n == 1 else 's'}, {len(self.deferred)} deferred"]
+        out = [
+            f"deferax plan (schedule={self.requested!r}): {n} site{'' if n == 1 else 's'}, {len(self.deferred)} \
+deferred"
+        ]
         if self.fallback is not None:
             out.extend(_wrap(f"the call runs as `equinox.filter_value_and_grad` would: {self.fallback}", ""))
         out.append(line(header))

@@ -1,0 +1,69 @@
+"""Device placement: which devices the deferred stage spreads its JAX-native work over."""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from .. import _jaxpr
+from .._checks import _messages
+
+_DEVICES: list | None = None  # `set_devices`; None: every local device of the default backend
+_SLOT: contextvars.ContextVar[int] = contextvars.ContextVar("deferax_slot", default=0)
+
+
+def set_devices(devices: Sequence[jax.Device] | None = None) -> None:
+    """Choose the devices that the deferred stage spreads its JAX-native work over.
+
+    When JAX sees several devices (several GPUs; on a CPU, with
+    `XLA_FLAGS=--xla_force_host_platform_device_count=N`), the forward and the adjoint of
+    a `fused` made by [`deferax.fuse`][] (or derived from `fwd` and a `bwd` that does not
+    read `y`) run on two different devices, and the sites of one step on different pairs
+    of devices, round robin; their results come back to the device the inputs were on.
+
+    **Arguments:**
+
+    - `devices`: a list of `jax.Device`s to use, in order; `None` (the default) for all
+      of `jax.local_devices()`. A list of one device keeps all the work on that device.
+    """
+    global _DEVICES
+    if devices is None:
+        _DEVICES = None
+        return
+    if isinstance(devices, str | jax.Device) or not isinstance(devices, Sequence) or not devices:
+        raise TypeError(_messages.BAD_DEVICES.format(found=repr(devices)[:80]))
+    bad = [d for d in devices if not isinstance(d, jax.Device)]
+    if bad:
+        raise TypeError(_messages.BAD_DEVICES.format(found=f"{bad[0]!r:.80} among them"))
+    _DEVICES = list(devices)
+
+
+def slot(index: int):
+    """Inside: the `Fused` calls use the `index`-th pair of devices (one site of several)."""
+    return _jaxpr.setting(_SLOT, index)
+
+
+def current_slot() -> int:
+    return _SLOT.get()
+
+
+def placement() -> tuple[jax.Device | None, jax.Device | None]:
+    """`(forward's device, adjoint's device)` for this slot; `(None, None)` on one device."""
+    devices = jax.local_devices() if _DEVICES is None else _DEVICES
+    if len(devices) < 2:
+        return None, None
+    first = (2 * _SLOT.get()) % len(devices)
+    return devices[first], devices[(first + 1) % len(devices)]
+
+
+def on(device: jax.Device | None, tree: Any) -> Any:
+    """`tree` with its arrays on `device` (unchanged for `None`)."""
+    if device is None:
+        return tree
+    return jtu.tree_map(lambda a: jax.device_put(a, device) if isinstance(a, jax.Array | np.ndarray) else a, tree)
+

@@ -1,0 +1,47 @@
+"""Whether deferax may run two implementation calls at once: `set_concurrency`, the lock
+that keeps implementations that are not thread-safe apart, and the per-function switch."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+
+from .. import _jaxpr
+
+# Whether deferax may run two implementation calls at once (`set_concurrency`).
+_CONCURRENT = True
+# Held around every call of an implementation declared not thread-safe that deferax runs
+# on its own threads (JAX-native halves and host jobs alike): no two such calls overlap.
+SERIAL_LOCK = threading.RLock()
+# Inside: the function being run is not thread-safe (`ExpensiveFn(thread_safe=False)`).
+_SERIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_serial", default=False)
+
+
+def set_concurrency(enabled: bool) -> None:
+    """Allow (`True`, the default) or forbid deferax to run two implementation calls at the
+    same time, for every function.
+
+    Concurrency is the point of the deferred schedules (a forward and an adjoint together,
+    several sites together), but an implementation that keeps one shared workspace (many C
+    and Fortran solvers) gives wrong results when entered twice at once. Forbid it for one
+    function with `ExpensiveFn(thread_safe=False)` or `dx.host(..., thread_safe=False)`,
+    or for all of them here; the schedules stay the same, their calls run one at a time.
+    It is read when the calls run, so it holds for steps compiled (`jax.jit`,
+    `eqx.filter_jit`) before it was called too.
+    """
+    global _CONCURRENT
+    _CONCURRENT = bool(enabled)
+
+
+def concurrency_enabled() -> bool:
+    return _CONCURRENT
+
+
+def serial():
+    """Inside: `Fused` runs its two halves one after the other (the function is not thread-safe)."""
+    return _jaxpr.setting(_SERIAL, True)
+
+
+def is_serial() -> bool:
+    """Whether the function run here is not thread-safe (read while tracing, if traced)."""
+    return _SERIAL.get()

@@ -1,0 +1,182 @@
+"""The interfaces that the site, tangent and stage code call by name.
+
+- `AbstractExpensiveFn`: an expensive function with its implementations, as the site
+  primitive, the forward-mode code and the stages see it ([`deferax.ExpensiveFn`][] is
+  the one final implementation).
+- `AbstractImplementation`: a callable that deferax made to stand for an implementation
+  (a [`deferax.Fused`][], a `fused` derived from `fwd` and `adjoint`, a host function's JAX
+  side). It records its own runs where they happen (on its threads, or as host jobs), so
+  the `ExpensiveFn` that calls it does not record around it.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools as ft
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from .._concurrency._threads import concurrently
+
+if TYPE_CHECKING:
+    Implementation: TypeAlias = Callable[..., Any]
+    """A user's implementation: a callable (a function, or an `eqx.Module` with `__call__`)."""
+else:  # (`Any` to the run-time checks: a wrong value must reach the checks whose messages name the function)
+    Implementation = Any
+
+
+class AbstractImplementation(eqx.Module):
+    """A callable deferax made to stand for an implementation; it records its own runs."""
+
+    # Whether it runs on the host through a callback that takes a batch from `vmap` whole
+    # (a `dx.host` function), so that the stages hand it whole batches.
+    runs_on_host: eqx.AbstractClassVar[bool]
+
+    @abc.abstractmethod
+    def __call__(self, *args: Any) -> Any:
+        """Run the implementation."""
+
+
+class AbstractFused(AbstractImplementation):
+    """`fused(x, ct_y) -> (y, ct_x)` built from `fwd(x) -> y` and `adjoint(x, ct_y)`, with
+    `ct_x = combine(x, y, adjoint(x, ct_y))` (the adjoint's result itself without
+    `combine`): the two halves run on two threads, `combine` after both."""
+
+    fwd: eqx.AbstractVar[Callable[..., Any]]
+    adjoint: eqx.AbstractVar[Callable[..., Any]]
+    combine: eqx.AbstractVar[Callable[..., Any] | None]
+    # Whether each half is compiled once per function and input structure (`dx.fuse`, as
+    # `jax.jit` would), or called as the standard schedule calls it (see `concurrently`).
+    compiled: eqx.AbstractClassVar[bool]
+    runs_on_host: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def half_names(self) -> tuple[str, str]:
+        """The names the two halves are recorded under."""
+
+    def __call__(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
+        y, partial = concurrently(self.fwd, self.adjoint, x, ct_y, names=self.half_names(), compiled=self.compiled)
+        return y, (partial if self.combine is None else self.combine(x, y, partial))
+
+    def under_vmap(self, x: PyTree, ct_y: PyTree, x_axes: list) -> tuple[PyTree, PyTree]:
+        """The call under `jax.vmap` levels (outermost first; `x_axes` gives each level's
+        `in_axes` for `x`, `ct_y` is batched at 0 at every level): the whole batch's
+        forward and the whole batch's adjoint, on two threads."""
+        fwd = _Vmapped(self.fwd, tuple(_frozen((axes,)) for axes in x_axes))
+        adjoint = _Vmapped(self.adjoint, tuple(_frozen((axes, 0)) for axes in x_axes))
+        y, partial = concurrently(fwd, adjoint, x, ct_y, names=self.half_names(), compiled=self.compiled)
+        if self.combine is None:
+            return y, partial
+        return y, _Vmapped(self.combine, tuple(_frozen((axes, 0, 0)) for axes in x_axes))(x, y, partial)
+
+    def batched(self, x: PyTree, cts: PyTree) -> tuple[PyTree, PyTree]:
+        """`y` once and one `ct_x` per cotangent (leading axis of `cts`): the forward runs
+        once, concurrently with the adjoint batched by `jax.vmap` over the cotangents."""
+        names = self.half_names()
+        y, partials = concurrently(self.fwd, self.adjoint, x, cts, names=names, batched=True, compiled=self.compiled)
+        if self.combine is None:
+            return y, partials
+        return y, jax.vmap(ft.partial(self.combine, x, y))(partials)
+
+
+def _frozen(axes: PyTree) -> tuple:
+    leaves, treedef = jtu.tree_flatten(axes, is_leaf=lambda a: a is None)
+    return treedef, tuple(leaves)
+
+
+class _Vmapped(eqx.Module):
+    """`f` under `jax.vmap` levels, as a Module that compares by value (so that the
+    compiled halves of `AbstractFused.under_vmap` are reused from call to call)."""
+
+    f: Callable[..., Any]
+    levels: tuple = eqx.field(static=True)  # per level, `in_axes` as (treedef, leaves)
+
+    def __call__(self, *args):
+        g = self.f
+        for treedef, leaves in reversed(self.levels):
+            g = jax.vmap(g, in_axes=jtu.tree_unflatten(treedef, list(leaves)))
+        return g(*args)
+
+
+class AbstractExpensiveFn(eqx.Module):
+    """An expensive function with hand-written derivatives, as the rest of deferax calls it."""
+
+    fwd: eqx.AbstractVar[Callable[..., Any] | None]
+    bwd: eqx.AbstractVar[Callable[..., Any] | None]
+    fused: eqx.AbstractVar[Callable[..., Any] | None]
+    fused_batch: eqx.AbstractVar[Callable[..., Any] | None]
+    jvp: eqx.AbstractVar[Callable[..., Any] | None]
+    jvp_batch: eqx.AbstractVar[Callable[..., Any] | None]
+    adjoint: eqx.AbstractVar[Callable[..., Any] | None]
+    combine: eqx.AbstractVar[Callable[..., Any] | None]
+    out: eqx.AbstractVar[Any]
+    name: eqx.AbstractVar[str | None]
+    max_basis: eqx.AbstractVar[int | None]
+    max_tangents: eqx.AbstractVar[int | None]
+    prefer: eqx.AbstractVar[str | None]
+    thread_safe: eqx.AbstractVar[bool]
+
+    @property
+    @abc.abstractmethod
+    def title(self) -> str:
+        """How messages name the function: "`ExpensiveFn(name='fdtd')`"."""
+
+    @property
+    @abc.abstractmethod
+    def autodiff(self) -> bool:
+        """Whether JAX differentiates `fwd` itself: no other implementation is given."""
+
+    @property
+    @abc.abstractmethod
+    def has_vjp(self) -> bool:
+        """Whether a hand-written reverse-mode derivative is given (`bwd`, `adjoint` or `fused`)."""
+
+    @abc.abstractmethod
+    def out_struct(self, x: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
+        """The structure of the output for an input `x` (arrays or structures)."""
+
+    @abc.abstractmethod
+    def check_out(self, x: PyTree, error: Exception) -> None:
+        """After `error` in a trace that used the declared `out=`: raise the mismatch between
+        `out=` and what `fwd` returns, if there is one."""
+
+    @abc.abstractmethod
+    def invoke(self, impl: str, *args: Any) -> Any:
+        """Call the implementation named `impl` (checked and recorded)."""
+
+    @abc.abstractmethod
+    def check_result(self, impl: str, what: str, found: PyTree, expected: PyTree, against: str) -> None:
+        """Raise, naming the function and `impl`, where `found` does not match `expected`."""
+
+    @abc.abstractmethod
+    def checked_ct_x(self, impl: str, ct_x: PyTree, x: PyTree) -> PyTree:
+        """The input cotangent `impl` returned, checked (float0 zeros for integer inputs)."""
+
+    @abc.abstractmethod
+    def combined(self, x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
+        """`combine(x, y, partial)` (the adjoint's result itself without `combine`), checked."""
+
+    @abc.abstractmethod
+    def primal(self, x: PyTree) -> PyTree:
+        """`y = f(x)`."""
+
+    @abc.abstractmethod
+    def cotangent(self, x: PyTree, y: PyTree, ct_y: PyTree) -> PyTree:
+        """`ct_x` for the cotangent `ct_y` of the output `y`."""
+
+    @abc.abstractmethod
+    def run_fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
+        """`(y, ct_x)` in one call."""
+
+    @abc.abstractmethod
+    def run_fused_batch(self, x: PyTree, cts: PyTree) -> tuple[PyTree, PyTree]:
+        """`y` once and `ct_x` for each of `k` cotangents stacked on a leading axis."""
+
+    @abc.abstractmethod
+    def derived_fused(self) -> AbstractFused:
+        """A `fused` made from `fwd` and `adjoint` (or a `bwd` that does not read `y`)."""

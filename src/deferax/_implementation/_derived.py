@@ -1,0 +1,63 @@
+"""The `fused` that the deferred schedule makes from `fwd` and `adjoint` (or a `bwd` that
+does not read `y`), and its halves."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import equinox as eqx
+from jaxtyping import PyTree
+
+from .._misc import zeros
+from ._abstract import AbstractExpensiveFn, AbstractFused
+
+
+class PrimalHalf(eqx.Module):
+    """`fn.primal`, as a Module that compares by value (its compiled form is reused)."""
+
+    fn: AbstractExpensiveFn
+    impl: ClassVar[str] = "fwd"  # (for the recording)
+
+    def __call__(self, x: PyTree) -> PyTree:
+        return self.fn.primal(x)
+
+
+class AdjointHalf(eqx.Module):
+    """The part of the reverse-mode derivative that does not need `y`: `adjoint(x, ct)`, or
+    `bwd(x, zeros, ct)` for a `bwd` that does not read `y`."""
+
+    fn: AbstractExpensiveFn
+
+    @property
+    def impl(self) -> str:  # (for the recording)
+        return "adjoint" if self.fn.adjoint is not None else "bwd"
+
+    def __call__(self, x: PyTree, ct: PyTree) -> PyTree:
+        fn = self.fn
+        if fn.adjoint is not None:
+            return fn.invoke("adjoint", x, ct)
+        return fn.checked_ct_x("bwd", fn.invoke("bwd", x, zeros(fn.out_struct(x)), ct), x)
+
+
+class CombineStep(eqx.Module):
+    """`combine(x, y, partial)`, checked: the step after both halves, which needs `y`."""
+
+    fn: AbstractExpensiveFn
+
+    def __call__(self, x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
+        return self.fn.combined(x, y, partial)
+
+
+class DerivedFused(AbstractFused):
+    """The `fused` that the deferred schedule makes from `fwd` and `adjoint` (or a `bwd` that
+    does not read `y`): the same two threads as [`deferax.Fused`][], each half called as the
+    standard schedule would call it, so that it reads what it reads afresh (eagerly, on
+    every call)."""
+
+    fwd: PrimalHalf
+    adjoint: AdjointHalf
+    combine: CombineStep | None
+    compiled: ClassVar[bool] = False
+
+    def half_names(self) -> tuple[str, str]:
+        return self.fwd.impl, self.adjoint.impl

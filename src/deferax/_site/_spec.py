@@ -1,0 +1,112 @@
+"""What a site equation knows statically (`Spec`), and what its primitives share: their
+names and their batching rule."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+from .. import _jaxpr
+from .._implementation._abstract import AbstractExpensiveFn
+from .._misc import is_inexact
+
+SITE = "deferax_site"
+LINEAR = "deferax_site_linear"
+BASIS = "deferax_site_forward_basis"
+# Every primitive whose equations are expensive calls (or their derivatives).
+PRIMITIVES = (SITE, LINEAR, BASIS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What a site equation knows statically: the function and the structures.
+
+    `axes` lists the `vmap` levels applied to the equation, outermost first; each level is
+    `(in_axes, size)` with `in_axes` holding `0` or `None` for each operand of the
+    primitive it belongs to. Every output is batched at axis 0 of every level.
+    """
+
+    static: AbstractExpensiveFn  # the ExpensiveFn with its arrays partitioned out
+    fn_tree: Any
+    x_tree: Any
+    x_structs: tuple
+    y_tree: Any
+    y_structs: tuple
+    axes: tuple = ()
+
+    def __hash__(self) -> int:  # the implementations' structure may hold unhashable containers
+        return hash((self.name, self.fn_tree, self.x_tree, self.x_structs, self.y_tree, self.y_structs, self.axes))
+
+    def __repr__(self) -> str:  # how the equation's parameter prints in a jaxpr
+        batch = f", vmap={list(self.sizes)}" if self.axes else ""
+        return f"{self.name}{batch}"
+
+    @property
+    def name(self) -> str:
+        return self.static.name
+
+    @property
+    def n_fn(self) -> int:
+        return self.fn_tree.num_leaves
+
+    @property
+    def n_x(self) -> int:
+        return len(self.x_structs)
+
+    @property
+    def diff(self) -> tuple[bool, ...]:
+        """Which leaves of `x` are differentiable (inexact)."""
+        return tuple(is_inexact(s) for s in self.x_structs)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(size for _, size in self.axes)
+
+    def fn(self, fn_leaves) -> AbstractExpensiveFn:
+        return eqx.combine(jtu.tree_unflatten(self.fn_tree, list(fn_leaves)), self.static)
+
+    def x(self, x_leaves) -> Any:
+        return jtu.tree_unflatten(self.x_tree, list(x_leaves))
+
+    def y_avals(self) -> list:
+        return [_jaxpr.shaped(jax.ShapeDtypeStruct((*self.sizes, *s.shape), s.dtype)) for s in self.y_structs]
+
+    def t_avals(self) -> list:
+        """The tangent avals of the output: as `y_avals`, with `float0` for integer leaves."""
+        float0 = jax.dtypes.float0
+        return [a if is_inexact(a) else _jaxpr.shaped(jax.ShapeDtypeStruct(a.shape, float0)) for a in self.y_avals()]
+
+    def with_level(self, in_axes: tuple, size: int) -> Spec:
+        return dataclasses.replace(self, axes=((in_axes, size), *self.axes))
+
+    def over_levels(self, f, axes_of):
+        """`f(*operands)` vmapped over every batch level (`axes_of(level_in_axes)` gives
+        the `in_axes` of `f`'s operands at that level), outputs batched at 0."""
+        for in_axes, _ in reversed(self.axes):
+            f = jax.vmap(f, in_axes=axes_of(in_axes), out_axes=0)
+        return f
+
+
+def spec_of(eqn) -> Spec:
+    return eqn.params["spec"]
+
+
+def rebind_batched(p, args, dims, spec: Spec):
+    """The batching rule of a site primitive `p`: `p` bound again with one more `vmap` level
+    on its `Spec`, every operand moved to axis 0 (or not batched), outputs batched at 0."""
+    moved, in_axes = [], []
+    size = None
+    for a, d in zip(args, dims, strict=True):
+        if _jaxpr.is_not_mapped(d):
+            moved.append(a)
+            in_axes.append(None)
+        else:
+            moved.append(_jaxpr.move_to_front(a, d))
+            in_axes.append(0)
+            size = a.shape[d]
+    outs = p.bind(*moved, spec=spec.with_level(tuple(in_axes), size))
+    return outs, [0] * len(outs)
