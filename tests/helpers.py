@@ -34,7 +34,9 @@ def finite_difference_grad(loss, x, eps=1e-6):
             minus[idx] -= eps
             lp = [*leaves[:i], jnp.asarray(plus), *leaves[i + 1 :]]
             lm = [*leaves[:i], jnp.asarray(minus), *leaves[i + 1 :]]
-            g[idx] = (float(loss(jtu.tree_unflatten(treedef, lp))) - float(loss(jtu.tree_unflatten(treedef, lm)))) / (2 * eps)
+            g[idx] = (float(loss(jtu.tree_unflatten(treedef, lp))) - float(loss(jtu.tree_unflatten(treedef, lm)))) / (
+                2 * eps
+            )
         grads.append(jnp.asarray(g))
     return jtu.tree_unflatten(treedef, grads)
 
@@ -138,3 +140,36 @@ def plain_fdfd_design(problem, steps, rate=0.4):
         if step < steps:
             x = jnp.clip(x - rate * grad / jnp.max(jnp.abs(grad)), 1.0, 4.0)
     return history
+
+
+# ----------------------------------------------------------------------------- one fused call a step
+
+
+def ref(x):
+    return jnp.sin(x) * jnp.exp(0.3 * x)
+
+
+W = jnp.array([1.0, -2.0, 0.5, 3.0])
+P0 = jnp.array([0.3, -0.2, 0.8, 0.1])
+
+
+def plain(p):
+    """The same function as `make(ref, ...)`, in plain JAX: the independent reference."""
+    return ref(p)
+
+
+def check_one_fused(loss, reference, p, counter):
+    """dx on `loss` equals Equinox on `reference` (the same program in plain JAX), eagerly
+    and under `eqx.filter_jit` (fresh wrappers), with one `fused` and no `fwd`/`bwd` a call."""
+    for use_jit in (False, True):
+        got_fn = dx.filter_value_and_grad(loss)
+        want_fn = eqx.filter_value_and_grad(reference)
+        if use_jit:
+            got_fn, want_fn = eqx.filter_jit(got_fn), eqx.filter_jit(want_fn)
+        jax.effects_barrier()
+        counter.reset()
+        got = jax.block_until_ready(got_fn(p))
+        jax.effects_barrier()
+        assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}, use_jit
+        assert_tree_allclose(got, want_fn(p))
+

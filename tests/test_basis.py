@@ -97,7 +97,12 @@ def test_scalar_output(name, jit):
     loss = program(f)
     (site,) = dx.explain(loss, P0).sites
     assert site.schedule == "deferred-basis" and site.k == 1 and site.reason is None
-    assert run_and_compare(loss, program(scalar_ref), P0, counter, jit=jit) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 1}
+    assert run_and_compare(loss, program(scalar_ref), P0, counter, jit=jit) == {
+        "fwd": 0,
+        "bwd": 0,
+        "primal": 1,
+        "adjoint": 1,
+    }
 
 
 def overlap(f):
@@ -128,7 +133,12 @@ def test_sum_of_two_overlaps_k4():
     loss = two_overlaps(sim(field_ref, counter))
     plan = dx.explain(dx.filter_value_and_grad(loss, max_basis=4), P0)
     assert plan.sites[0].schedule == "deferred-basis" and plan.sites[0].k == 4
-    assert run_and_compare(loss, two_overlaps(field_ref), P0, counter, max_basis=4) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 4}
+    assert run_and_compare(loss, two_overlaps(field_ref), P0, counter, max_basis=4) == {
+        "fwd": 0,
+        "bwd": 0,
+        "primal": 1,
+        "adjoint": 4,
+    }
 
 
 def test_k_above_max_basis_stays_standard_and_says_why():
@@ -137,7 +147,12 @@ def test_k_above_max_basis_stays_standard_and_says_why():
     (site,) = dx.explain(dx.filter_value_and_grad(loss, max_basis=2), P0).sites
     assert site.schedule == "standard" and site.k == 4
     assert "it is a combination of k=4 fixed cotangents, more than max_basis=2" in site.reason
-    assert run_and_compare(loss, two_overlaps(field_ref), P0, counter) == {"fwd": 1, "bwd": 1, "primal": 0, "adjoint": 0}
+    assert run_and_compare(loss, two_overlaps(field_ref), P0, counter) == {
+        "fwd": 1,
+        "bwd": 1,
+        "primal": 0,
+        "adjoint": 0,
+    }
 
 
 def real_overlap(f):
@@ -150,22 +165,42 @@ def test_default_max_basis_is_one():
     complex_overlap = dx.explain(overlap(f), P0).sites[0]
     assert complex_overlap.schedule == "standard" and complex_overlap.k == 2
     assert "more than max_basis=1" in complex_overlap.reason
-    assert run_and_compare(overlap(f), overlap(field_ref), P0, counter, max_basis=None) == {"fwd": 1, "bwd": 1, "primal": 0, "adjoint": 0}
+    assert run_and_compare(overlap(f), overlap(field_ref), P0, counter, max_basis=None) == {
+        "fwd": 1,
+        "bwd": 1,
+        "primal": 0,
+        "adjoint": 0,
+    }
     site = dx.explain(real_overlap(f), P0).sites[0]
     assert site.schedule == "deferred-basis" and site.k == 1
-    assert run_and_compare(real_overlap(f), real_overlap(field_ref), P0, counter, max_basis=None) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 1}
+    assert run_and_compare(real_overlap(f), real_overlap(field_ref), P0, counter, max_basis=None) == {
+        "fwd": 0,
+        "bwd": 0,
+        "primal": 1,
+        "adjoint": 1,
+    }
 
 
 def test_per_function_max_basis_takes_precedence():
     counter = Counter()
     loss = two_overlaps(sim(field_ref, counter, max_basis=4))
     assert dx.explain(loss, P0).sites[0].schedule == "deferred-basis"
-    assert run_and_compare(loss, two_overlaps(field_ref), P0, counter, max_basis=None) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 4}
+    assert run_and_compare(loss, two_overlaps(field_ref), P0, counter, max_basis=None) == {
+        "fwd": 0,
+        "bwd": 0,
+        "primal": 1,
+        "adjoint": 4,
+    }
     scalar = sim(scalar_ref, counter, max_basis=0)
     log_of = lambda g: lambda p: jnp.log(g(p))  # noqa: E731
     site = dx.explain(log_of(scalar), P0).sites[0]
     assert site.schedule == "standard" and "more than max_basis=0" in site.reason
-    assert run_and_compare(log_of(scalar), log_of(scalar_ref), P0, counter, max_basis=4) == {"fwd": 1, "bwd": 1, "primal": 0, "adjoint": 0}
+    assert run_and_compare(log_of(scalar), log_of(scalar_ref), P0, counter, max_basis=4) == {
+        "fwd": 1,
+        "bwd": 1,
+        "primal": 0,
+        "adjoint": 0,
+    }
 
 
 def ratio(f):
@@ -180,7 +215,12 @@ def test_ratio_of_two_powers():
     counter = Counter()
     loss = ratio(sim(field_ref, counter))
     assert dx.explain(dx.filter_value_and_grad(loss, max_basis=4), P0).sites[0].k == 4
-    assert run_and_compare(loss, ratio(field_ref), P0, counter, max_basis=4) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": 4}
+    assert run_and_compare(loss, ratio(field_ref), P0, counter, max_basis=4) == {
+        "fwd": 0,
+        "bwd": 0,
+        "primal": 1,
+        "adjoint": 4,
+    }
 
 
 def test_power_of_whole_field_has_large_k():
@@ -189,7 +229,12 @@ def test_power_of_whole_field_has_large_k():
     log_power = lambda g: lambda p: jnp.log(jnp.sum(jnp.abs(g(p)) ** 2))  # noqa: E731
     site = dx.explain(log_power(f), P0).sites[0]
     assert site.schedule == "standard" and site.k == 6
-    assert run_and_compare(log_power(f), log_power(field_ref), P0, counter, max_basis=4) == {"fwd": 1, "bwd": 1, "primal": 0, "adjoint": 0}
+    assert run_and_compare(log_power(f), log_power(field_ref), P0, counter, max_basis=4) == {
+        "fwd": 1,
+        "bwd": 1,
+        "primal": 0,
+        "adjoint": 0,
+    }
 
 
 def test_mixed_with_deferred_and_standard_sites():
@@ -199,7 +244,9 @@ def test_mixed_with_deferred_and_standard_sites():
     std = sim(jnp.sin, c_std, name="std")
 
     def program(lin, basis, std):
-        return lambda p: jnp.sum(lin(p) * jnp.arange(3.0)) + jnp.log(jnp.abs(jnp.vdot(M1, basis(p))) ** 2) + jnp.sum(std(p) ** 3)
+        return lambda p: (
+            jnp.sum(lin(p) * jnp.arange(3.0)) + jnp.log(jnp.abs(jnp.vdot(M1, basis(p))) ** 2) + jnp.sum(std(p) ** 3)
+        )
 
     loss = program(lin, basis, std)
 
@@ -262,7 +309,10 @@ def test_fuse_batched_runs_forward_once():
     loss = two_overlaps(f)
     assert dx.explain(dx.filter_value_and_grad(loss, max_basis=4), P0).sites[0].k == 4
     expected = jax.value_and_grad(two_overlaps(field_ref))(P0)
-    for step in (dx.filter_value_and_grad(loss, max_basis=4), eqx.filter_jit(dx.filter_value_and_grad(loss, max_basis=4))):
+    for step in (
+        dx.filter_value_and_grad(loss, max_basis=4),
+        eqx.filter_jit(dx.filter_value_and_grad(loss, max_basis=4)),
+    ):
         step(P0)
         jax.effects_barrier()
         counter.reset()
@@ -272,10 +322,13 @@ def test_fuse_batched_runs_forward_once():
 
 
 def test_error_fused_batch_wrong_shape():
-    f = dx.ExpensiveFn(fwd=field_ref, fused_batch=lambda x, cts: (field_ref(x), jnp.zeros((1, 3))), name="bad", max_basis=2)
+    f = dx.ExpensiveFn(
+        fwd=field_ref, fused_batch=lambda x, cts: (field_ref(x), jnp.zeros((1, 3))), name="bad", max_basis=2
+    )
     loss = lambda p: jnp.abs(jnp.vdot(M1, f(p))) ** 2  # noqa: E731
     expected = (
-        "`ExpensiveFn(name='bad')`: `fused_batch` returned a batch of cotangents that does not match the input `x` with "
+        "`ExpensiveFn(name='bad')`: `fused_batch` returned a batch of cotangents that does not match the input `x` \
+with "
         "a leading axis of one cotangent each.\nExpected float64[2, 3], found float64[1, 3]."
     )
     with pytest.raises(ValueError, match=re.escape(expected)):
@@ -313,10 +366,16 @@ def test_error_bad_max_basis():
     # (a value of another type is refused before this check when the tests run with the
     # jaxtyping hook on deferax, as pyproject.toml sets them up)
     for bad in (-1, True):
-        with pytest.raises(ValueError, match=re.escape(f"`deferax.filter_value_and_grad`: `max_basis` must be a non-negative int, but got {bad!r}.")):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"`deferax.filter_value_and_grad`: `max_basis` must be a non-negative int, but got {bad!r}."
+            ),
+        ):
             dx.filter_value_and_grad(lambda p: p.sum(), max_basis=bad)
     for bad in (-2, True):  # a function's None means "the transform's limit"
-        expected = f"`ExpensiveFn(name='f')`: `max_basis` must be a non-negative int (or None: the limit of `filter_value_and_grad`), but got {bad!r}."
+        expected = f"`ExpensiveFn(name='f')`: `max_basis` must be a non-negative int (or None: the limit of \
+`filter_value_and_grad`), but got {bad!r}."
         with pytest.raises(ValueError, match=re.escape(expected)):
             dx.ExpensiveFn(fwd=jnp.sin, name="f", max_basis=bad)
     dx.ExpensiveFn(fwd=jnp.sin, name="f", max_basis=None)
@@ -346,7 +405,9 @@ AFTER = {
     after=st.lists(st.sampled_from(sorted(AFTER)), min_size=1, max_size=3),
     couple=st.booleans(),
     # every function of the program is smooth: any bounded input will do
-    p=st.lists(st.floats(-2.0, 2.0, allow_nan=False, allow_infinity=False), min_size=3, max_size=3).map(lambda v: jnp.array(v, dtype=jnp.float64)),
+    p=st.lists(st.floats(-2.0, 2.0, allow_nan=False, allow_infinity=False), min_size=3, max_size=3).map(
+        lambda v: jnp.array(v, dtype=jnp.float64)
+    ),
 )
 def test_random_projection_then_nonlinear(projections, after, couple, p):
     counter = Counter()
@@ -371,7 +432,12 @@ def test_random_projection_then_nonlinear(projections, after, couple, p):
     site = dx.explain(dx.filter_value_and_grad(loss, max_basis=3), p).sites[0]
     assert site.schedule == "deferred-basis"
     assert site.k == len(projections)
-    assert run_and_compare(loss, program(ref), p, counter, max_basis=3) == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": len(projections)}
+    assert run_and_compare(loss, program(ref), p, counter, max_basis=3) == {
+        "fwd": 0,
+        "bwd": 0,
+        "primal": 1,
+        "adjoint": len(projections),
+    }
 
 
 def test_weak_typed_scalar_input():
@@ -400,7 +466,12 @@ def test_callback_fused_without_fused_batch_warns_and_is_correct():
 
     f = dx.ExpensiveFn(fwd=field_ref, fused=fused, name="host", max_basis=2)
     loss = overlap(f)
-    with pytest.warns(UserWarning, match=re.escape("`ExpensiveFn(name='host')`: `fused` could not be batched over the cotangent with the primal computed once")):
+    with pytest.warns(
+        UserWarning,
+        match=re.escape(
+            "`ExpensiveFn(name='host')`: `fused` could not be batched over the cotangent with the primal computed once"
+        ),
+    ):
         got = dx.filter_value_and_grad(loss)(P0)
     assert len(calls) == 2  # k = 2 runs, each with its own primal; no wasted trial run
     assert_tree_allclose(got, jax.value_and_grad(overlap(field_ref))(P0))
@@ -521,4 +592,6 @@ def test_k_counts_independent_numbers_at_most_the_output_size(case):
         assert seen == {"fwd": 0, "bwd": 0, "primal": 1, "adjoint": k}
     # with a limit below k it stays standard and says k
     (site,) = dx.explain(dx.filter_value_and_grad(loss, max_basis=k - 1), P0).sites
-    assert site.schedule == "standard" and site.reason.endswith(f"it is a combination of k={k} fixed cotangents, more than max_basis={k - 1}")
+    assert site.schedule == "standard" and site.reason.endswith(
+        f"it is a combination of k={k} fixed cotangents, more than max_basis={k - 1}"
+    )

@@ -91,13 +91,19 @@ def test_bwd_that_reads_y_stays_standard():
     f = dx.ExpensiveFn(fwd=plain, bwd=lambda x, y, ct: A.T @ (ct * (1 - y**2)), name="reads_y")
     (site,) = dx.explain(linear(f), X).sites
     assert site.schedule == "standard"
-    assert site.reason == "no `fused` implementation, and its `bwd` reads `y` (give `adjoint` and `combine`, or `fused`)"
+    assert (
+        site.reason == "no `fused` implementation, and its `bwd` reads `y` (give `adjoint` and `combine`, or `fused`)"
+    )
     assert_tree_allclose(dx.filter_value_and_grad(linear(f))(X), jax.value_and_grad(linear(plain))(X))
     # a `bwd` that cannot be traced (NumPy on its arguments) counts as reading `y`
     opaque = dx.ExpensiveFn(fwd=plain, bwd=lambda x, y, ct: jnp.asarray(np.asarray(ct)), name="opaque")
-    assert dx.explain(linear(opaque), X).sites[0].reason.startswith("no `fused` implementation, and its `bwd` reads `y`")
+    assert (
+        dx.explain(linear(opaque), X).sites[0].reason.startswith("no `fused` implementation, and its `bwd` reads `y`")
+    )
     # one that reads `y` only through a host callback's arguments reads it too
-    callback = dx.ExpensiveFn(fwd=plain, bwd=lambda x, y, ct: jax.pure_callback(lambda c, y: np.asarray(c), ct, ct, y), name="cb")
+    callback = dx.ExpensiveFn(
+        fwd=plain, bwd=lambda x, y, ct: jax.pure_callback(lambda c, y: np.asarray(c), ct, ct, y), name="cb"
+    )
     assert dx.explain(linear(callback), X).sites[0].schedule == "standard"
 
 
@@ -108,7 +114,10 @@ def test_combine_on_fuse_and_expensive_fn():
     f = dx.ExpensiveFn(fwd=plain, fused=fused, name="fused")
     g = dx.ExpensiveFn(fwd=plain, adjoint=adjoint, combine=combine, name="split")
     for h in (f, g):
-        for loss, reference in ((linear(h), linear(plain)), (lambda x, h=h: jnp.sum(h(x) ** 2), lambda x: jnp.sum(plain(x) ** 2))):
+        for loss, reference in (
+            (linear(h), linear(plain)),
+            (lambda x, h=h: jnp.sum(h(x) ** 2), lambda x: jnp.sum(plain(x) ** 2)),
+        ):
             assert_tree_allclose(dx.filter_value_and_grad(loss)(X), jax.value_and_grad(reference)(X))
             assert_tree_allclose(jax.value_and_grad(loss)(X), jax.value_and_grad(reference)(X))
     # the deferred-basis schedule (a scalar of the output) with the split and with `fuse`
@@ -176,7 +185,9 @@ def test_halves_made_from_fwd_and_bwd_read_what_they_read_afresh(kind):
             assert_tree_allclose(jitted(X), jitted_reference(X), rtol=1e-6)
             SCALE, SOURCE[:] = 10.0, 10.0  # after the trace: neither compiled program sees it
             assert_tree_allclose(jitted(X), jitted_reference(X), rtol=1e-6)
-            assert_tree_allclose(jitted(X)[1], jax.grad(linear(ft.partial(lambda k, x: k * jnp.sin(x), scale * fill)))(X), rtol=1e-6)
+            assert_tree_allclose(
+                jitted(X)[1], jax.grad(linear(ft.partial(lambda k, x: k * jnp.sin(x), scale * fill)))(X), rtol=1e-6
+            )
     finally:
         SCALE, SOURCE[:] = 1.0, 1.0
 
@@ -200,7 +211,10 @@ def test_two_sites_of_halves_under_jit_are_compiled_and_read_at_trace_time():
     try:
         for scale in (1.0, -2.0):
             SCALE = scale
-            step, step_reference = _jitted_afresh(dx.filter_value_and_grad(loss)), _jitted_afresh(jax.value_and_grad(reference))
+            step, step_reference = (
+                _jitted_afresh(dx.filter_value_and_grad(loss)),
+                _jitted_afresh(jax.value_and_grad(reference)),
+            )
             assert_tree_allclose(step(X), step_reference(X), rtol=1e-6)
             runs.reset()
             SCALE = 10.0  # after the trace: neither compiled program sees it
@@ -217,7 +231,9 @@ def test_two_sites_of_halves_under_jit_with_traced_values():
     leaves through its own), and under `vmap` inside `jit`; against plain JAX."""
 
     def step(s, x):
-        scaled = dx.ExpensiveFn(fwd=lambda x: s * jnp.sin(x), adjoint=lambda x, ct: s * ct * jnp.cos(x), name="closes_over_s")
+        scaled = dx.ExpensiveFn(
+            fwd=lambda x: s * jnp.sin(x), adjoint=lambda x, ct: s * ct * jnp.cos(x), name="closes_over_s"
+        )
         other = dx.ExpensiveFn(fwd=plain, adjoint=lambda x, ct: A.T @ (ct * (1 - jnp.tanh(A @ x) ** 2)), name="other")
         return dx.filter_value_and_grad(lambda x: jnp.sum(W * scaled(x)) + jnp.sum(W * other(2.0 * x)))(x)
 
@@ -227,7 +243,10 @@ def test_two_sites_of_halves_under_jit_with_traced_values():
     assert_tree_allclose(jax.jit(step)(3.0, X), reference(3.0, X))
     xs = jnp.stack([X, 2.0 * X, -X])
     assert_tree_allclose(jax.jit(jax.vmap(lambda x: step(3.0, x)))(xs), jax.vmap(lambda x: reference(3.0, x))(xs))
-    assert_tree_allclose(jax.jit(jax.vmap(step))(jnp.array([1.0, -2.0]), jnp.stack([X, X])), jax.vmap(reference)(jnp.array([1.0, -2.0]), jnp.stack([X, X])))
+    assert_tree_allclose(
+        jax.jit(jax.vmap(step))(jnp.array([1.0, -2.0]), jnp.stack([X, X])),
+        jax.vmap(reference)(jnp.array([1.0, -2.0]), jnp.stack([X, X])),
+    )
 
 
 class _Scaled(eqx.Module):
@@ -260,10 +279,14 @@ def test_halves_that_hold_arrays_traced_by_jit_or_vmap(how):
 
     def make(s):
         if how == "dx.fuse":
-            return dx.ExpensiveFn(fwd=_Scaled(s), bwd=_ScaledBwd(s), fused=dx.fuse(_Scaled(s), _ScaledAdjoint(s)), name="sim")
+            return dx.ExpensiveFn(
+                fwd=_Scaled(s), bwd=_ScaledBwd(s), fused=dx.fuse(_Scaled(s), _ScaledAdjoint(s)), name="sim"
+            )
         if how == "fwd + adjoint":
             return dx.ExpensiveFn(fwd=_Scaled(s), adjoint=_ScaledAdjoint(s), name="sim")
-        return dx.ExpensiveFn(fwd=_Scaled(s), fused=dx.fuse(_Scaled(s), _ScaledAdjoint(s)), name="sim")  # bwd from fused
+        return dx.ExpensiveFn(
+            fwd=_Scaled(s), fused=dx.fuse(_Scaled(s), _ScaledAdjoint(s)), name="sim"
+        )  # bwd from fused
 
     s = jnp.array([1.0, -1.0, 2.0, 0.5])
     model = (X, make(s))
@@ -276,17 +299,31 @@ def test_halves_that_hold_arrays_traced_by_jit_or_vmap(how):
     scales = jnp.stack([s, 2 * s, -s])
     batched = lambda x: jnp.sum(jax.vmap(lambda s_: W * make(s_)(x))(scales))  # noqa: E731
     expected = jax.value_and_grad(lambda x: jnp.sum(jax.vmap(lambda s_: W * s_ * jnp.sin(x))(scales)))(X)
-    for step in (dx.filter_value_and_grad(batched), eqx.filter_value_and_grad(batched), eqx.filter_jit(dx.filter_value_and_grad(batched))):
+    for step in (
+        dx.filter_value_and_grad(batched),
+        eqx.filter_value_and_grad(batched),
+        eqx.filter_jit(dx.filter_value_and_grad(batched)),
+    ):
         assert_tree_allclose(step(X), expected, rtol=1e-6)
 
 
 def test_errors_adjoint_with_bwd_and_combine_without_adjoint():
-    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='both')`: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both.")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape("`ExpensiveFn(name='both')`: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both."),
+    ):
         dx.ExpensiveFn(fwd=plain, bwd=lambda x, y, ct: ct, adjoint=lambda x, ct: ct, name="both")
-    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='lonely')`: `combine` was given without `adjoint`")):
+    with pytest.raises(
+        TypeError, match=re.escape("`ExpensiveFn(name='lonely')`: `combine` was given without `adjoint`")
+    ):
         dx.ExpensiveFn(fwd=plain, bwd=lambda x, y, ct: ct, combine=lambda x, y, p: p, name="lonely")
     bad = dx.ExpensiveFn(fwd=plain, adjoint=lambda x, ct: ct, combine=lambda x, y, p: p[:2], name="bad_combine")
-    with pytest.raises(ValueError, match=re.escape("`ExpensiveFn(name='bad_combine')`: `combine` returned a cotangent that does not match the input `x`.")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`ExpensiveFn(name='bad_combine')`: `combine` returned a cotangent that does not match the input `x`."
+        ),
+    ):
         jax.grad(lambda x: jnp.sum(bad(x)))(X)
 
 
@@ -415,7 +452,8 @@ def test_bwd_that_calls_what_deferax_cannot_read_runs_after_fwd(jit):
     assert site.schedule == "standard"
     assert site.reason.startswith("no `fused` implementation, and its `bwd` calls `pure_callback` at ")
     assert site.reason.endswith(
-        ", whose body deferax cannot read: it may use what `fwd` left behind (a factorisation kept in a Python object), "
+        ", whose body deferax cannot read: it may use what `fwd` left behind (a factorisation kept in a Python \
+object), "
         "so it runs after `fwd`. If it does not, give `adjoint(x, ct_y)` instead of `bwd`, or "
         "`fused=dx.fuse(fwd, adjoint)`: they run at the same time"
     )

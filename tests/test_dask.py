@@ -120,9 +120,15 @@ def solver(directory, executor, *, meet=False, fail=None, **kwargs):
         return np.linalg.solve((A0 + np.diag(x)).T, ct)
 
     return dx.host(
-        solve, adjoint=solve_adjoint, combine=lambda x, e, lam: -jnp.real(e * lam), out=FIELD, adjoint_out=FIELD,
-        executor=executor, name="fdfd", **kwargs,
-    )  # fmt: skip
+        solve,
+        adjoint=solve_adjoint,
+        combine=lambda x, e, lam: -jnp.real(e * lam),
+        out=FIELD,
+        adjoint_out=FIELD,
+        executor=executor,
+        name="fdfd",
+        **kwargs,
+    )
 
 
 def reference(x):
@@ -195,7 +201,9 @@ def test_retries_of_a_dask_executor(client, tmp_path):
 def test_timeout_on_a_worker(executor, tmp_path):
     loss = linear_loss(solver(tmp_path, executor, fail="sleep", timeout=0.5))
     t0 = time.perf_counter()
-    message = "`ExpensiveFn(name='fdfd')`: the host function `fwd` did not finish within timeout=0.5 s (on a Dask worker)."
+    message = (
+        "`ExpensiveFn(name='fdfd')`: the host function `fwd` did not finish within timeout=0.5 s (on a Dask worker)."
+    )
     with pytest.raises(dx.HostError, match=re.escape(message)):
         dx.filter_value_and_grad(loss)(-X0)
     assert time.perf_counter() - t0 < 2.0
@@ -214,7 +222,8 @@ def test_not_picklable_is_refused_before_anything_runs(executor, tmp_path):
 
     message = (
         "`ExpensiveFn(name='locked')`: `fwd` cannot be sent to the worker processes of a Dask cluster: cloudpickle "
-        "failed with TypeError: cannot pickle '_thread.lock' object.\nHost functions that run in other processes must be picklable"
+        "failed with TypeError: cannot pickle '_thread.lock' object.\nHost functions that run in other processes \
+must be picklable"
     )
     with pytest.raises(TypeError, match=re.escape(message)):
         dx.host(solve, out=FIELD, executor=executor, name="locked")
@@ -250,6 +259,9 @@ def test_worker_that_always_dies_gives_a_clear_error(executor, tmp_path):
         dx.filter_value_and_grad(loss)(-X0)
     text = str(info.value)
     assert text.startswith(
-        "`ExpensiveFn(name='fdfd')`: the host function `fwd` did not complete: the worker running it was lost (KilledWorker: "
+        "`ExpensiveFn(name='fdfd')`: the host function `fwd` did not complete: the worker running it was lost \
+(KilledWorker: "
     )
-    assert "The Dask scheduler ran the job again on other workers (`distributed.scheduler.allowed-failures` times)" in text
+    assert (
+        "The Dask scheduler ran the job again on other workers (`distributed.scheduler.allowed-failures` times)" in text
+    )

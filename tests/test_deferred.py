@@ -53,7 +53,12 @@ def check_against_equinox(loss, p, counter, *, deferred, has_aux=False, jit=Fals
     assert_tree_allclose(got, expected)
     value_of = (lambda q: loss(q)[0]) if has_aux else loss
     grad = got[1]
-    assert_tree_allclose(eqx.filter(grad, eqx.is_array), eqx.filter(finite_difference_grad(value_of, p), eqx.is_array), rtol=1e-6, atol=1e-7)
+    assert_tree_allclose(
+        eqx.filter(grad, eqx.is_array),
+        eqx.filter(finite_difference_grad(value_of, p), eqx.is_array),
+        rtol=1e-6,
+        atol=1e-7,
+    )
     return counts
 
 
@@ -64,7 +69,10 @@ LINEAR = {
     "dot_constant": lambda y, p: jnp.dot(W, y) * 2.0 + jnp.sin(p[0]),
     "slicing": lambda y, p: jnp.sum(y[1:3]) - y[0] + jnp.sum(p),
     "reshape_transpose": lambda y, p: jnp.sum(jnp.reshape(y, (2, 2)).T * jnp.array([[1.0, 2.0], [3.0, 4.0]])),
-    "real_imag": lambda y, p: jnp.sum(jnp.real(y.astype(jnp.complex128) * (1 + 2j))) + jnp.sum(jnp.imag(y.astype(jnp.complex128) * (0.5 + 1j))),
+    "real_imag": lambda y, p: (
+        jnp.sum(jnp.real(y.astype(jnp.complex128) * (1 + 2j)))
+        + jnp.sum(jnp.imag(y.astype(jnp.complex128) * (0.5 + 1j)))
+    ),
     "fft": lambda y, p: jnp.sum(jnp.real(jnp.fft.fft(y)) * W) + jnp.sum(jnp.imag(jnp.fft.fft(y))),
     "concatenate": lambda y, p: jnp.sum(jnp.concatenate([y, 2.0 * y, p]) * jnp.arange(12.0)),
     "params_times_output": lambda y, p: jnp.sum(p * y) + jnp.sum(p**2),
@@ -87,7 +95,7 @@ def test_linear_downstream_is_deferred(name, counter):
     assert counts == {"fwd": 0, "bwd": 0, "fused": 1}
 
 
-# ----------------------------------------------------------------------------- nonlinear code stays standard, with the line
+# ------------------------------------------------------------------------- nonlinear code stays standard, with the line
 
 
 def loss_square(p, f):
@@ -122,10 +130,16 @@ def loss_log(p, f):
 
 @pytest.mark.parametrize(
     "loss, marker, operation",
-    [(loss_square, "square", "integer_pow"), (loss_abs, "abs", "abs"), (loss_exp, "exp", "exp"), (loss_y_times_y, "y*y", "mul"),
-     (loss_divide, "divide", "div"), (loss_log, "log", "log")],
+    [
+        (loss_square, "square", "integer_pow"),
+        (loss_abs, "abs", "abs"),
+        (loss_exp, "exp", "exp"),
+        (loss_y_times_y, "y*y", "mul"),
+        (loss_divide, "divide", "div"),
+        (loss_log, "log", "log"),
+    ],
     ids=["square", "abs", "exp", "y*y", "divide", "log"],
-)  # fmt: skip
+)
 def test_nonlinear_downstream_is_standard_with_line(loss, marker, operation, counter):
     """The reason names the user's line and the operation written there (`/` is `div`, not
     the `mul` of its derivative; `log` is not the `div` of its derivative)."""
@@ -198,8 +212,14 @@ def test_explain_text_fits_100_columns():
         " ".join(r.split()) for r in reasons
     ]
     # An extreme reason: one unbreakable 250-character word, a 60-character structure.
-    site = dx.Site(index=0, name="x" * 40, in_shapes="f" * 60, out_shapes="g" * 60, schedule="standard",
-                   reason="because " + "y" * 250)  # fmt: skip
+    site = dx.Site(
+        index=0,
+        name="x" * 40,
+        in_shapes="f" * 60,
+        out_shapes="g" * 60,
+        schedule="standard",
+        reason="because " + "y" * 250,
+    )
     extreme = str(dx.Plan(sites=(site,), stages=(("x: fwd",), ("x: bwd",)), requested="auto"))
     assert max(len(line) for line in extreme.splitlines()) <= 100, extreme
     assert "".join(extreme.split("[1] ", 1)[1].split()).startswith("because" + "y" * 250)
@@ -210,7 +230,9 @@ def test_schedule_deferred_raises_naming_site_and_line():
     with pytest.raises(ValueError) as info:
         dx.filter_value_and_grad(lambda p: loss_square(p, f), schedule="deferred")(P0)
     text = str(info.value)
-    assert text.startswith("`deferax.filter_value_and_grad`: schedule='deferred' was requested, but these call sites cannot be deferred:")
+    assert text.startswith(
+        "`deferax.filter_value_and_grad`: schedule='deferred' was requested, but these call sites cannot be deferred:"
+    )
     assert "site #0 `fdtd`: its cotangent depends on its own output, through" in text
     assert f"{os.path.relpath(__file__)}:{line_of('square')}" in text
 
@@ -478,7 +500,7 @@ def test_nested_site_mixed_with_direct_site(counter):
     assert_tree_allclose(dx.filter_value_and_grad(feeds_nested)(P0), eqx.filter_value_and_grad(feeds_nested)(P0))
 
 
-# ----------------------------------------------------------------------------- analysis happens once per input structure
+# ---------------------------------------------------------------------------- analysis happens once per input structure
 
 
 def test_no_reanalysis_on_repeated_calls(monkeypatch, counter):
@@ -512,25 +534,51 @@ def test_no_reanalysis_on_repeated_calls(monkeypatch, counter):
 
 
 def test_error_bad_schedule():
-    with pytest.raises(ValueError, match=re.escape("`deferax.filter_value_and_grad`: `schedule` must be one of 'auto', 'standard' or 'deferred', but got 'fast'.")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`deferax.filter_value_and_grad`: `schedule` must be one of 'auto', 'standard' or 'deferred', but got \
+'fast'."
+        ),
+    ):
         dx.filter_value_and_grad(lambda p: jnp.sum(p), schedule="fast")
 
 
 def test_error_no_positional_argument():
-    with pytest.raises(TypeError, match=re.escape("`deferax.filter_value_and_grad`: the function must be called with at least one positional argument")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "`deferax.filter_value_and_grad`: the function must be called with at least one positional argument"
+        ),
+    ):
         dx.filter_value_and_grad(lambda p: jnp.sum(p))(p=P0)
 
 
 def test_error_has_aux_without_a_pair():
-    with pytest.raises(TypeError, match=re.escape("`deferax.filter_value_and_grad`: with `has_aux=True` the differentiated function must return a pair `(value, aux)`, but it returned float64[].")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "`deferax.filter_value_and_grad`: with `has_aux=True` the differentiated function must return a pair \
+`(value, aux)`, but it returned float64[]."
+        ),
+    ):
         dx.filter_value_and_grad(lambda p: jnp.sum(p), has_aux=True)(P0)
-    with pytest.raises(TypeError, match=re.escape("must return a pair `(value, aux)`, but it returned (float64[], float64[], float64[]).")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape("must return a pair `(value, aux)`, but it returned (float64[], float64[], float64[])."),
+    ):
         dx.filter_value_and_grad(lambda p: (jnp.sum(p), p[0], p[1]), has_aux=True)(P0)
 
 
 def test_error_non_scalar_loss():
     f = make(ref, ("fwd", "bwd", "fused"))
-    with pytest.raises(TypeError, match=re.escape("`deferax.filter_value_and_grad`: the differentiated function must return a real scalar, but it returned float64[4].")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "`deferax.filter_value_and_grad`: the differentiated function must return a real scalar, but it \
+returned float64[4]."
+        ),
+    ):
         dx.filter_value_and_grad(lambda p: f(p))(P0)
 
 
@@ -539,10 +587,15 @@ def test_error_wrong_out_declared():
     Equinox reports it (which runs `fwd` first), eager and under `jit`, not as the shape
     mismatch it caused; a trace error with a right `out=` stands as it is."""
     wrong = jax.ShapeDtypeStruct((5,), P0.dtype)
-    expected = "`ExpensiveFn(name='declared')`: `fwd` returned an output that does not match the output structure.\nExpected float64[5], found float64[4]."
+    expected = "`ExpensiveFn(name='declared')`: `fwd` returned an output that does not match the output \
+structure.\nExpected float64[5], found float64[4]."
     f = dx.ExpensiveFn(fwd=ref, fused=lambda x, ct: (ref(x), ct), out=wrong, name="declared")
     loss = lambda p: jnp.sum(W * f(p))  # noqa: E731
-    for transform in (dx.filter_value_and_grad(loss), eqx.filter_jit(dx.filter_value_and_grad(loss)), eqx.filter_value_and_grad(loss)):
+    for transform in (
+        dx.filter_value_and_grad(loss),
+        eqx.filter_jit(dx.filter_value_and_grad(loss)),
+        eqx.filter_value_and_grad(loss),
+    ):
         with pytest.raises(ValueError, match=re.escape(expected)):
             transform(P0)
     with pytest.raises(ValueError, match=re.escape(expected)) as info:
@@ -714,7 +767,10 @@ def keyed(counter):
     def fused(x, ct):
         counter.tick("fused")
         p, key = x
-        return {"y": noisy(p, key), "key": jax.random.split(key)[0]}, (jax.vjp(lambda p: noisy(p, key), p)[1](ct["y"])[0], np.zeros(key.shape, jax.dtypes.float0))
+        return {"y": noisy(p, key), "key": jax.random.split(key)[0]}, (
+            jax.vjp(lambda p: noisy(p, key), p)[1](ct["y"])[0],
+            np.zeros(key.shape, jax.dtypes.float0),
+        )
 
     return dx.ExpensiveFn(fwd=fwd, bwd=bwd, fused=fused, name="keyed")
 
@@ -731,7 +787,11 @@ def keyed_loss(f, square):
     def loss(params, data_key):
         out = f((params["p"], params["key"]))
         y = out["y"] ** 2 if square else out["y"]
-        value = jnp.sum(W * y) + jnp.sum(jax.random.uniform(out["key"], (4,)) * params["p"]) + jnp.sum(jax.random.normal(data_key, (4,)))
+        value = (
+            jnp.sum(W * y)
+            + jnp.sum(jax.random.uniform(out["key"], (4,)) * params["p"])
+            + jnp.sum(jax.random.normal(data_key, (4,)))
+        )
         return value, {"key": out["key"], "data_key": data_key, "draw": jax.random.normal(out["key"], ())}
 
     return loss
@@ -747,7 +807,11 @@ def test_typed_prng_keys_in_inputs_outputs_and_aux(counter, square):
     params = {"p": P0, "key": jax.random.key(0)}
     data_key = jax.random.key(1)
     site = dx.explain(dx.filter_value_and_grad(loss, has_aux=True), params, data_key).sites[0]
-    assert (site.schedule, site.in_shapes, site.out_shapes) == ("standard" if square else "deferred", "(float64[4], key<fry>[])", "(key<fry>[], float64[4])")
+    assert (site.schedule, site.in_shapes, site.out_shapes) == (
+        "standard" if square else "deferred",
+        "(float64[4], key<fry>[])",
+        "(key<fry>[], float64[4])",
+    )
     expected_counts = {"fwd": 1, "bwd": 1, "fused": 0} if square else {"fwd": 0, "bwd": 0, "fused": 1}
 
     def same(got, expected):
@@ -755,7 +819,11 @@ def test_typed_prng_keys_in_inputs_outputs_and_aux(counter, square):
         (value_, aux_), grads_ = expected
         assert_tree_allclose((value, aux["draw"], grads["p"]), (value_, aux_["draw"], grads_["p"]))
         assert grads["key"] is None and grads_["key"] is None
-        for a, b in zip(jax.tree.leaves((aux["key"], aux["data_key"])), jax.tree.leaves((aux_["key"], aux_["data_key"])), strict=True):
+        for a, b in zip(
+            jax.tree.leaves((aux["key"], aux["data_key"])),
+            jax.tree.leaves((aux_["key"], aux_["data_key"])),
+            strict=True,
+        ):
             assert jax.random.key_data(a).tolist() == jax.random.key_data(b).tolist()
 
     for jit in (False, True):

@@ -33,7 +33,11 @@ def test_halves_and_sites_on_different_devices():
     ],
 )
 def test_set_devices_refuses_what_is_not_a_list_of_devices(bad, found):
-    with pytest.raises(TypeError, match=r"`deferax.set_devices`: `devices` must be None \(every local device\) or a non-empty list of `jax.Device`s") as info:
+    with pytest.raises(
+        TypeError,
+        match=r"`deferax.set_devices`: `devices` must be None \(every local device\) or a non-empty list of \
+`jax.Device`s",
+    ) as info:
         dx.set_devices(bad)
     assert re.search(f"but got .*({found})", str(info.value)), str(info.value)
     dx.set_devices(None)

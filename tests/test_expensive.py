@@ -250,7 +250,9 @@ def match(text):
 
 
 def test_error_no_primal():
-    with pytest.raises(TypeError, match=match("`ExpensiveFn(name='adj')`: nothing can compute the output. Give `fwd(x) -> y`")):
+    with pytest.raises(
+        TypeError, match=match("`ExpensiveFn(name='adj')`: nothing can compute the output. Give `fwd(x) -> y`")
+    ):
         dx.ExpensiveFn(bwd=lambda x, y, ct: ct, name="adj")
 
 
@@ -260,7 +262,9 @@ def test_error_not_callable():
 
 
 def test_error_bad_out():
-    with pytest.raises(TypeError, match=match("`ExpensiveFn(name='f')`: `out` must be a pytree of `jax.ShapeDtypeStruct`")):
+    with pytest.raises(
+        TypeError, match=match("`ExpensiveFn(name='f')`: `out` must be a pytree of `jax.ShapeDtypeStruct`")
+    ):
         dx.ExpensiveFn(fwd=jnp.sin, out=(3,), name="f")
 
 
@@ -269,12 +273,16 @@ def test_error_no_out_for_fused_only():
         return x, ct
 
     f = dx.ExpensiveFn(fused=solve_both, bwd=lambda x, y, ct: ct, name="solver")
-    with pytest.raises(TypeError, match=match(
-        "`ExpensiveFn(name='solver')`: the output shape is unknown. With nothing to infer it from (no `fwd` or `jvp` was given, "
-        "and `fused` takes a cotangent shaped like the output), declare it with `out=`, a pytree of\n"
-        "`jax.ShapeDtypeStruct` (or a function from the input's structure to one):\n\n"
-        "    dx.ExpensiveFn(bwd=..., fused=solve_both, out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))"
-    )):  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=match(
+            "`ExpensiveFn(name='solver')`: the output shape is unknown. With nothing to infer it from (no `fwd` or \
+`jvp` was given, "
+            "and `fused` takes a cotangent shaped like the output), declare it with `out=`, a pytree of\n"
+            "`jax.ShapeDtypeStruct` (or a function from the input's structure to one):\n\n"
+            "    dx.ExpensiveFn(bwd=..., fused=solve_both, out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))"
+        ),
+    ):
         f(jnp.ones(3))
 
 
@@ -285,11 +293,17 @@ def test_error_no_out_for_untraceable_jvp():
         return jnp.asarray(np.sin(np.asarray(x))), t
 
     f = dx.ExpensiveFn(jvp=host_jvp, name="host")
-    with pytest.raises(TypeError, match=match(
-        "`ExpensiveFn(name='host')`: the output shape is unknown. With nothing to infer it from (`jvp` is not JAX-traceable: "
-        "TracerArrayConversionError), declare it with `out=`, a pytree of\n`jax.ShapeDtypeStruct` (or a function from the "
-        "input's structure to one):\n\n    dx.ExpensiveFn(jvp=host_jvp, out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))"
-    )):  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=match(
+            "`ExpensiveFn(name='host')`: the output shape is unknown. With nothing to infer it from (`jvp` is not \
+JAX-traceable: "
+            "TracerArrayConversionError), declare it with `out=`, a pytree of\n`jax.ShapeDtypeStruct` (or a \
+function from the "
+            "input's structure to one):\n\n    dx.ExpensiveFn(jvp=host_jvp, out=jax.ShapeDtypeStruct((nx, ny), \
+jnp.float64))"
+        ),
+    ):
         jax.jit(f)(jnp.ones(3))
     assert_tree_allclose(dx.ExpensiveFn(jvp=host_jvp, out=lambda s: s)(jnp.ones(3)), jnp.sin(jnp.ones(3)))
 
@@ -298,7 +312,12 @@ def test_error_no_out_for_untraceable_fwd():
     f = dx.ExpensiveFn(fwd=lambda x: np.sin(np.asarray(x)), bwd=lambda x, y, ct: ct, name="host")
     text = "(`fwd` is not JAX-traceable: TracerArrayConversionError), declare it with `out=`"
     example = "\n\n    dx.ExpensiveFn(fwd=..., bwd=..., out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))"
-    with pytest.raises(TypeError, match=match(text + ", a pytree of\n`jax.ShapeDtypeStruct` (or a function from the input's structure to one):" + example)):
+    with pytest.raises(
+        TypeError,
+        match=match(
+            text + ", a pytree of\n`jax.ShapeDtypeStruct` (or a function from the input's structure to one):" + example
+        ),
+    ):
         jax.jit(f)(jnp.ones(3))
     jitted = jax.jit(jax.grad(lambda x: jnp.sum(f(x))))
     for _ in range(2):  # raised while tracing: a second call traces again and raises the same
@@ -334,23 +353,45 @@ def test_error_bwd_wrong_dtype_and_structure():
     with pytest.raises(ValueError, match=match("Expected float64[3] at ['a'], found float32[3].")):
         jax.grad(lambda x: jnp.sum(f(x)))({"a": jnp.ones(3)})
     g = dx.ExpensiveFn(fwd=lambda x: jnp.sin(x["a"]), bwd=lambda x, y, ct: ct, name="g")
-    with pytest.raises(ValueError, match=r"`bwd` returned a cotangent that does not match the input `x`.\nExpected structure PyTreeDef\(\{'a': \*\}\), found PyTreeDef\(\*\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`bwd` returned a cotangent that does not match the input `x`.\nExpected structure PyTreeDef\(\{'a': \
+\*\}\), found PyTreeDef\(\*\)",
+    ):
         jax.grad(lambda x: jnp.sum(g(x)))({"a": jnp.ones(3)})
 
 
 def test_error_fwd_does_not_match_declared_out():
     f = dx.ExpensiveFn(fwd=jnp.sin, bwd=lambda x, y, ct: ct, out=jax.ShapeDtypeStruct((4,), jnp.float64), name="f")
-    with pytest.raises(ValueError, match=match("`ExpensiveFn(name='f')`: `fwd` returned an output that does not match the output structure.\nExpected float64[4], found float64[3].")):
+    with pytest.raises(
+        ValueError,
+        match=match(
+            "`ExpensiveFn(name='f')`: `fwd` returned an output that does not match the output structure.\nExpected \
+float64[4], found float64[3]."
+        ),
+    ):
         f(jnp.ones(3))
 
 
 def test_error_fused_wrong_output():
     out = jax.ShapeDtypeStruct((3,), jnp.float64)
     f = dx.ExpensiveFn(fused=lambda x, ct: (x[:2], ct), out=out, name="f")
-    with pytest.raises(ValueError, match=match("`fused` returned an output `y` that does not match the output structure.\nExpected float64[3], found float64[2].\n`fused(x, ct_y)` must return a pair")):
+    with pytest.raises(
+        ValueError,
+        match=match(
+            "`fused` returned an output `y` that does not match the output structure.\nExpected float64[3], found \
+float64[2].\n`fused(x, ct_y)` must return a pair"
+        ),
+    ):
         f(jnp.ones(3))
     g = dx.ExpensiveFn(fwd=jnp.sin, fused=lambda x, ct: (jnp.sin(x), ct[:1]), name="g")
-    with pytest.raises(ValueError, match=match("`ExpensiveFn(name='g')`: `fused` returned a cotangent that does not match the input `x`.\nExpected float64[3], found float64[1].")):
+    with pytest.raises(
+        ValueError,
+        match=match(
+            "`ExpensiveFn(name='g')`: `fused` returned a cotangent that does not match the input `x`.\nExpected \
+float64[3], found float64[1]."
+        ),
+    ):
         jax.grad(lambda x: jnp.sum(g(x)))(jnp.ones(3))
 
 
@@ -409,7 +450,12 @@ def test_all_combinations_listed():
 )
 def test_error_implementation_with_the_wrong_signature(impl, fn, expected, found):
     given = {"fwd": jnp.sin, impl: fn}
-    with pytest.raises(TypeError, match=match(f"`ExpensiveFn(name='sim')`: `{impl}` cannot be called as `{expected}`: its signature is `{found}`")):
+    with pytest.raises(
+        TypeError,
+        match=match(
+            f"`ExpensiveFn(name='sim')`: `{impl}` cannot be called as `{expected}`: its signature is `{found}`"
+        ),
+    ):
         dx.ExpensiveFn(**given, name="sim")
     # dx.host checks its host functions the same way
     if impl in ("bwd", "fused", "jvp", "adjoint"):
@@ -445,11 +491,14 @@ for label, run in (
     except ValueError as e:
         print(label, "|", str(e).replace(chr(10), " "))
 """
-    out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     hint = (
-        "a 64-bit dtype. JAX's 64-bit mode is off (`jax_enable_x64`), so JAX computes in 32 bits: declare 32-bit dtypes in "
-        "`out=`, or turn it on first with `jax.config.update(\"jax_enable_x64\", True)`."
+        "a 64-bit dtype. JAX's 64-bit mode is off (`jax_enable_x64`), so JAX computes in 32 bits: declare 32-bit \
+dtypes in "
+        '`out=`, or turn it on first with `jax.config.update("jax_enable_x64", True)`.'
     )
     lines = out.stdout.splitlines()
     assert lines == [

@@ -29,15 +29,21 @@ def build(method: str):
     design region (permittivity between 1 and 4) and a Poynting flux detector across the
     domain. `method`: fdtdx's gradient, "checkpointed" (JAX autodiff through a
     checkpointed loop) or "reversible" (its time-reversal `custom_vjp`)."""
-    config = fdtdx.SimulationConfig(time=20e-15, grid=fdtdx.UniformGrid(spacing=50e-9), backend="cpu", dtype=jnp.float64)
+    config = fdtdx.SimulationConfig(
+        time=20e-15, grid=fdtdx.UniformGrid(spacing=50e-9), backend="cpu", dtype=jnp.float64
+    )
     if method == "checkpointed":
         gradient = fdtdx.GradientConfig(method="checkpointed", num_checkpoints=10)
     else:
         gradient = fdtdx.GradientConfig(method="reversible", recorder=fdtdx.Recorder(modules=[]))
     config = config.aset("gradient_config", gradient)
     volume = fdtdx.SimulationVolume(partial_grid_shape=(20, 20, 1))
-    bounds, constraints = fdtdx.boundary_objects_from_config(fdtdx.BoundaryConfig.from_uniform_bound(boundary_type="periodic"), volume)
-    source = fdtdx.PointDipoleSource(partial_grid_shape=(1, 1, 1), polarization=2, wave_character=fdtdx.WaveCharacter(wavelength=500e-9))
+    bounds, constraints = fdtdx.boundary_objects_from_config(
+        fdtdx.BoundaryConfig.from_uniform_bound(boundary_type="periodic"), volume
+    )
+    source = fdtdx.PointDipoleSource(
+        partial_grid_shape=(1, 1, 1), polarization=2, wave_character=fdtdx.WaveCharacter(wavelength=500e-9)
+    )
     device = fdtdx.Device(
         name="design",
         partial_grid_shape=(6, 4, 1),
@@ -45,15 +51,22 @@ def build(method: str):
         materials={"air": fdtdx.Material(permittivity=1.0), "dielectric": fdtdx.Material(permittivity=4.0)},
         param_transforms=[],
     )
-    flux = fdtdx.PoyntingFluxDetector(name="flux", partial_grid_shape=(None, 1, None), direction="+", fixed_propagation_axis=1, plot=False)
+    flux = fdtdx.PoyntingFluxDetector(
+        name="flux", partial_grid_shape=(None, 1, None), direction="+", fixed_propagation_axis=1, plot=False
+    )
     constraints = [
         *constraints,
-        source.place_relative_to(volume, axes=(0, 1, 2), own_positions=(0, -1, 0), other_positions=(0, -1, 0), grid_margins=(0, 5, 0)),
+        source.place_relative_to(
+            volume, axes=(0, 1, 2), own_positions=(0, -1, 0), other_positions=(0, -1, 0), grid_margins=(0, 5, 0)
+        ),
         device.place_at_center(volume, axes=(0, 1, 2)),
         flux.place_relative_to(volume, axes=1, own_positions=1, other_positions=1, grid_margins=-5),
     ]
     objects, arrays, params, config, _ = fdtdx.place_objects(
-        [volume, *bounds.values(), source, device, flux], config=config, constraints=constraints, key=jax.random.PRNGKey(0)
+        [volume, *bounds.values(), source, device, flux],
+        config=config,
+        constraints=constraints,
+        key=jax.random.PRNGKey(0),
     )
     key = jax.random.PRNGKey(1)
 

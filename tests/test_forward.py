@@ -69,7 +69,10 @@ def test_forward_mode_matches_jax(given, jit):
     counter = Counter()
     f = make(given, counter)
     wrap = jax.jit if jit else (lambda g: g)
-    for run in (lambda: wrap(lambda x, t: jax.jvp(f, (x,), (t,)))(X, T), lambda: wrap(lambda x, t: jax.jvp(f, (x,), (t,)))(X, T)):
+    for run in (
+        lambda: wrap(lambda x, t: jax.jvp(f, (x,), (t,)))(X, T),
+        lambda: wrap(lambda x, t: jax.jvp(f, (x,), (t,)))(X, T),
+    ):
         run()  # compile
     counter.reset()
     got = wrap(lambda x, t: jax.jvp(f, (x,), (t,)))(X, T)
@@ -176,7 +179,9 @@ def test_reverse_mode_under_vmap_both_ways():
     xs = jax.tree_util.tree_map(lambda a: jnp.stack([a, 2 * a, -a]), X)
     got = jax.vmap(jax.grad(loss_of(f)))(xs)
     assert_tree_allclose(got, jax.vmap(jax.grad(loss_of(ref)))(xs))
-    total = lambda g: lambda x: jnp.sum(jax.vmap(loss_of(g))(jax.tree_util.tree_map(lambda a: jnp.stack([a, 2 * a]), x)))  # noqa: E731
+    total = lambda g: (
+        lambda x: jnp.sum(jax.vmap(loss_of(g))(jax.tree_util.tree_map(lambda a: jnp.stack([a, 2 * a]), x)))
+    )  # noqa: E731
     counter.reset()
     assert_tree_allclose(jax.grad(total(f))(X), jax.grad(total(ref))(X))
     assert counts(counter) == {"jvp_batch": 1}  # one batched call for the batch of 2
@@ -312,38 +317,85 @@ def match(text):
 
 def test_error_forward_mode_without_jvp():
     f = dx.ExpensiveFn(fwd=jnp.sin, bwd=lambda x, y, ct: ct * jnp.cos(x), name="adjoint_only")
-    with pytest.raises(TypeError, match=match("`ExpensiveFn(name='adjoint_only')`: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`, `jax.linearize`, `jax.hessian`) needs a\nforward-mode implementation, but this function's derivative is given by `bwd`")):
+    with pytest.raises(
+        TypeError,
+        match=match(
+            "`ExpensiveFn(name='adjoint_only')`: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`, \
+`jax.linearize`, `jax.hessian`) needs a\nforward-mode implementation, but this function's derivative is given by `bwd`"
+        ),
+    ):
         jax.jvp(f, (jnp.ones(3),), (jnp.ones(3),))
     with pytest.raises(TypeError, match=match("Give\n`jvp(x, t_x) -> (y, t_y)`")):
         jax.jacfwd(f)(jnp.ones(3))
 
 
 def test_error_reverse_mode_without_bwd_and_too_many_inputs():
-    f = dx.ExpensiveFn(jvp=lambda x, t: (jnp.sin(x), jnp.cos(x) * t), out=jax.ShapeDtypeStruct((5,), jnp.float64), max_tangents=3, name="tangent_only")
+    f = dx.ExpensiveFn(
+        jvp=lambda x, t: (jnp.sin(x), jnp.cos(x) * t),
+        out=jax.ShapeDtypeStruct((5,), jnp.float64),
+        max_tangents=3,
+        name="tangent_only",
+    )
     assert_tree_allclose(jax.jvp(f, (jnp.ones(5),), (jnp.ones(5),))[1], jnp.cos(jnp.ones(5)))  # forward mode works
-    with pytest.raises(TypeError, match=match("`ExpensiveFn(name='tangent_only')`: reverse-mode differentiation (`jax.grad`, `jax.vjp`, `jax.jacrev`) needs `bwd` or `fused`, or the\nforward-basis strategy: the primal with one tangent per input number. This input has n=5 numbers, more than\nmax_tangents=3. Give `bwd(x, y, ct_y) -> ct_x` (an adjoint), or raise `max_tangents`.")):
+    with pytest.raises(
+        TypeError,
+        match=match(
+            "`ExpensiveFn(name='tangent_only')`: reverse-mode differentiation (`jax.grad`, `jax.vjp`, `jax.jacrev`) \
+needs `bwd` or `fused`, or the\nforward-basis strategy: the primal with one tangent per input number. This input \
+has n=5 numbers, more than\nmax_tangents=3. Give `bwd(x, y, ct_y) -> ct_x` (an adjoint), or raise `max_tangents`."
+        ),
+    ):
         jax.grad(lambda x: jnp.sum(f(x)))(jnp.ones(5))
 
 
 def test_error_bad_prefer_and_max_tangents_and_mode():
-    with pytest.raises(ValueError, match=match("`ExpensiveFn(name='sin')`: `prefer` must be None, 'standard' or 'forward-basis', but got 'fast'.")):
+    with pytest.raises(
+        ValueError,
+        match=match("`ExpensiveFn(name='sin')`: `prefer` must be None, 'standard' or 'forward-basis', but got 'fast'."),
+    ):
         dx.ExpensiveFn(fwd=jnp.sin, prefer="fast")
-    with pytest.raises(TypeError, match=match("`ExpensiveFn(name='sin')`: prefer='forward-basis' needs `jvp` or `jvp_batch`, which was not given.")):
+    with pytest.raises(
+        TypeError,
+        match=match(
+            "`ExpensiveFn(name='sin')`: prefer='forward-basis' needs `jvp` or `jvp_batch`, which was not given."
+        ),
+    ):
         dx.ExpensiveFn(fwd=jnp.sin, bwd=lambda x, y, ct: ct, prefer="forward-basis")
-    with pytest.raises(TypeError, match=match("`ExpensiveFn(name='sin')`: prefer='standard' needs `bwd` or `fused`, which was not given.")):
+    with pytest.raises(
+        TypeError,
+        match=match("`ExpensiveFn(name='sin')`: prefer='standard' needs `bwd` or `fused`, which was not given."),
+    ):
         dx.ExpensiveFn(fwd=jnp.sin, jvp=lambda x, t: (x, t), prefer="standard")
-    with pytest.raises(ValueError, match=match("`ExpensiveFn(name='sin')`: `max_tangents` must be a non-negative int or None, but got -1.")):
+    with pytest.raises(
+        ValueError,
+        match=match("`ExpensiveFn(name='sin')`: `max_tangents` must be a non-negative int or None, but got -1."),
+    ):
         dx.ExpensiveFn(fwd=jnp.sin, max_tangents=-1)
-    with pytest.raises(ValueError, match=match("`deferax.jacobian`: `mode` must be 'auto', 'forward' or 'reverse', but got 'sideways'.")):
+    with pytest.raises(
+        ValueError,
+        match=match("`deferax.jacobian`: `mode` must be 'auto', 'forward' or 'reverse', but got 'sideways'."),
+    ):
         dx.jacobian(jnp.sin, mode="sideways")
 
 
 def test_error_jvp_returns_wrong_things():
     f = dx.ExpensiveFn(fwd=jnp.sin, jvp=lambda x, t: jnp.cos(x) * t, name="bad_jvp")
-    with pytest.raises(ValueError, match=match("`ExpensiveFn(name='bad_jvp')`: `jvp` returned float64[3], not a pair.\n`jvp(x, t_x)` must return a pair `(y, t_y)`")):
+    with pytest.raises(
+        ValueError,
+        match=match(
+            "`ExpensiveFn(name='bad_jvp')`: `jvp` returned float64[3], not a pair.\n`jvp(x, t_x)` must return a \
+pair `(y, t_y)`"
+        ),
+    ):
         jax.jvp(f, (jnp.ones(3),), (jnp.ones(3),))
     g = dx.ExpensiveFn(fwd=jnp.sin, jvp_batch=lambda x, ts: (jnp.sin(x), ts[:, :2]), name="bad_batch")
-    with pytest.raises(ValueError, match=match("`ExpensiveFn(name='bad_batch')`: `jvp_batch` returned a batch of tangents that does not match the output with a leading axis of one tangent each.\nExpected float64[3, 3], found float64[3, 2].")):
+    with pytest.raises(
+        ValueError,
+        match=match(
+            "`ExpensiveFn(name='bad_batch')`: `jvp_batch` returned a batch of tangents that does not match the \
+output with a leading axis of one tangent each.\nExpected float64[3, 3], found float64[3, 2]."
+        ),
+    ):
         jax.jacfwd(g)(jnp.ones(3))
 
 
@@ -353,12 +405,20 @@ def test_warning_jvp_that_vmap_cannot_separate():
 
     def jvp(x, t):
         # a host function that takes the tangent too (as `dx.host`'s do): `y` looks batched
-        y = jax.pure_callback(lambda x, t: np.sin(x), jax.ShapeDtypeStruct(x.shape, x.dtype), x, t, vmap_method="sequential")
+        y = jax.pure_callback(
+            lambda x, t: np.sin(x), jax.ShapeDtypeStruct(x.shape, x.dtype), x, t, vmap_method="sequential"
+        )
         return y, jnp.cos(x) * t
 
     f = dx.ExpensiveFn(jvp=jvp, out=lambda s: s, name="callback_jvp")
     x = jnp.array([0.1, 0.2, 0.3])
-    with pytest.warns(UserWarning, match=match("`ExpensiveFn(name='callback_jvp')`: `jvp` could not be batched over the tangent with the primal computed once")):
+    with pytest.warns(
+        UserWarning,
+        match=match(
+            "`ExpensiveFn(name='callback_jvp')`: `jvp` could not be batched over the tangent with the primal \
+computed once"
+        ),
+    ):
         got = jax.grad(lambda x: jnp.sum(f(x) ** 2))(x)
     assert_tree_allclose(got, jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(x))
 
@@ -381,7 +441,11 @@ def test_integer_leaves_in_input_and_output_on_every_strategy():
     t = {"p": jnp.array([1.0, 0.5, -2.0]), "n": np.zeros((), jax.dtypes.float0)}
     w = jnp.array([1.0, 2.0, -1.0])
     program = lambda g: lambda x: (lambda y: jnp.sum(y["u"] ** 2 * w) + 0.0 * y["iters"].astype(jnp.float64))(g(x))  # noqa: E731
-    for given, schedule in [({"bwd": bwd}, "standard"), ({"jvp": jvp}, "forward-basis"), ({"bwd": bwd, "jvp": jvp}, "forward-basis")]:
+    for given, schedule in [
+        ({"bwd": bwd}, "standard"),
+        ({"jvp": jvp}, "forward-basis"),
+        ({"bwd": bwd, "jvp": jvp}, "forward-basis"),
+    ]:
         f = dx.ExpensiveFn(fwd=solver, **given, name="int_leaves")
         assert dx.explain(program(f), x).sites[0].schedule == schedule
         for jit in (False, True):

@@ -95,7 +95,11 @@ def power_loss(f):
     return lambda x: jnp.sum(jnp.abs(f(x)) ** 4)
 
 
-LOSSES = {"linear": (linear_loss, "deferred"), "overlap": (overlap_loss, "deferred-basis"), "power": (power_loss, "standard")}
+LOSSES = {
+    "linear": (linear_loss, "deferred"),
+    "overlap": (overlap_loss, "deferred-basis"),
+    "power": (power_loss, "standard"),
+}
 
 
 def run(loss, x, schedule="auto", jit=False, **kwargs):
@@ -179,7 +183,9 @@ def test_vmap_submits_one_job_per_example_together(loss_name, jit):
     xs = jnp.stack([X0, -X0, 2 * X0])
     make_loss = LOSSES[loss_name][0]
     with cf.ThreadPoolExecutor(8) as pool:
-        loss = make_loss(solver(runs, barrier=barrier if loss_name == "linear" else None, executor=pool, linear_adjoint=True))
+        loss = make_loss(
+            solver(runs, barrier=barrier if loss_name == "linear" else None, executor=pool, linear_adjoint=True)
+        )
         fn = jax.vmap(dx.filter_value_and_grad(loss))
         got = jax.block_until_ready((jax.jit(fn) if jit else fn)(xs))
     assert_tree_allclose(got, jax.vmap(eqx.filter_value_and_grad(make_loss(reference)))(xs), rtol=1e-12, atol=1e-12)
@@ -209,7 +215,12 @@ def vectorized_solver(runs):
         return np.stack([np.linalg.solve((A0 + np.diag(xi)).T, c) for xi, c in zip(x, ct, strict=True)])
 
     return dx.host(
-        solve, adjoint=solve_adjoint, combine=lambda x, e, lam: -jnp.real(e * lam), out=FIELD, adjoint_out=FIELD, vectorized=True,
+        solve,
+        adjoint=solve_adjoint,
+        combine=lambda x, e, lam: -jnp.real(e * lam),
+        out=FIELD,
+        adjoint_out=FIELD,
+        vectorized=True,
         max_basis=2,
     )
 
@@ -262,12 +273,17 @@ def test_vectorized_site_beside_fused_halves_under_vmap():
     def adjoint(x, ct):
         return jnp.linalg.solve((jnp.asarray(A0) + jnp.diag(x.astype(jnp.complex128))).T, ct)
 
-    g = dx.ExpensiveFn(fwd=reference, fused=dx.fuse(reference, adjoint, combine=lambda x, e, lam: -jnp.real(e * lam)), name="halves")
+    g = dx.ExpensiveFn(
+        fwd=reference, fused=dx.fuse(reference, adjoint, combine=lambda x, e, lam: -jnp.real(e * lam)), name="halves"
+    )
     loss = lambda x: linear_loss(f)(x) + linear_loss(g)(2 * x)  # noqa: E731
     xs = jnp.stack([X0, -X0, 2 * X0, X0 + 1])
     with dx.record() as timeline:
         got = jax.block_until_ready(jax.jit(jax.vmap(dx.filter_value_and_grad(loss)))(xs))
-    assert_tree_allclose(got, jax.vmap(eqx.filter_value_and_grad(lambda x: linear_loss(reference)(x) + linear_loss(reference)(2 * x)))(xs))
+    assert_tree_allclose(
+        got,
+        jax.vmap(eqx.filter_value_and_grad(lambda x: linear_loss(reference)(x) + linear_loss(reference)(2 * x)))(xs),
+    )
     assert runs.shapes == {"fwd": [(4, 3)], "adjoint": [(4, 3)]}
     assert timeline.counts("halves") == {"fwd": 4, "adjoint": 4}
 
@@ -290,7 +306,9 @@ def test_typed_prng_key_reaches_host_functions_as_its_data():
     f = dx.host(solve, adjoint=adjoint, out=jax.ShapeDtypeStruct((3,), jnp.float64), name="keyed")
     w = jnp.array([1.0, -2.0, 0.5])
     loss = lambda p, key: jnp.sum(w * f((p, key))) + jnp.sum(p**2)  # noqa: E731
-    reference = lambda p, key: jnp.sum(w * (2.0 * p + (jnp.sum(jax.random.key_data(key)) % 7).astype(p.dtype))) + jnp.sum(p**2)  # noqa: E731
+    reference = lambda p, key: (
+        jnp.sum(w * (2.0 * p + (jnp.sum(jax.random.key_data(key)) % 7).astype(p.dtype))) + jnp.sum(p**2)
+    )  # noqa: E731
     key = jax.random.key(3)
     assert dx.explain(loss, X0, key).sites[0].schedule == "deferred"
     for jit in (False, True):
@@ -302,14 +320,17 @@ def test_typed_prng_key_reaches_host_functions_as_its_data():
     keys = jax.random.split(key, 3)
     runs.shapes.clear()
     got = jax.vmap(dx.filter_value_and_grad(loss), in_axes=(None, 0))(X0, keys)
-    assert_tree_allclose(got, jax.vmap(eqx.filter_value_and_grad(reference), in_axes=(None, 0))(X0, keys), rtol=1e-12, atol=1e-12)
+    assert_tree_allclose(
+        got, jax.vmap(eqx.filter_value_and_grad(reference), in_axes=(None, 0))(X0, keys), rtol=1e-12, atol=1e-12
+    )
     assert runs.shapes == {"fwd": [(2,)] * 3, "adjoint": [(2,)] * 3}
 
     g = dx.host(lambda x: x, out=jax.eval_shape(lambda: jax.random.key(0)), name="split")
     with pytest.raises(TypeError) as info:
         g(X0)
     assert str(info.value) == (
-        "`ExpensiveFn(name='split')`: `out=` declares a typed PRNG key (key<fry>[]), but a host function returns NumPy arrays, which cannot\n"
+        "`ExpensiveFn(name='split')`: `out=` declares a typed PRNG key (key<fry>[]), but a host function returns \
+NumPy arrays, which cannot\n"
         "hold one (nor can `jax.pure_callback` return one). Declare the key's raw data, and wrap it after the call:\n\n"
         "    data = sim(x)                       # out=jax.ShapeDtypeStruct((2,), jnp.uint32)\n"
         "    key = jax.random.wrap_key_data(data)"
@@ -331,7 +352,9 @@ def test_bwd_that_needs_the_output_stays_standard():
     loss = linear_loss(f)
     site = dx.explain(loss, X0).sites[0]
     assert site.schedule == "standard"
-    assert site.reason == "no `fused` implementation, and its `bwd` reads `y` (give `adjoint` and `combine`, or `fused`)"
+    assert (
+        site.reason == "no `fused` implementation, and its `bwd` reads `y` (give `adjoint` and `combine`, or `fused`)"
+    )
     for jit in (False, True):
         runs.counts.clear()
         got = run(loss, X0, jit=jit)
@@ -383,7 +406,9 @@ def test_fused_batch_host_function_runs_once_for_all_basis_cotangents():
 
 
 def test_fused_batch_without_fused():
-    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='both')`: `fused_batch` was given without `fused`.")):
+    with pytest.raises(
+        TypeError, match=re.escape("`ExpensiveFn(name='both')`: `fused_batch` was given without `fused`.")
+    ):
         dx.host(lambda x: x, fused_batch=lambda x, cts: (x, cts), out=FIELD, name="both")
 
 
@@ -440,7 +465,10 @@ def test_any_executor():
         raise ValueError("no convergence")
 
     f = dx.host(fails, adjoint=lambda x, ct: ct, out=FIELD, executor=executor, name="other")
-    with pytest.raises(dx.HostError, match=re.escape("the host function `fwd` raised ValueError: no convergence (on a CountingExecutor)")):
+    with pytest.raises(
+        dx.HostError,
+        match=re.escape("the host function `fwd` raised ValueError: no convergence (on a CountingExecutor)"),
+    ):
         f(X0)
 
 
@@ -461,9 +489,14 @@ def failing_solver(runs=None, **kwargs):
         return np.linalg.solve((A0 + np.diag(x)).T, ct)
 
     return dx.host(
-        solve, adjoint=solve_adjoint, combine=lambda x, e, lam: -jnp.real(e * lam), out=FIELD, adjoint_out=FIELD, name="fdfd",
+        solve,
+        adjoint=solve_adjoint,
+        combine=lambda x, e, lam: -jnp.real(e * lam),
+        out=FIELD,
+        adjoint_out=FIELD,
+        name="fdfd",
         executor=kwargs.get("executor"),
-    )  # fmt: skip
+    )
 
 
 def caused_by(error, kind):
@@ -495,7 +528,9 @@ def test_exception_in_host_function_is_a_python_exception(fail, schedule):
     if fail == "fwd" or schedule == "auto":  # (not on JAX's backward pass: there its own record is the cause)
         assert info.value.__cause__ is original
     # the executor (deferax's thread pool) is still usable
-    assert_tree_allclose(run(loss, X0, schedule), eqx.filter_value_and_grad(linear_loss(reference))(X0), rtol=1e-12, atol=1e-12)
+    assert_tree_allclose(
+        run(loss, X0, schedule), eqx.filter_value_and_grad(linear_loss(reference))(X0), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_exception_under_jit_carries_the_message():
@@ -533,8 +568,15 @@ def test_timeout():
             time.sleep(2.0)
         return np.linalg.solve(A0 + np.diag(x), SOURCE)
 
-    f = dx.host(solve, adjoint=lambda x, ct: np.linalg.solve((A0 + np.diag(x)).T, ct), out=FIELD, adjoint_out=FIELD,
-                combine=lambda x, e, lam: -jnp.real(e * lam), timeout=0.3, name="slow")  # fmt: skip
+    f = dx.host(
+        solve,
+        adjoint=lambda x, ct: np.linalg.solve((A0 + np.diag(x)).T, ct),
+        out=FIELD,
+        adjoint_out=FIELD,
+        combine=lambda x, e, lam: -jnp.real(e * lam),
+        timeout=0.3,
+        name="slow",
+    )
     expected = (
         "`ExpensiveFn(name='slow')`: the host function `fwd` did not finish within timeout=0.3 s (on a thread of a "
         "ThreadPoolExecutor).\nJobs not yet started were cancelled; a job already running on a thread keeps its thread "
@@ -544,7 +586,9 @@ def test_timeout():
     with pytest.raises(dx.HostError, match=re.escape(expected)):
         run(linear_loss(f), -X0)
     assert time.perf_counter() - t0 < 1.5
-    assert_tree_allclose(run(linear_loss(f), X0), eqx.filter_value_and_grad(linear_loss(reference))(X0), rtol=1e-12, atol=1e-12)
+    assert_tree_allclose(
+        run(linear_loss(f), X0), eqx.filter_value_and_grad(linear_loss(reference))(X0), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_executor_that_was_shut_down():
@@ -575,8 +619,15 @@ def proc_solve_adjoint(x, ct):
 def test_process_pool_faults():
     pool = cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
-        f = dx.host(proc_solve, adjoint=proc_solve_adjoint, combine=lambda x, e, lam: -jnp.real(e * lam), out=FIELD,
-                    adjoint_out=FIELD, executor=pool, name="fdfd")  # fmt: skip
+        f = dx.host(
+            proc_solve,
+            adjoint=proc_solve_adjoint,
+            combine=lambda x, e, lam: -jnp.real(e * lam),
+            out=FIELD,
+            adjoint_out=FIELD,
+            executor=pool,
+            name="fdfd",
+        )
         loss, expected = linear_loss(f), eqx.filter_value_and_grad(linear_loss(reference))(X0)
         assert_tree_allclose(run(loss, X0), expected, rtol=1e-12, atol=1e-12)
         where = "a process of a ProcessPoolExecutor"
@@ -589,7 +640,11 @@ def test_process_pool_faults():
             "`ExpensiveFn(name='fdfd')`: the host function `adjoint` did not complete: the worker running it was lost "
             "(BrokenProcessPool: "
         )
-        assert "A `concurrent.futures.ProcessPoolExecutor` cannot be used once one of its workers has died: make a new one." in str(info.value)
+        assert (
+            "A `concurrent.futures.ProcessPoolExecutor` cannot be used once one of its workers has died: make a new \
+one."
+            in str(info.value)
+        )
     finally:
         pool.shutdown(cancel_futures=True)
 
@@ -642,9 +697,20 @@ def test_wrong_shape_from_adjoint():
     )
     with pytest.raises(ValueError, match=re.escape(expected)):
         run(lambda x: jnp.sum(f(x)), X0)
-    g = dx.host(lambda x: 2 * x, adjoint=lambda x, ct: ct[:2], combine=lambda x, y, p: p, adjoint_out=jax.ShapeDtypeStruct((3,), jnp.float64),
-                out=jax.ShapeDtypeStruct((3,), jnp.float64), name="sim")  # fmt: skip
-    with pytest.raises(ValueError, match=re.escape(expected.replace("shaped like the input `x`, the default of `adjoint_out=`", "declared by `adjoint_out=`"))):
+    g = dx.host(
+        lambda x: 2 * x,
+        adjoint=lambda x, ct: ct[:2],
+        combine=lambda x, y, p: p,
+        adjoint_out=jax.ShapeDtypeStruct((3,), jnp.float64),
+        out=jax.ShapeDtypeStruct((3,), jnp.float64),
+        name="sim",
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            expected.replace("shaped like the input `x`, the default of `adjoint_out=`", "declared by `adjoint_out=`")
+        ),
+    ):
         jax.grad(lambda x: jnp.sum(g(x)))(X0)
 
 
@@ -660,7 +726,13 @@ def test_wrong_structure_from_fused():
 
 def test_wrong_result_from_combine_is_combines():
     """`combine` is the user's; the `bwd` and `fused` that deferax makes from it are not."""
-    f = dx.host(np.sin, adjoint=lambda x, ct: np.cos(x) * ct, combine=lambda x, y, p: p[:2], out=jax.ShapeDtypeStruct((3,), jnp.float64), name="sim")
+    f = dx.host(
+        np.sin,
+        adjoint=lambda x, ct: np.cos(x) * ct,
+        combine=lambda x, y, p: p[:2],
+        out=jax.ShapeDtypeStruct((3,), jnp.float64),
+        name="sim",
+    )
     expected = (
         "`ExpensiveFn(name='sim')`: `combine` returned a cotangent that does not match the input `x`.\n"
         "Expected float64[3], found float64[2].\n"
@@ -690,27 +762,63 @@ def test_vectorized_result_without_the_batch_axis():
 
 def test_construction_errors():
     out = jax.ShapeDtypeStruct((3,), jnp.float64)
-    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: host functions cannot be traced by JAX, so the output's shape and dtype must be declared with `out=`")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "`ExpensiveFn(name='sim')`: host functions cannot be traced by JAX, so the output's shape and dtype \
+must be declared with `out=`"
+        ),
+    ):
         dx.host(lambda x: x, name="sim")
 
     def solve_both(x, ct):
         return x, ct
 
-    with pytest.raises(TypeError, match=re.escape("to one):\n\n    dx.host(fused=solve_both, out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape("to one):\n\n    dx.host(fused=solve_both, out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))"),
+    ):
         dx.host(fused=solve_both, name="sim")
-    with pytest.raises(TypeError, match=re.escape("to one):\n\n    dx.host(fwd=..., adjoint=..., out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "to one):\n\n    dx.host(fwd=..., adjoint=..., out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))"
+        ),
+    ):
         dx.host(lambda x: x, adjoint=lambda x, ct: ct, name="sim")
-    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: nothing computes the output. Give the forward host function `fwd(x) -> y`")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "`ExpensiveFn(name='sim')`: nothing computes the output. Give the forward host function `fwd(x) -> y`"
+        ),
+    ):
         dx.host(adjoint=lambda x, ct: ct, out=out, name="sim")
-    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both.")):
+    with pytest.raises(
+        TypeError, match=re.escape("`ExpensiveFn(name='sim')`: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both.")
+    ):
         dx.host(lambda x: x, adjoint=lambda x, ct: ct, bwd=lambda x, y, ct: ct, out=out, name="sim")
-    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: `combine` was given without `adjoint`; `combine` and `adjoint_out` describe what `adjoint` returns.")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "`ExpensiveFn(name='sim')`: `combine` was given without `adjoint`; `combine` and `adjoint_out` describe \
+what `adjoint` returns."
+        ),
+    ):
         dx.host(lambda x: x, combine=lambda x, y, p: p, out=out, name="sim")
-    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: `executor` must be a `concurrent.futures.Executor`")):
+    with pytest.raises(
+        TypeError, match=re.escape("`ExpensiveFn(name='sim')`: `executor` must be a `concurrent.futures.Executor`")
+    ):
         dx.host(lambda x: x, out=out, executor=4, name="sim")
-    with pytest.raises(ValueError, match=re.escape("`ExpensiveFn(name='sim')`: `timeout` must be a positive number of seconds or None, but got -1.")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`ExpensiveFn(name='sim')`: `timeout` must be a positive number of seconds or None, but got -1."
+        ),
+    ):
         dx.host(lambda x: x, out=out, timeout=-1, name="sim")
-    with pytest.raises(TypeError, match=re.escape("`ExpensiveFn(name='sim')`: `adjoint` must be a callable or None, but got 3.")):
+    with pytest.raises(
+        TypeError, match=re.escape("`ExpensiveFn(name='sim')`: `adjoint` must be a callable or None, but got 3.")
+    ):
         dx.host(lambda x: x, adjoint=3, out=out, name="sim")
 
 
@@ -748,7 +856,9 @@ def test_fdfd_gradient_matches_finite_differences(fdfd):
     scale = float(jnp.max(jnp.abs(grad_r)))
     np.testing.assert_allclose(value, value_r, rtol=1e-10)
     np.testing.assert_allclose(grad, grad_r, rtol=1e-8, atol=1e-10 * scale)
-    assert_tree_allclose((value, grad), dx.filter_value_and_grad(objective, schedule="standard")(x), rtol=1e-10, atol=1e-14)
+    assert_tree_allclose(
+        (value, grad), dx.filter_value_and_grad(objective, schedule="standard")(x), rtol=1e-10, atol=1e-14
+    )
     assert_tree_allclose(grad, finite_difference_grad(objective, x, eps=1e-6), rtol=1e-6, atol=1e-8 * scale)
 
 
@@ -796,8 +906,15 @@ def test_wrong_out_is_reported_not_the_adjoint_it_broke():
     def adjoint(b, ct):
         return np.linalg.solve(a.T, ct)  # fails: ct has the declared 4 entries
 
-    f = dx.host(solve, adjoint=adjoint, out=jax.ShapeDtypeStruct((4,), jnp.float64), adjoint_out=jax.ShapeDtypeStruct((4,), jnp.float64), name="wrong_out")
-    text = "`ExpensiveFn(name='wrong_out')`: the host function `fwd` returned float64[3], where float64[4] was expected (declared by `out=`)."
+    f = dx.host(
+        solve,
+        adjoint=adjoint,
+        out=jax.ShapeDtypeStruct((4,), jnp.float64),
+        adjoint_out=jax.ShapeDtypeStruct((4,), jnp.float64),
+        name="wrong_out",
+    )
+    text = "`ExpensiveFn(name='wrong_out')`: the host function `fwd` returned float64[3], where float64[4] was \
+expected (declared by `out=`)."
     step = dx.filter_value_and_grad(lambda x: jnp.sum(f(x)))
     for _ in range(2):
         with pytest.raises(ValueError, match=re.escape(text)):

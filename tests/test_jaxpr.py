@@ -66,8 +66,16 @@ def frontier(fn, *args, source=(True, False)):
         (lambda y, p: jnp.max(jnp.fft.fft(y).real), 4),  # through an FFT, the whole output
         (lambda y, p: (y * 2.0)[jnp.argmax(y * 2.0)], 4),  # the same view computed twice
     ],
-    ids=["affine", "one number", "one number twice", "two numbers", "every entry", "overlapping views", "fft",
-         "view twice"],  # fmt: skip
+    ids=[
+        "affine",
+        "one number",
+        "one number twice",
+        "two numbers",
+        "every entry",
+        "overlapping views",
+        "fft",
+        "view twice",
+    ],
 )
 def test_frontier_size_of_real_programs(fn, k):
     assert frontier(fn, Y, P) == k

@@ -101,7 +101,10 @@ def build(spec, counters, plain=False):
     """The program; with `plain=True` each `ExpensiveFn` is replaced by the function it
     stands for (the independent reference)."""
     fns = [
-        _wrapped(REFS[s["ref"]] if plain else make(REFS[s["ref"]], ("fwd", "bwd", "fused"), counters[k], name=f"site{k}"), s["wrap"])
+        _wrapped(
+            REFS[s["ref"]] if plain else make(REFS[s["ref"]], ("fwd", "bwd", "fused"), counters[k], name=f"site{k}"),
+            s["wrap"],
+        )
         for k, s in enumerate(spec["sites"])
     ]
 

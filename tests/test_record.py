@@ -67,7 +67,10 @@ def test_recorded_counts_equal_the_counts_measured_inside_the_implementations(ca
             got = jax.block_until_ready(step(X))
         jax.effects_barrier()
     assert_tree_allclose(got, jax.value_and_grad(loss_of(plain))(X))
-    assert timeline.counts() == dict(counter.counts) and sum(counter.counts.values()) >= 2, (timeline.counts(), counter.counts)
+    assert timeline.counts() == dict(counter.counts) and sum(counter.counts.values()) >= 2, (
+        timeline.counts(),
+        counter.counts,
+    )
     assert timeline.counts("sim") == timeline.counts() and timeline.counts("other") == {}
     assert {c.site for c in timeline.calls} == {"sim"}
     expected = {"standard": {"standard"}}.get(schedule, {schedule})  # (forward-basis named as `explain` names it)
@@ -125,7 +128,9 @@ def test_deferred_halves_overlap_and_standard_calls_do_not(kind, where):
     if kind == "derived":
         f = dx.ExpensiveFn(fwd=fwd, bwd=lambda x, y, ct: adjoint(x, ct), name="sim")
     else:
-        f = dx.ExpensiveFn(fwd=plain, bwd=lambda x, y, ct: jax.vjp(plain, x)[1](ct)[0], fused=dx.fuse(fwd, adjoint), name="sim")
+        f = dx.ExpensiveFn(
+            fwd=plain, bwd=lambda x, y, ct: jax.vjp(plain, x)[1](ct)[0], fused=dx.fuse(fwd, adjoint), name="sim"
+        )
     step = dx.filter_value_and_grad(linear(f))
     step = eqx.filter_jit(step) if where == "jit" else step
     with dx.record() as timeline:
@@ -201,7 +206,9 @@ def test_the_logger_reports_plans_at_info_and_calls_at_debug(caplog):
     with caplog.at_level(logging.INFO, logger="deferax"):
         step(X)
     info = [r.getMessage() for r in caplog.records if r.name == "deferax"]
-    assert info[0] == "site #0 sim: deferred" and info[1].startswith("site #1 std: standard (its cotangent depends on its own output")
+    assert info[0] == "site #0 sim: deferred" and info[1].startswith(
+        "site #1 std: standard (its cotangent depends on its own output"
+    )
     assert len(info) == 2 and all(r.levelno == logging.INFO for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="deferax"):
@@ -229,14 +236,24 @@ def test_the_logger_is_silent_by_default(capfd):
 
 
 def test_stages_and_calls_are_named_regions_in_a_profiler_trace(tmp_path):
-    f = dx.ExpensiveFn(fwd=plain, bwd=lambda x, y, ct: jax.vjp(plain, x)[1](ct)[0], fused=lambda x, ct: (plain(x), jax.vjp(plain, x)[1](ct)[0]), name="sim")
+    f = dx.ExpensiveFn(
+        fwd=plain,
+        bwd=lambda x, y, ct: jax.vjp(plain, x)[1](ct)[0],
+        fused=lambda x, ct: (plain(x), jax.vjp(plain, x)[1](ct)[0]),
+        name="sim",
+    )
     step = dx.filter_value_and_grad(linear(f))
     step(X)
     with jax.profiler.trace(str(tmp_path)):
         step(X)
     (trace,) = glob.glob(os.path.join(tmp_path, "**", "*.xplane.pb"), recursive=True)
     data = open(trace, "rb").read()
-    for name in (b"deferax stage 1: operands and cotangents", b"deferax stage 2: expensive calls", b"deferax stage 3: value and gradients", b"deferax sim: fused"):
+    for name in (
+        b"deferax stage 1: operands and cotangents",
+        b"deferax stage 2: expensive calls",
+        b"deferax stage 3: value and gradients",
+        b"deferax sim: fused",
+    ):
         assert name in data, name
     # under jit the names are in the compiled program's operations
     text = jax.jit(step).lower(X).as_text(debug_info=True)

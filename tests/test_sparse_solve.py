@@ -42,7 +42,11 @@ def grid(m, dtype):
     if np.issubdtype(dtype, np.complexfloating):
         values = values * (1.0 + 0.3j * rng.uniform(-1, 1, len(vals)))
         b = b + 1j * rng.normal(size=m * m)
-    return jnp.asarray(values.astype(dtype)), dx.SparsePattern(np.array(rows), np.array(cols), m * m), jnp.asarray(b.astype(dtype))
+    return (
+        jnp.asarray(values.astype(dtype)),
+        dx.SparsePattern(np.array(rows), np.array(cols), m * m),
+        jnp.asarray(b.astype(dtype)),
+    )
 
 
 class Tally:
@@ -193,7 +197,10 @@ def test_vjp_and_jvp_match_dense_solve_and_finite_differences(kind):
         values, pattern, b = REAL if kind == "real" else COMPLEX
     rng = np.random.default_rng(2)
     ct = jnp.asarray(rng.normal(size=pattern.n) + (0 if kind == "real" else 1j * rng.normal(size=pattern.n)))
-    d = (jnp.asarray(rng.normal(size=values.shape)).astype(values.dtype), jnp.asarray(rng.normal(size=b.shape)).astype(b.dtype))
+    d = (
+        jnp.asarray(rng.normal(size=values.shape)).astype(values.dtype),
+        jnp.asarray(rng.normal(size=b.shape)).astype(b.dtype),
+    )
     solve = sparse(pattern)
     x, vjp = jax.vjp(solve, values, b)
     x_ref, vjp_ref = jax.vjp(dense(pattern), values, b)
@@ -210,7 +217,9 @@ def test_vjp_and_jvp_match_dense_solve_and_finite_differences(kind):
     np.testing.assert_allclose(t_x, fd, rtol=1e-7, atol=1e-9)
     pairing = sum(jnp.sum(c.astype(jnp.complex128) * t.astype(jnp.complex128)) for c, t in zip(cts, d, strict=True))
     expected = jnp.sum(ct.astype(jnp.complex128) * fd.astype(jnp.complex128))
-    np.testing.assert_allclose(pairing if kind == "complex" else pairing.real, expected if kind == "complex" else expected.real, rtol=1e-7)
+    np.testing.assert_allclose(
+        pairing if kind == "complex" else pairing.real, expected if kind == "complex" else expected.real, rtol=1e-7
+    )
 
 
 def test_real_gradient_matches_finite_differences():
@@ -231,7 +240,9 @@ def test_vmap_over_right_hand_sides_shares_the_factorisation(loss_name):
     loss, _ = make_losses(sparse(pattern, tally))[loss_name]
     reference, _ = make_losses(dense(pattern))[loss_name]
     got = jax.vmap(dx.filter_value_and_grad(loss), in_axes=((None, 0),))((values, bs))
-    assert_tree_allclose(got, jax.vmap(jax.value_and_grad(reference), in_axes=((None, 0),))((values, bs)), rtol=1e-11, atol=1e-12)
+    assert_tree_allclose(
+        got, jax.vmap(jax.value_and_grad(reference), in_axes=((None, 0),))((values, bs)), rtol=1e-11, atol=1e-12
+    )
     if loss_name == "power":  # standard: the forwards keep the one factorisation for their backward passes
         assert tally.counts == {"factor": 1, "solve": 6, "rhs": 6}
     else:  # deferred: one fused job per example, submitted together
@@ -250,7 +261,9 @@ def test_vmap_over_systems(jit):
         fn = eqx.filter_jit(fn) if jit else fn
         tally.clear()
         got = fn((vs, b))
-        assert_tree_allclose(got, jax.vmap(jax.value_and_grad(reference), in_axes=((0, None),))((vs, b)), rtol=1e-11, atol=1e-12)
+        assert_tree_allclose(
+            got, jax.vmap(jax.value_and_grad(reference), in_axes=((0, None),))((vs, b)), rtol=1e-11, atol=1e-12
+        )
         assert tally.counts["factor"] == 3  # one per system
 
 
@@ -266,8 +279,12 @@ def test_forward_mode(kind):
     _sparse_solve.FACTORISATIONS._entries.clear()
     tally.clear()
     holomorphic = kind == "complex"  # (x is holomorphic in b)
-    jac = jax.jacfwd(solve, argnums=1, holomorphic=holomorphic)(values, b)  # the forward, then one jvp_batch job for n tangents
-    assert_tree_allclose(jac, jax.jacfwd(dense(pattern), argnums=1, holomorphic=holomorphic)(values, b), rtol=1e-11, atol=1e-12)
+    jac = jax.jacfwd(solve, argnums=1, holomorphic=holomorphic)(
+        values, b
+    )  # the forward, then one jvp_batch job for n tangents
+    assert_tree_allclose(
+        jac, jax.jacfwd(dense(pattern), argnums=1, holomorphic=holomorphic)(values, b), rtol=1e-11, atol=1e-12
+    )
     assert tally.counts == {"factor": 1, "solve": 3, "rhs": 1 + 1 + pattern.n}
 
 
@@ -279,7 +296,9 @@ def test_on_a_process_pool():
         for loss_name in ("linear", "power"):
             loss, _ = make_losses(sparse(pattern, executor=pool))[loss_name]
             reference, _ = make_losses(dense(pattern))[loss_name]
-            assert_tree_allclose(run(loss, (values, b)), jax.value_and_grad(reference)((values, b)), rtol=1e-11, atol=1e-12)
+            assert_tree_allclose(
+                run(loss, (values, b)), jax.value_and_grad(reference)((values, b)), rtol=1e-11, atol=1e-12
+            )
 
 
 def test_pattern_from_scipy_and_equality():
@@ -289,7 +308,9 @@ def test_pattern_from_scipy_and_equality():
     values, pattern = dx.SparsePattern.from_scipy(matrix)
     np.testing.assert_array_equal(pattern.todense(values), matrix.toarray())
     again = dx.SparsePattern(pattern.rows.copy(), pattern.cols.copy(), 3)
-    assert again == pattern and hash(again) == hash(pattern) and again != dx.SparsePattern(pattern.rows, pattern.cols, 4)
+    assert (
+        again == pattern and hash(again) == hash(pattern) and again != dx.SparsePattern(pattern.rows, pattern.cols, 4)
+    )
     assert repr(pattern) == "SparsePattern(n=3, nnz=5)"
     x = dx.sparse_solve(jnp.asarray(values), pattern, jnp.array([1.0, 2.0, 3.0]))
     np.testing.assert_allclose(matrix @ np.asarray(x), [1.0, 2.0, 3.0], rtol=1e-12)
@@ -300,14 +321,16 @@ def test_pattern_from_scipy_and_equality():
 
 def test_values_of_the_wrong_length():
     values, pattern, b = REAL
-    msg = "`dx.sparse_solve(name='sparse_solve')`: `values` must be a real or complex array of shape (71,) (for SparsePattern(n=16, nnz=71)), but got float64[70]."
+    msg = "`dx.sparse_solve(name='sparse_solve')`: `values` must be a real or complex array of shape (71,) (for \
+SparsePattern(n=16, nnz=71)), but got float64[70]."
     with pytest.raises(ValueError, match=re.escape(msg)):
         dx.sparse_solve(values[:-1], pattern, b)
 
 
 def test_b_of_the_wrong_length():
     values, pattern, b = REAL
-    msg = "`dx.sparse_solve(name='fdfd')`: `b` must be a real or complex array of shape (16,) (for SparsePattern(n=16, nnz=71)), but got float64[17].\n`b` is one right-hand side"
+    msg = "`dx.sparse_solve(name='fdfd')`: `b` must be a real or complex array of shape (16,) (for \
+SparsePattern(n=16, nnz=71)), but got float64[17].\n`b` is one right-hand side"
     with pytest.raises(ValueError, match=re.escape(msg)):
         dx.sparse_solve(values, pattern, jnp.append(b, 1.0), name="fdfd")
 
@@ -327,18 +350,39 @@ def test_singular_matrix():
 
 
 def test_bad_patterns():
-    with pytest.raises(ValueError, match=re.escape("`dx.SparsePattern`: `rows` and `cols` must have the same length, but got 3 rows and 2 cols.")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("`dx.SparsePattern`: `rows` and `cols` must have the same length, but got 3 rows and 2 cols."),
+    ):
         dx.SparsePattern(np.array([0, 1, 1]), np.array([0, 1]), 2)
-    with pytest.raises(ValueError, match=re.escape("`dx.SparsePattern`: every entry of `cols` must be in [0, n) = [0, 2), but got entries from 0 to 2.")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`dx.SparsePattern`: every entry of `cols` must be in [0, n) = [0, 2), but got entries from 0 to 2."
+        ),
+    ):
         dx.SparsePattern(np.array([0, 1]), np.array([0, 2]), 2)
-    with pytest.raises(ValueError, match=re.escape("`dx.SparsePattern`: `rows` must be a 1-D integer array, but got float64[2].")):
+    with pytest.raises(
+        ValueError, match=re.escape("`dx.SparsePattern`: `rows` must be a 1-D integer array, but got float64[2].")
+    ):
         dx.SparsePattern(np.array([0.0, 1.0]), np.array([0, 1]), 2)
     with pytest.raises(ValueError, match=re.escape("`dx.SparsePattern`: `n` must be a positive int, but got 0.")):
         dx.SparsePattern(np.array([0]), np.array([0]), 0)
     values, pattern, b = REAL
-    with pytest.raises(TypeError, match=re.escape("`dx.sparse_solve(name='sparse_solve')`: `pattern` must be a `dx.SparsePattern`, but got tuple.")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "`dx.sparse_solve(name='sparse_solve')`: `pattern` must be a `dx.SparsePattern`, but got tuple."
+        ),
+    ):
         dx.sparse_solve(values, (pattern.rows, pattern.cols), b)
-    with pytest.raises(TypeError, match=re.escape("`dx.sparse_solve(name='sparse_solve')`: `solver` must be a `dx.AbstractSparseSolver` (e.g. `dx.SuperLU()`), but got 'umfpack'.")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "`dx.sparse_solve(name='sparse_solve')`: `solver` must be a `dx.AbstractSparseSolver` (e.g. \
+`dx.SuperLU()`), but got 'umfpack'."
+        ),
+    ):
         dx.sparse_solve(values, pattern, b, solver="umfpack")
 
 
@@ -348,7 +392,10 @@ def test_scipy_is_needed_only_by_a_solve(monkeypatch):
 
     # importing deferax does not import SciPy
     code = "import sys; sys.modules['scipy'] = None; import deferax; print(deferax.sparse_solve.__name__)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "sparse_solve\n"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        == "sparse_solve\n"
+    )
     values, pattern, b = REAL
     monkeypatch.setitem(sys.modules, "scipy", None)
     msg = "`dx.sparse_solve(name='sparse_solve')`: SciPy is not installed, and the solve needs it"

@@ -63,7 +63,9 @@ def loss(model, zs):
 
 
 def make(counter):
-    solver = dx.ExpensiveFn(fwd=Solve(L, SOURCE, counter), adjoint=Adjoint(L, counter), combine=lambda k, u, lam: -u * lam, name="rod")
+    solver = dx.ExpensiveFn(
+        fwd=Solve(L, SOURCE, counter), adjoint=Adjoint(L, counter), combine=lambda k, u, lam: -u * lam, name="rod"
+    )
     return Model(eqx.nn.Linear(3, 5, key=jax.random.key(0)), solver)
 
 

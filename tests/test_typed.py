@@ -59,7 +59,14 @@ def test_passing_calls_eager_jit_vmap():
 def test_wrong_rank():
     with pytest.raises(dx.AnnotationError) as info:
         linear()(jnp.ones((3, 3)))
-    expect(info, where="`Linear.__call__`", what="argument `x`", expected="Float[Array, 'in']", found="float64[3, 3]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
+    expect(
+        info,
+        where="`Linear.__call__`",
+        what="argument `x`",
+        expected="Float[Array, 'in']",
+        found="float64[3, 3]",
+        bindings="out=2 (field `weight`), in=3 (field `weight`)",
+    )
 
 
 class ScaledLinear(Linear):
@@ -72,37 +79,79 @@ def test_inherited_method_named_by_the_instance_class():
     m = ScaledLinear(jnp.ones((2, 3)), jnp.zeros(2))
     with pytest.raises(dx.AnnotationError) as info:
         m(jnp.ones(4))
-    expect(info, where="`ScaledLinear.__call__`", what="argument `x`", expected="Float[Array, 'in']", found="float64[4]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
+    expect(
+        info,
+        where="`ScaledLinear.__call__`",
+        what="argument `x`",
+        expected="Float[Array, 'in']",
+        found="float64[4]",
+        bindings="out=2 (field `weight`), in=3 (field `weight`)",
+    )
 
 
 def test_wrong_size_of_named_dimension_bound_by_a_field():
     with pytest.raises(dx.AnnotationError) as info:
         linear()(jnp.ones(4))
-    expect(info, where="`Linear.__call__`", what="argument `x`", expected="Float[Array, 'in']", found="float64[4]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
+    expect(
+        info,
+        where="`Linear.__call__`",
+        what="argument `x`",
+        expected="Float[Array, 'in']",
+        found="float64[4]",
+        bindings="out=2 (field `weight`), in=3 (field `weight`)",
+    )
 
 
 def test_inconsistent_dimension_between_two_arguments():
     with pytest.raises(dx.AnnotationError) as info:
         linear().pair(jnp.ones((4, 3)), jnp.ones((5, 3)))
-    expect(info, where="`Linear.pair`", what="argument `b`", expected="Float[Array, 'batch in']", found="float64[5, 3]", bindings="out=2 (field `weight`), in=3 (field `weight`), batch=4")
+    expect(
+        info,
+        where="`Linear.pair`",
+        what="argument `b`",
+        expected="Float[Array, 'batch in']",
+        found="float64[5, 3]",
+        bindings="out=2 (field `weight`), in=3 (field `weight`), batch=4",
+    )
 
 
 def test_wrong_dtype():
     with pytest.raises(dx.AnnotationError) as info:
         linear()(jnp.arange(3))
-    expect(info, where="`Linear.__call__`", what="argument `x`", expected="Float[Array, 'in']", found="int64[3]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
+    expect(
+        info,
+        where="`Linear.__call__`",
+        what="argument `x`",
+        expected="Float[Array, 'in']",
+        found="int64[3]",
+        bindings="out=2 (field `weight`), in=3 (field `weight`)",
+    )
 
 
 def test_field_of_wrong_shape_at_construction():
     with pytest.raises(dx.AnnotationError) as info:
         Linear(jnp.ones((2, 3)), jnp.zeros(3))
-    expect(info, where="`Linear(...)`", what="field `bias`", expected="Float[Array, 'out']", found="float64[3]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
+    expect(
+        info,
+        where="`Linear(...)`",
+        what="field `bias`",
+        expected="Float[Array, 'out']",
+        found="float64[3]",
+        bindings="out=2 (field `weight`), in=3 (field `weight`)",
+    )
 
 
 def test_wrong_return_value():
     with pytest.raises(dx.AnnotationError) as info:
         linear().broken(jnp.ones(3))
-    expect(info, where="`Linear.broken`", what="the return value", expected="Float[Array, 'out']", found="float64[3]", bindings="out=2 (field `weight`), in=3 (field `weight`)")
+    expect(
+        info,
+        where="`Linear.broken`",
+        what="the return value",
+        expected="Float[Array, 'out']",
+        found="float64[3]",
+        bindings="out=2 (field `weight`), in=3 (field `weight`)",
+    )
 
 
 def test_pytree_of_wrong_structure():
@@ -185,11 +234,15 @@ def fdtd(x: Float[Array, "nx ny"]) -> Float[Array, "nx ny"]:
     return jnp.sin(x) * 2.0
 
 
-def fdtd_adjoint(x: Float[Array, "nx ny"], y: Float[Array, "nx ny"], ct: Float[Array, "nx ny"]) -> Float[Array, "nx ny"]:
+def fdtd_adjoint(
+    x: Float[Array, "nx ny"], y: Float[Array, "nx ny"], ct: Float[Array, "nx ny"]
+) -> Float[Array, "nx ny"]:
     return 2.0 * jnp.cos(x) * ct
 
 
-def fdtd_fused(x: Float[Array, "nx ny"], ct: Float[Array, "nx ny"]) -> tuple[Float[Array, "nx ny"], Float[Array, "nx ny"]]:
+def fdtd_fused(
+    x: Float[Array, "nx ny"], ct: Float[Array, "nx ny"]
+) -> tuple[Float[Array, "nx ny"], Float[Array, "nx ny"]]:
     return fdtd(x), 2.0 * jnp.cos(x) * ct
 
 
@@ -197,7 +250,9 @@ def bad_fwd(x: Float[Array, "nx ny"]) -> Float[Array, "nx ny"]:
     return x.T  # wrong for non-square grids
 
 
-def bad_fused(x: Float[Array, "nx ny"], ct: Float[Array, "nx ny"]) -> tuple[Float[Array, "nx ny"], Float[Array, "nx ny"]]:
+def bad_fused(
+    x: Float[Array, "nx ny"], ct: Float[Array, "nx ny"]
+) -> tuple[Float[Array, "nx ny"], Float[Array, "nx ny"]]:
     return fdtd(x), (2.0 * jnp.cos(x) * ct).T
 
 
@@ -214,7 +269,14 @@ def test_typed_fwd_returning_wrong_shape():
     f = dx.ExpensiveFn(fwd=bad_fwd, bwd=fdtd_adjoint, out=jax.ShapeDtypeStruct((4, 5), jnp.float64), name="fdtd")
     with pytest.raises(dx.AnnotationError) as info:
         f(jnp.ones((4, 5)))
-    expect(info, where="`ExpensiveFn(name='fdtd')` `fwd`", what="the return value", expected="Float[Array, 'nx ny']", found="float64[5, 4]", bindings="nx=4, ny=5")
+    expect(
+        info,
+        where="`ExpensiveFn(name='fdtd')` `fwd`",
+        what="the return value",
+        expected="Float[Array, 'nx ny']",
+        found="float64[5, 4]",
+        bindings="nx=4, ny=5",
+    )
 
 
 @pytest.mark.parametrize("weights", [None, jnp.ones((4, 5))], ids=["sum", "weighted"])
@@ -227,14 +289,23 @@ def test_typed_fwd_returning_wrong_shape_on_the_deferred_schedule(weights):
     for run in (dx.filter_value_and_grad(loss), eqx.filter_value_and_grad(loss), lambda x: dx.explain(loss, x)):
         with pytest.raises(dx.AnnotationError) as info:
             run(jnp.ones((4, 5)))
-        expect(info, where="`ExpensiveFn(name='fdtd')` `fwd`", what="the return value", expected="Float[Array, 'nx ny']", found="float64[5, 4]", bindings="nx=4, ny=5")
+        expect(
+            info,
+            where="`ExpensiveFn(name='fdtd')` `fwd`",
+            what="the return value",
+            expected="Float[Array, 'nx ny']",
+            found="float64[5, 4]",
+            bindings="nx=4, ny=5",
+        )
 
 
 def test_typed_fused_checked_on_deferred_schedule():
     f = dx.ExpensiveFn(fwd=fdtd, bwd=fdtd_adjoint, fused=bad_fused, name="fdtd")
     with pytest.raises(dx.AnnotationError) as info:
         dx.filter_value_and_grad(lambda x: jnp.sum(f(x)), schedule="deferred")(jnp.ones((4, 5)))
-    assert str(info.value).startswith("`ExpensiveFn(name='fdtd')` `fused`: the return value does not match its annotation.")
+    assert str(info.value).startswith(
+        "`ExpensiveFn(name='fdtd')` `fused`: the return value does not match its annotation."
+    )
     assert "received: (float64[4, 5], float64[5, 4])" in str(info.value)
     assert "nx=4, ny=5" in str(info.value)
 
@@ -243,7 +314,14 @@ def test_typed_bwd_given_wrong_input_is_caught():
     f = dx.ExpensiveFn(fwd=fdtd, bwd=fdtd_adjoint, name="fdtd")
     with pytest.raises(dx.AnnotationError) as info:
         f(jnp.ones(3))
-    expect(info, where="`ExpensiveFn(name='fdtd')` `fwd`", what="argument `x`", expected="Float[Array, 'nx ny']", found="float64[3]", bindings="none yet")
+    expect(
+        info,
+        where="`ExpensiveFn(name='fdtd')` `fwd`",
+        what="argument `x`",
+        expected="Float[Array, 'nx ny']",
+        found="float64[3]",
+        bindings="none yet",
+    )
 
 
 # ----------------------------------------------------------------------------- the canonical pattern
@@ -279,7 +357,9 @@ def test_canonical_pattern_composes_with_eqx_nn():
     assert dx.explain(loss, model, z).sites[0].schedule == "deferred"
     assert_tree_allclose(dx.filter_value_and_grad(loss)(model, z), eqx.filter_value_and_grad(loss)(model, z))
     wrong = Design(eqx.nn.MLP(2, 12, 8, 1, key=key), Simulator(f, jnp.ones((3, 4))), (4, 3))
-    with pytest.raises(dx.AnnotationError, match=re.escape("`Simulator.__call__`: argument `eps` does not match its annotation.")):
+    with pytest.raises(
+        dx.AnnotationError, match=re.escape("`Simulator.__call__`: argument `eps` does not match its annotation.")
+    ):
         dx.filter_value_and_grad(loss)(wrong, z)
 
 
@@ -296,7 +376,9 @@ def test_star_args_and_kwargs_annotations_apply_to_each_element():
     assert out.shape == (3,)
     with pytest.raises(dx.AnnotationError, match=re.escape("argument `*xs` [1] does not match its annotation")):
         s.total(jnp.ones(3), jnp.ones(4))
-    with pytest.raises(dx.AnnotationError, match=re.escape("argument `a` (of `**weights`) does not match its annotation")):
+    with pytest.raises(
+        dx.AnnotationError, match=re.escape("argument `a` (of `**weights`) does not match its annotation")
+    ):
         s.total(jnp.ones(3), a=jnp.ones(2))
 
 

@@ -1,0 +1,281 @@
+"""`dx.filter_value_and_grad` behaves as `eqx.filter_value_and_grad` does: the Python
+function runs once per call, aux comes back as it was returned, data arguments stay
+concrete, user custom rules may call sites, other inputs differentiated are told apart, and
+an enclosing derivative gets the standard schedule. Each against Equinox on the same
+program (float64), eagerly and under `eqx.filter_jit`, with execution counts."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deferax as dx
+
+from .helpers import P0, W, assert_tree_allclose, make, plain, ref
+
+# ----------------------------------------------------------------------------- Python runs once per call
+
+
+def test_python_function_runs_once_per_eager_call(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    runs = []
+
+    def loss(p):
+        runs.append(1)
+        return jnp.sum(W * f(p))
+
+    step = dx.filter_value_and_grad(loss)
+    for n in range(1, 4):
+        step(P0)
+        assert len(runs) == n
+
+
+def test_python_randomness_value_and_gradient_from_one_draw(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    rng = np.random.default_rng(0)
+
+    def loss(p):
+        idx = rng.choice(4, size=2, replace=False)  # a NumPy-drawn subsample
+        return jnp.sum(W[idx] * f(p)[idx]), idx
+
+    for _ in range(5):
+        (value, idx), grad = dx.filter_value_and_grad(loss, has_aux=True)(P0)
+        expected = eqx.filter_value_and_grad(lambda p, idx=idx: jnp.sum(W[idx] * plain(p)[idx]))(P0)
+        assert_tree_allclose((value, grad), expected)
+
+
+def test_debug_print_fires_once_with_real_values(counter, capfd):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    seen = []
+
+    def loss(p):
+        y = f(p)
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), y)
+        jax.debug.print("loss sees {}", jnp.sum(y))
+        return jnp.sum(W * y)
+
+    for jit in (False, True):
+        seen.clear()
+        step = dx.filter_value_and_grad(loss)
+        step = eqx.filter_jit(step) if jit else step
+        jax.block_until_ready(step(P0))
+        jax.effects_barrier()
+        assert len(seen) == 1, jit
+        np.testing.assert_allclose(seen[0], plain(P0))
+    out = capfd.readouterr().out
+    assert out.count("loss sees") == 2 and "loss sees 0.0" not in out
+    # on the basis schedule too (its basis cotangents were computed from the whole program,
+    # the callback included, with a zero stand-in for the output)
+
+    def basis_loss(p):
+        y = f(p)
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), y)
+        return jnp.log(jnp.sum(W * y) + 3.0)
+
+    assert dx.explain(basis_loss, P0).sites[0].schedule == "deferred-basis"
+    for jit in (False, True):
+        seen.clear()
+        step = dx.filter_value_and_grad(basis_loss)
+        step = eqx.filter_jit(step) if jit else step
+        assert_tree_allclose(
+            jax.block_until_ready(step(P0)), jax.value_and_grad(lambda p: jnp.log(jnp.sum(W * plain(p)) + 3.0))(P0)
+        )
+        jax.effects_barrier()
+        assert len(seen) == 1, jit
+        np.testing.assert_allclose(seen[0], plain(P0))
+
+
+# ----------------------------------------------------------------------------- aux as Equinox returns it
+
+
+def test_non_array_aux_returned_as_it_was(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+    marker = object()
+    table = np.arange(3.0)
+
+    def program(g):
+        def loss(p):
+            y = g(p)
+            return jnp.sum(W * y), {"label": "run-1", "fn": jnp.sin, "obj": marker, "table": table, "y": y, "n": 3}
+
+        return loss
+
+    loss = program(f)
+    counter.reset()
+    (value, aux), grad = dx.filter_value_and_grad(loss, has_aux=True)(P0)
+    jax.effects_barrier()
+    assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}
+    (value_e, aux_e), grad_e = eqx.filter_value_and_grad(loss, has_aux=True)(P0)  # Equinox: the aux types
+    (value_r, _), grad_r = jax.value_and_grad(program(plain), has_aux=True)(P0)  # plain JAX: the numbers
+    assert aux["label"] == "run-1" and aux["fn"] is jnp.sin and aux["obj"] is marker and aux["n"] == 3
+    assert type(aux["table"]) is type(aux_e["table"]) and type(aux["table"]) is np.ndarray
+    assert_tree_allclose((value, aux["y"], grad), (value_r, plain(P0), grad_r))
+    # a string as the whole aux, under jit too
+    got = eqx.filter_jit(dx.filter_value_and_grad(lambda p: (jnp.sum(W * f(p)), "label"), has_aux=True))(P0)
+    assert got[0][1] == "label"
+
+
+# ----------------------------------------------------------------------------- concrete arguments stay concrete
+
+
+def test_python_values_from_data_arguments(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter)
+
+    def program(g):
+        def loss(p, n, flag, data):
+            total = jnp.zeros(())
+            for i in range(int(n)):  # `int` of a data argument
+                total = total + float(i + 1) * jnp.sum(W * g(p))
+            if flag:  # a Python branch on a data argument
+                total = total + jnp.sum(p**2)
+            scaled = np.asarray(data) * 2.0  # NumPy preprocessing of a data argument
+            return total + jnp.sum(jnp.asarray(scaled) * p)
+
+        return loss
+
+    loss, reference = program(f), program(plain)
+    data = jnp.array([1.0, 2.0, 3.0, 4.0])
+    for n, flag in [(jnp.asarray(2), True), (jnp.asarray(1), False)]:
+        counter.reset()
+        got = dx.filter_value_and_grad(loss)(P0, n, flag, data)
+        jax.effects_barrier()
+        assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": int(n)}  # one site per loop turn
+        assert_tree_allclose(got, jax.value_and_grad(reference)(P0, n, flag, data))
+    # and in a program with no expensive function at all
+    no_site = lambda p, n: jnp.sum(p ** int(n))  # noqa: E731
+    assert_tree_allclose(
+        dx.filter_value_and_grad(no_site)(P0, jnp.asarray(3)), eqx.filter_value_and_grad(no_site)(P0, jnp.asarray(3))
+    )
+
+
+# ----------------------------------------------------------------------------- user custom rules that call sites
+
+
+def test_user_custom_rules_that_call_a_site(counter):
+    f = make(ref, ("fwd", "bwd", "fused"), counter, name="inside_rule")
+
+    @jax.custom_vjp
+    def g(p):
+        return f(p)
+
+    def g_fwd(p):
+        return f(p), p
+
+    def g_bwd(p, ct):
+        return (jax.vjp(f, p)[1](ct)[0],)
+
+    g.defvjp(g_fwd, g_bwd)
+
+    @jax.custom_jvp
+    def h(p):
+        return f(p)
+
+    @h.defjvp
+    def h_jvp(primals, tangents):
+        (p,), (t,) = primals, tangents
+        return f(p), jnp.cos(p) * jnp.exp(0.3 * p) * t + 0.3 * ref(p) * t
+
+    for wrapped in (g, h):
+        loss = lambda p, w=wrapped: jnp.sum(W * w(p))  # noqa: E731
+        plan = dx.explain(loss, P0)
+        assert plan.sites[0].schedule == "standard" and plan.sites[0].reason.startswith("called inside a custom_")
+        for jit in (False, True):
+            step = dx.filter_value_and_grad(loss)
+            step = eqx.filter_jit(step) if jit else step
+            assert_tree_allclose(step(P0), eqx.filter_value_and_grad(lambda p: jnp.sum(W * plain(p)))(P0))
+
+
+def test_same_equations_with_other_inputs_differentiated():
+    """Two programs with the same equations: one multiplies by a captured constant, the
+    other by a second differentiated input. The cache must tell them apart."""
+    w = jnp.array([1.0, 2.0, 3.0, 4.0])
+    captured = lambda p: jnp.sum(p * w)  # noqa: E731
+    both = lambda pw: jnp.sum(pw[0] * pw[1])  # noqa: E731
+    for _ in range(2):
+        assert_tree_allclose(dx.filter_value_and_grad(captured)(P0), eqx.filter_value_and_grad(captured)(P0))
+        assert_tree_allclose(dx.filter_value_and_grad(both)((P0, w)), eqx.filter_value_and_grad(both)((P0, w)))
+
+
+def test_mixed_leaves_nan_float32_and_aux_only_site(counter):
+    """Integer, complex, float32 and non-array leaves in the differentiated argument; a NaN
+    in the input; a float32 site next to a float64 one; a site seen only by aux."""
+    f = make(ref, ("fwd", "bwd", "fused"), counter, name="f64")
+    g = make(ref, ("fwd", "bwd", "fused"), counter, name="f32")
+    params = {
+        "a": P0,
+        "n": jnp.array([1, 2, 3, 4]),
+        "c": jnp.array([1.0 + 1j, 2.0 - 1j]),
+        "h": jnp.array([0.5, 0.25, 1.0, 2.0], jnp.float32),
+        "s": 3,
+        "name": "x",
+    }
+
+    def program(p, f, g):
+        y = f(p["a"] * p["n"].astype(jnp.float64))
+        z = jnp.real(jnp.sum(p["c"] * jnp.conj(p["c"])))
+        return jnp.sum(W * y) + z + jnp.sum(g(p["h"])).astype(jnp.float64) * p["s"], {
+            "seen": f(p["a"]),
+            "tag": p["name"],
+        }
+
+    loss = lambda p: program(p, f, g)  # noqa: E731
+    reference = lambda p: program(p, plain, plain)  # noqa: E731
+    plan = dx.explain(dx.filter_value_and_grad(loss, has_aux=True), params)
+    assert [s.schedule for s in plan.sites] == ["deferred", "deferred", "deferred"]
+    assert [s.in_shapes for s in plan.sites] == ["float64[4]", "float32[4]", "float64[4]"]
+    for p in (params, {**params, "a": P0.at[1].set(jnp.nan)}):
+        for jit in (False, True):
+            got_fn = dx.filter_value_and_grad(loss, has_aux=True)
+            got_fn = eqx.filter_jit(got_fn) if jit else got_fn
+            jax.effects_barrier()
+            counter.reset()
+            (value, aux), grad = got_fn(p)
+            jax.effects_barrier()
+            assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 3}
+            (value_r, aux_r), grad_r = eqx.filter_value_and_grad(reference, has_aux=True)(p)
+            assert aux["tag"] == "x" and grad["n"] is None and grad["name"] is None and grad["h"].dtype == jnp.float32
+            np.testing.assert_allclose(value, value_r, rtol=1e-6)
+            for key in ("a", "c", "h"):
+                np.testing.assert_allclose(grad[key], grad_r[key], rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(aux["seen"], aux_r["seen"], rtol=1e-12)
+
+
+def test_inside_an_enclosing_derivative_the_standard_schedule_is_used(counter):
+    """`jax.grad` of a `dx.filter_value_and_grad` value, or `jax.jacrev` of its gradient (a
+    Hessian): the enclosing derivative differentiates what runs, so the standard schedule
+    runs (a `dx.fuse` callback has no derivative), and the results are right."""
+
+    def adjoint(x, ct):
+        return jax.vjp(ref, x)[1](ct)[0]
+
+    f = dx.ExpensiveFn(fwd=ref, bwd=lambda x, y, ct: adjoint(x, ct), fused=dx.fuse(ref, adjoint), name="fused")
+    loss = lambda p: jnp.sum(W * f(p)) + jnp.sum(p**3)  # noqa: E731
+    reference = lambda p: jnp.sum(W * plain(p)) + jnp.sum(p**3)  # noqa: E731
+    assert dx.explain(loss, P0).sites[0].schedule == "deferred"  # on its own it is deferred
+    assert_tree_allclose(jax.grad(lambda p: dx.filter_value_and_grad(loss)(p)[0])(P0), jax.grad(reference)(P0))
+    assert_tree_allclose(jax.jacrev(dx.filter_grad(loss))(P0), jax.hessian(reference)(P0))
+    assert_tree_allclose(jax.jit(jax.jacrev(dx.filter_grad(loss)))(P0), jax.hessian(reference)(P0))
+    assert_tree_allclose(jax.grad(jax.jit(lambda p: dx.filter_value_and_grad(loss)(p)[0]))(P0), jax.grad(reference)(P0))
+    # schedule='deferred' asked for explicitly: a site whose deferred call leaves the program
+    # cannot be differentiated, and the error says which and what to do (it was JAX's
+    # "Pure callbacks do not support JVP"); a JAX-native `fused` can be, and is
+    expected = (
+        "`deferax.filter_value_and_grad`: schedule='deferred' was requested inside an enclosing differentiation \
+(`jax.grad`,\n"
+        "`jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' \
+deferred calls\n"
+        "run outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from \
+`fwd` and\n"
+        "`bwd` or `adjoint`, or a host function): `fused`. Use schedule='auto': under differentiation it keeps them \
+standard."
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        jax.jacrev(dx.filter_grad(loss, schedule="deferred"))(P0)
+    native = dx.ExpensiveFn(
+        fwd=ref, bwd=lambda x, y, ct: adjoint(x, ct), fused=lambda x, ct: (ref(x), adjoint(x, ct)), name="native"
+    )
+    native_loss = lambda p: jnp.sum(W * native(p)) + jnp.sum(p**3)  # noqa: E731
+    assert_tree_allclose(jax.jacrev(dx.filter_grad(native_loss, schedule="deferred"))(P0), jax.hessian(reference)(P0))
