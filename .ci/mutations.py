@@ -26,95 +26,192 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 MUTATIONS = [
     (
         "a nonlinear site deferred",
-        [("_analysis/_analysis.py", "        if not sources:\n            return (\"deferred\", None, None, None)", "        if True:\n            return (\"deferred\", None, None, None)")],
+        [
+            (
+                "_analysis/_analysis.py",
+                '        if not sources:\n            return Decision("deferred")',
+                '        if True:\n            return Decision("deferred")',
+            )
+        ],
         ["tests/test_deferred.py"],
     ),
     (
         "a replayed cotangent scaled by 1 + 1e-6",
-        [("_stages/_stages.py", "    return ct_operands, jtu.tree_map(_tangents.zero_like, y)", "    return jtu.tree_map(lambda c: c if c.dtype == jax.dtypes.float0 else c * 1.000001, ct_operands), jtu.tree_map(_tangents.zero_like, y)")],
+        [
+            (
+                "_stages/_stage3.py",
+                "    return ct_operands, jtu.tree_map(zero_like, y)",
+                "    return jtu.tree_map(lambda c: c if c.dtype == jax.dtypes.float0 else c * 1.000001, ct_operands), "
+                "jtu.tree_map(zero_like, y)",
+            )
+        ],
         ["tests/test_deferred.py"],
     ),
     (
         "a dropped basis coefficient",
-        [("_stages/_stages.py", "            c = c[rows]\n", "            c = c[rows].at[0].set(0)\n")],
+        [("_stages/_stage3.py", "        c = c[rows]\n", "        c = c[rows].at[0].set(0)\n")],
         ["tests/test_basis.py"],
     ),
     (
         "the zero-entry guard of the basis combination removed",
-        [("_stages/_stages.py", "jnp.where(c == 0, jnp.zeros((), c.dtype), coefficients * c)", "coefficients * c")],
+        [("_stages/_stage3.py", "jnp.where(c == 0, jnp.zeros((), c.dtype), coefficients * c)", "coefficients * c")],
         ["tests/test_basis.py"],
     ),
     (
         "fwd called twice on the standard schedule",
-        [("_site/_primitive.py", "        y = spec.fn(fn_leaves).primal(spec.x(x_leaves))\n", "        spec.fn(fn_leaves).primal(spec.x(x_leaves))\n        y = spec.fn(fn_leaves).primal(spec.x(x_leaves))\n")],
+        [
+            (
+                "_site/_primitive.py",
+                "        y = spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
+                "        spec.fn(fn_leaves).primal(spec.x(x_leaves))\n        y = \
+spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
+            )
+        ],
         ["tests/test_expensive.py"],
     ),
     (
         "Fused.batched running the forward once per cotangent",
-        [("_concurrency/_threads.py", "        y, partials = _concurrently(self.fwd, self.adjoint, x, cts, batched=True, compiled=self.compiled)", "        [_dispatch(False, self.fwd, x) for _ in range(jtu.tree_leaves(cts)[0].shape[0] - 1)]\n        y, partials = _concurrently(self.fwd, self.adjoint, x, cts, batched=True, compiled=self.compiled)")],
+        [
+            (
+                "_implementation/_abstract.py",
+                "        y, partials = concurrently(",
+                "        [self.fwd(x) for _ in range(jtu.tree_leaves(cts)[0].shape[0] - 1)]\n"
+                "        y, partials = concurrently(",
+            )
+        ],
         ["tests/test_basis.py"],
     ),
     (
         "a cotangent doubled on both the deferred and the standard path",
         [
             ("_site/_primitive.py", "    return unbatch(spec, out)", "    return unbatch(spec, [2 * o for o in out])"),
-            ("_stages/_stages.py", "    return y, _site.unbatch(spec, ct_x)", "    return y, _site.unbatch(spec, [2 * c for c in ct_x])"),
+            (
+                "_stages/_stage2.py",
+                "    return y, _site.unbatch(spec, ct_x)",
+                "    return y, _site.unbatch(spec, [2 * c for c in ct_x])",
+            ),
         ],
         ["tests/test_deferred.py", "tests/test_properties.py"],
     ),
     (
         "a forward-basis contraction scaled",
-        [("_site/_primitive.py", "else jnp.tensordot(flat.astype(j.dtype), j, axes=1)", "else 2 * jnp.tensordot(flat.astype(j.dtype), j, axes=1)")],
+        [
+            (
+                "_forward_basis/_primitive.py",
+                "else jnp.tensordot(flat.astype(j.dtype), j, axes=1)",
+                "else 2 * jnp.tensordot(flat.astype(j.dtype), j, axes=1)",
+            )
+        ],
         ["tests/test_forward.py"],
     ),
     (
         "a bwd that reads y taken for one that does not",
-        [("_site/_primitive.py", '    return any("y" in d for d in _jaxpr.dependencies(closed, labels))', "    return False")],
+        [
+            (
+                "_analysis/_bwd.py",
+                '    return any("y" in d for d in _jaxpr.dependencies(closed, labels))',
+                "    return False",
+            )
+        ],
         ["tests/test_concurrent.py"],
     ),
     (
         "a site under vmap replayed without summing over unbatched levels",
-        [("_site/_primitive.py", "        out.append(jnp.sum(c, axis=dropped) if dropped else c)", "        out.append(jnp.take(c, 0, axis=dropped[0]) if dropped else c)")],
-        ["tests/test_one_trace.py", "tests/test_forward.py"],
+        [
+            (
+                "_site/_primitive.py",
+                "        out.append(jnp.sum(c, axis=dropped) if dropped else c)",
+                "        out.append(jnp.take(c, 0, axis=dropped[0]) if dropped else c)",
+            )
+        ],
+        ["tests/test_equinox_semantics.py", "tests/test_vmap_batches.py", "tests/test_forward.py"],
     ),
     (
         "a dx.fuse adjoint half left out of the recording",
-        [("_concurrency/_threads.py", "_record.call(adjoint_name, lambda: jax.block_until_ready(call_adjoint()), False, adjoint_device)", "jax.block_until_ready(call_adjoint())")],
+        [
+            (
+                "_concurrency/_threads.py",
+                "ft.partial(_timed_eager, halves.names[1], adjoint_device, home, call_adjoint)",
+                "ft.partial(_ready, call_adjoint)",
+            )
+        ],
         ["tests/test_record.py"],
     ),
     (
         "the adjoint placed on the forward's device",
-        [("_concurrency/_threads.py", "    return devices[first], devices[(first + 1) % len(devices)]", "    return devices[first], devices[first]")],
+        [
+            (
+                "_concurrency/_devices.py",
+                "    return devices[first], devices[(first + 1) % len(devices)]",
+                "    return devices[first], devices[first]",
+            )
+        ],
         ["tests/test_devices.py"],
     ),
     (
         "an ExpensiveFn's configuration arrays marked trainable",
-        [("_implementation/_expensive.py", "jtu.tree_map(lambda _: False, node) if isinstance(node, ExpensiveFn) else ", "")],
+        [
+            (
+                "_implementation/_expensive.py",
+                "jtu.tree_map(lambda _: False, node) if isinstance(node, ExpensiveFn) else ",
+                "",
+            )
+        ],
         ["tests/test_training.py"],
     ),
     (
         "a variable on several basis sites' frontiers given only the last site's wrapper",
-        [("_stages/_stages.py", "wraps[v] = wrap if before is None else (lambda z, wrap=wrap, before=before: wrap(before(z)))", "wraps[v] = wrap")],
+        [
+            (
+                "_stages/_stage3.py",
+                "wraps[v] = wrap if before is None else (lambda z, wrap=wrap, before=before: wrap(before(z)))",
+                "wraps[v] = wrap",
+            )
+        ],
         ["tests/test_basis.py"],
     ),
     (
         "the halves made from fwd + bwd compiled once per function (stale when what they read changes)",
-        [("_implementation/_expensive.py", "        return Derived(_Primal(self)", "        return Fused(_Primal(self)")],
+        [
+            (
+                "_implementation/_derived.py",
+                "    compiled: ClassVar[bool] = False",
+                "    compiled: ClassVar[bool] = True",
+            )
+        ],
         ["tests/test_concurrent.py"],
     ),
     (
         "a bwd that calls a host callback taken for one that shares no state with fwd",
-        [("_site/_primitive.py", "    return None if opaque is None else _OPAQUE_BWD.format(location=opaque)", "    return None")],
+        [
+            (
+                "_analysis/_bwd.py",
+                "    return None if opaque is None else _OPAQUE_BWD.format(location=opaque)",
+                "    return None",
+            )
+        ],
         ["tests/test_concurrent.py"],
     ),
     (
         "an io_callback ahead of the expensive calls run twice (value and gradient from two draws)",
-        [("_analysis/_analysis.py", 'decisions[k] = ("standard", once[k], None, None) if once[k] else', 'decisions[k] = ("standard", once[k], None, None) if False else')],
-        ["tests/test_one_trace.py"],
+        [
+            (
+                "_analysis/_analysis.py",
+                'Decision("standard", once[k]) if once[k] else',
+                'Decision("standard", once[k]) if False else',
+            )
+        ],
+        ["tests/test_replay_safety.py"],
     ),
     (
         "the same view of the output computed twice counted twice in k",
-        [("_analysis/_analysis.py", "    program = _jaxpr.merge_duplicates(program, keep=(_site.SITE, _site.LINEAR))\n", "")],
+        [
+            (
+                "_analysis/_analysis.py",
+                "    program = _jaxpr.merge_duplicates(program, keep=(_site.SITE, _site.LINEAR))\n",
+                "",
+            )
+        ],
         ["tests/test_basis.py"],
     ),
 ]
@@ -130,14 +227,23 @@ def run(name, replacements, tests) -> tuple[bool, str]:
             if old not in text:
                 return False, f"the mutation no longer applies: {file} has no {old!r}"
             path.write_text(text.replace(old, new, 1))
-        env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "DEFERAX_MUTATION_CHECK": "1"}
-        probe = subprocess.run([sys.executable, "-c", "import deferax; print(deferax.__file__)"], env=env, capture_output=True, text=True)
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "DEFERAX_MUTATION_CHECK": "1",
+        }
+        probe = subprocess.run(
+            [sys.executable, "-c", "import deferax; print(deferax.__file__)"], env=env, capture_output=True, text=True
+        )
         if not probe.stdout.startswith(str(src)):
             return False, f"the mutated copy is not the one imported: {probe.stdout.strip()} {probe.stderr.strip()}"
         out = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests],
-            cwd=ROOT, env=env, capture_output=True, text=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr.strip()[-300:]
         failed = re.search(r"(\d+) failed", tail)
         return out.returncode == 1 and failed is not None, f"{failed.group(1) if failed else 0} failing ({tail})"
