@@ -35,8 +35,8 @@ def test_halves_and_sites_on_different_devices():
 def test_set_devices_refuses_what_is_not_a_list_of_devices(bad, found):
     with pytest.raises(
         TypeError,
-        match=r"`deferax.set_devices`: `devices` must be None \(every local device\) or a non-empty list of \
-`jax.Device`s",
+        match=r"`deferax.set_devices`: `devices` must be None \(every local device\) or a non-empty list of "
+        r"`jax.Device`s",
     ) as info:
         dx.set_devices(bad)
     assert re.search(f"but got .*({found})", str(info.value)), str(info.value)

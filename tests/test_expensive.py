@@ -355,8 +355,8 @@ def test_error_bwd_wrong_dtype_and_structure():
     g = dx.ExpensiveFn(fwd=lambda x: jnp.sin(x["a"]), bwd=lambda x, y, ct: ct, name="g")
     with pytest.raises(
         ValueError,
-        match=r"`bwd` returned a cotangent that does not match the input `x`.\nExpected structure PyTreeDef\(\{'a': \
-\*\}\), found PyTreeDef\(\*\)",
+        match=r"`bwd` returned a cotangent that does not match the input `x`.\nExpected structure "
+        r"PyTreeDef\(\{'a': \*\}\), found PyTreeDef\(\*\)",
     ):
         jax.grad(lambda x: jnp.sum(g(x)))({"a": jnp.ones(3)})
 

@@ -17,7 +17,7 @@ _DEVICES: list | None = None  # `set_devices`; None: every local device of the d
 _SLOT: contextvars.ContextVar[int] = contextvars.ContextVar("deferax_slot", default=0)
 
 
-def set_devices(devices: Sequence[jax.Device] | None = None) -> None:
+def set_devices(devices: Any = None) -> None:  # (`Any`: a wrong value must reach the message below)
     """Choose the devices that the deferred stage spreads its JAX-native work over.
 
     When JAX sees several devices (several GPUs; on a CPU, with
