@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _record
+from . import _record, _threads
 
 _DEFAULT: cf.Executor | None = None
 _DEFAULT_LOCK = threading.Lock()
@@ -210,6 +210,18 @@ _GRACE = 1.0  # seconds to let the other jobs finish when one fails, to check th
 
 def _run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], check: Any = None) -> list[Any]:
     executor = executor if executor is not None else default_executor()
+    with _threads.shared(_at_once(executor, len(jobs))):
+        return _submit(call, executor, timeout, jobs, check)
+
+
+def _at_once(executor: cf.Executor, jobs: int) -> int:
+    """How many of `jobs` run at once on threads of this process (none on other processes)."""
+    if not isinstance(executor, cf.ThreadPoolExecutor):
+        return 0
+    return min(jobs, getattr(executor, "_max_workers", jobs))
+
+
+def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[Job], check: Any = None) -> list[Any]:
     futures: list[cf.Future] = []
     where = name(executor)
     for job in jobs:
