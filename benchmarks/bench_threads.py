@@ -13,8 +13,10 @@ cores while they run together. Sides, timed interleaved in one run:
 - concurrent, not limited: the two jobs at once with deferax's limit switched off (what the
   limit buys).
 
-Also one factorisation and solve alone, and the same pair on two plain threads with and
-without `threadpool_limits(1)`: SuperLU releases Python's GIL, so the pair overlaps.
+Also plain SciPy without deferax: one factorisation and solve, two in turn and two on two
+threads, on one BLAS thread each (SuperLU releases Python's GIL: the pair overlaps), and
+two on two threads with the default BLAS threads. And the cost of de-duplicating 6 basis
+cotangents (`linear_adjoint`) beside one solve.
 
     python benchmarks/bench_threads.py            # 150 x 150 grid (22,500 unknowns)
     python benchmarks/bench_threads.py --small    # smoke test
@@ -31,11 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
 import scipy.sparse.linalg as spl
-from _common import describe, interleaved, load, machine, median, parser, result_line
+from _common import describe, fmt, interleaved, load, machine, median, parser, result_line
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import deferax as dx
 from deferax import _threads
+from deferax._host_jobs import _multiples
 
 jax.config.update("jax_enable_x64", True)
 
@@ -71,7 +74,9 @@ def main():
     sites = dx.explain(dx.filter_value_and_grad(loss), vs).sites
     print(f"{n} x {n} grid, {n * n} unknowns, {len(sites)} sites: {[s.schedule for s in sites]}")
 
-    # One solve, and two on plain threads: does SuperLU overlap on threads at all?
+    # One solve, two in turn and two on plain threads, on one BLAS thread each: does SuperLU
+    # overlap on threads at all (does it release Python's GIL)? And two on threads with the
+    # default BLAS threads, the oversubscription deferax avoids.
     def solve(a):
         return spl.splu(a).solve(np.asarray(b))
 
@@ -79,17 +84,32 @@ def main():
         with cf.ThreadPoolExecutor(2) as pool:
             return list(pool.map(solve, matrices))
 
-    def pair_on_threads_one_blas_thread():
-        with threadpool_limits(limits=1):
-            return pair_on_threads()
+    def one_blas_thread(fn):
+        def run():
+            with threadpool_limits(limits=1):
+                return fn()
+
+        return run
 
     plain = interleaved(
-        {"one solve": lambda: solve(matrices[0]), "two in turn": lambda: [solve(a) for a in matrices],
-         "two threads": pair_on_threads, "two threads, 1 BLAS thread": pair_on_threads_one_blas_thread},
+        {
+            "one solve": one_blas_thread(lambda: solve(matrices[0])),
+            "two in turn": one_blas_thread(lambda: [solve(a) for a in matrices]),
+            "two threads": one_blas_thread(pair_on_threads),
+            "two threads, default BLAS threads": pair_on_threads,
+        },
         repeats,
     )
     for side, ts in plain.items():
-        print(f"    plain SciPy {side:28s}: {describe(ts)}")
+        print(f"    plain SciPy {side:34s}: {describe(ts)}")
+    gil = median(plain["two threads"]) / median(plain["two in turn"])
+    print(f"plain SciPy, one BLAS thread: two threads / two in turn = {gil:.2f} (0.5: SuperLU overlaps fully; 1.0: not at all)")
+
+    # De-duplicating the cotangent rows of a basis schedule (host jobs with `linear_adjoint`),
+    # beside the solve it may save.
+    rows = [np.exp(1j * np.arange(n * n) * (r + 1) / n) for r in range(6)]
+    dedup = interleaved({"dedup": lambda: _multiples(rows, jax.ShapeDtypeStruct((n * n,), jnp.complex128))}, repeats)["dedup"]
+    print(f"de-duplication of 6 cotangent rows of {n * n} entries: {describe(dedup)}; one solve {fmt(median(plain['one solve']))}")
 
     def sequential():
         dx.set_concurrency(False)
@@ -112,13 +132,16 @@ def main():
     print(f"deferred vs standard gradient: relative difference {diff:.1e}")
     assert diff < 1e-9, diff
 
-    times = interleaved({"concurrent": lambda: step(vs), "sequential": sequential, "concurrent, not limited": not_limited}, repeats)
+    times = interleaved(
+        {"concurrent": lambda: step(vs), "sequential": sequential, "concurrent, not limited": not_limited}, repeats
+    )
     for side, ts in times.items():
         print(f"    through deferax {side:24s}: {describe(ts)}")
     ratio_free = median(times["concurrent, not limited"]) / median(times["sequential"])
     print(f"concurrent, not limited / sequential = {ratio_free:.2f}")
     print(f"at the end: {load()}")
-    line = result_line("bench_threads", f"two sparse solves {n * n}", median(times["concurrent"]), median(times["sequential"]), TARGET, "concurrent", "sequential")
+    concurrent, in_turn = median(times["concurrent"]), median(times["sequential"])
+    line = result_line("bench_threads", f"two sparse solves {n * n}", concurrent, in_turn, TARGET, "concurrent", "sequential")
     if args.small:
         line = line.rsplit(" (target", 1)[0] + " (smoke size; no target)"
     print(line)
