@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 _LOCK = threading.Lock()
 _running = 0  # host jobs running at once on threads of this process, over all batches
 _saved: list[tuple[Any, int]] = []  # (a library's threadpoolctl controller, its setting before deferax limited it)
+_found: tuple[int, list] | None = None  # (how many modules were imported, the libraries loaded then)
 
 
 def cores() -> int:
@@ -52,9 +54,7 @@ def _enter(jobs: int) -> None:
         if _running < 2:
             return
         if not _saved:
-            from threadpoolctl import ThreadpoolController  # (it finds the libraries loaded now)
-
-            _saved.extend((c, c.num_threads) for c in ThreadpoolController().lib_controllers)
+            _saved.extend((c, c.num_threads) for c in _libraries())
         share = max(1, cores() // _running)
         for c, before in _saved:
             if min(before, share) < c.num_threads:
@@ -69,3 +69,15 @@ def _leave(jobs: int) -> None:
             for c, before in _saved:
                 c.set_num_threads(before)
             _saved.clear()
+
+
+def _libraries() -> list:
+    """threadpoolctl's controllers of the native thread pools loaded in this process. Finding
+    them takes a millisecond or two, so they are found again only when a module has been
+    imported since (a library comes with the module that loads it: NumPy, SciPy, ...)."""
+    global _found
+    if _found is None or _found[0] != len(sys.modules):
+        from threadpoolctl import ThreadpoolController
+
+        _found = (len(sys.modules), ThreadpoolController().lib_controllers)
+    return _found[1]
