@@ -117,7 +117,7 @@ class Job:
 
 def name(executor: cf.Executor) -> str:
     """The executor, for messages: "a ThreadPoolExecutor", "a Dask cluster", ..."""
-    return "a Dask cluster" if _is_dask(executor) else f"a {type(executor).__name__}"
+    return "a Dask cluster" if is_dask(executor) else f"a {type(executor).__name__}"
 
 
 def describe(executor: cf.Executor) -> str:
@@ -126,12 +126,13 @@ def describe(executor: cf.Executor) -> str:
         return "a thread of a ThreadPoolExecutor"
     if isinstance(executor, cf.ProcessPoolExecutor):
         return "a process of a ProcessPoolExecutor"
-    if _is_dask(executor):
+    if is_dask(executor):
         return "a Dask worker"
     return name(executor)
 
 
-def _is_dask(executor: cf.Executor) -> bool:
+def is_dask(executor: cf.Executor) -> bool:
+    executor = getattr(executor, "dask_executor", executor)  # (`_affinity.Pinned` wraps one)
     return type(executor).__module__.split(".")[0] == "distributed"
 
 
@@ -139,7 +140,7 @@ def check_picklable(call: str, executor: cf.Executor, impls: dict[str, Callable[
     """Raise before anything is submitted if a host function cannot reach the executor's workers."""
     if isinstance(executor, cf.ProcessPoolExecutor):
         pickler, dumps = "pickle", pickle.dumps
-    elif _is_dask(executor):
+    elif is_dask(executor):
         import cloudpickle  # shipped with distributed
 
         pickler, dumps = "cloudpickle", cloudpickle.dumps
@@ -168,7 +169,7 @@ def _failure(call: str, executor: cf.Executor, job: Job, e: BaseException) -> Ho
     if _lost(e):
         if isinstance(executor, cf.ProcessPoolExecutor):
             advice = ADVICE_PROCESS_POOL
-        elif _is_dask(executor):
+        elif is_dask(executor):
             advice = ADVICE_DASK
         else:
             advice = ADVICE_OTHER
