@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import _record
 from .._checks import _messages
+from .._concurrency import _native_threads
 from .._concurrency._serial import SERIAL_LOCK, concurrency_enabled
 
 _DEFAULT: cf.Executor | None = None
@@ -63,9 +64,15 @@ class Job:
     args: tuple
 
 
+class WrappingExecutor(cf.Executor):
+    """An executor deferax puts around the caller's (`wrapped`), to which it submits."""
+
+    wrapped: cf.Executor
+
+
 def name(executor: cf.Executor) -> str:
     """The executor, for messages: "a ThreadPoolExecutor", "a Dask cluster", ..."""
-    return "a Dask cluster" if _is_dask(executor) else f"a {type(executor).__name__}"
+    return "a Dask cluster" if is_dask(executor) else f"a {type(executor).__name__}"
 
 
 def describe(executor: cf.Executor) -> str:
@@ -74,12 +81,14 @@ def describe(executor: cf.Executor) -> str:
         return "a thread of a ThreadPoolExecutor"
     if isinstance(executor, cf.ProcessPoolExecutor):
         return "a process of a ProcessPoolExecutor"
-    if _is_dask(executor):
+    if is_dask(executor):
         return "a Dask worker"
     return name(executor)
 
 
-def _is_dask(executor: cf.Executor) -> bool:
+def is_dask(executor: cf.Executor) -> bool:
+    if isinstance(executor, WrappingExecutor):  # (`_affinity.Pinned` wraps one)
+        executor = executor.wrapped
     return type(executor).__module__.split(".")[0] == "distributed"
 
 
@@ -87,7 +96,7 @@ def check_picklable(call: str, executor: cf.Executor, impls: dict[str, Callable[
     """Raise before anything is submitted if a host function cannot reach the executor's workers."""
     if isinstance(executor, cf.ProcessPoolExecutor):
         pickler, dumps = "pickle", pickle.dumps
-    elif _is_dask(executor):
+    elif is_dask(executor):
         import cloudpickle  # shipped with distributed
 
         pickler, dumps = "cloudpickle", cloudpickle.dumps
@@ -118,7 +127,7 @@ def _failure(call: str, executor: cf.Executor, job: Job, e: BaseException) -> Ho
     if _lost(e):
         if isinstance(executor, cf.ProcessPoolExecutor):
             advice = _messages.HOST_ADVICE_PROCESS_POOL
-        elif _is_dask(executor):
+        elif is_dask(executor):
             advice = _messages.HOST_ADVICE_DASK
         else:
             advice = _messages.HOST_ADVICE_OTHER
@@ -171,6 +180,18 @@ def _run(
     call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], check: Any = None
 ) -> list[Any]:
     executor = executor if executor is not None else default_executor()
+    with _native_threads.shared(_at_once(executor, len(jobs))):
+        return _submit(call, executor, timeout, jobs, check)
+
+
+def _at_once(executor: cf.Executor, jobs: int) -> int:
+    """How many of `jobs` run at once on threads of this process (none on other processes)."""
+    if not isinstance(executor, cf.ThreadPoolExecutor):
+        return 0
+    return min(jobs, getattr(executor, "_max_workers", jobs))
+
+
+def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[Job], check: Any = None) -> list[Any]:
     futures: list[cf.Future] = []
     where = name(executor)
     for job in jobs:

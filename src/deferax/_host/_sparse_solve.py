@@ -30,6 +30,7 @@ from jaxtyping import Array, ArrayLike, Inexact
 
 from .._checks import _messages
 from .._implementation._expensive import ExpensiveFn
+from . import _affinity
 from ._host import host
 from ._sparse_solver import AbstractSparseSolver, SuperLU
 
@@ -353,9 +354,10 @@ lam = ct_x` with the forward's factorisation |
     - `solver`: the sparse direct solver, a [`deferax.AbstractSparseSolver`][]; default
       [`deferax.SuperLU`][] (SciPy's `splu`, imported when it first runs).
     - `executor`, `timeout`: where the jobs run and how long to wait, as for
-      [`deferax.host`][] (default: deferax's thread pool). With a process pool or Dask,
-      a factorisation is kept in the worker that made it; a backward pass that runs on
-      another worker factors again.
+      [`deferax.host`][] (default: deferax's thread pool). A factorisation is kept in the
+      worker that made it. On Dask, every job of one matrix goes to one worker (the one
+      that factored it), and new matrices go to the workers in turn; with a process pool,
+      a backward pass that runs in another process factors again.
     - `name`: shown in errors and in [`deferax.explain`][].
     - `max_basis`: as for [`deferax.ExpensiveFn`][].
 
@@ -394,7 +396,7 @@ lam = ct_x` with the forward's factorisation |
                 _messages.SPARSE_BAD_OPERAND.format(name=name, what=what, expected=expected, found=_found(a), fix=fix)
             )
     dtype = np.result_type(np.dtype(values.dtype), np.dtype(b.dtype))
-    fn = _solve_site(_Solve(pattern, solver, dtype), executor, timeout, name, max_basis)
+    fn = _solve_site(_Solve(pattern, solver, dtype), _affinity.pinned(executor), timeout, name, max_basis)
     return fn((values, b))
 
 
