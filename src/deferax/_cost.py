@@ -1,0 +1,173 @@
+"""The schedule chosen by cost: an estimate of each sound schedule's wall time for a site.
+
+Soundness is decided elsewhere (`_analysis`); this module only chooses among the schedules
+already allowed. For a site whose cotangent is a combination of `k` fixed cotangents, the
+choice is between the standard schedule (the forward on the forward pass, one adjoint on
+the backward pass: two stages) and the deferred-basis schedule (the forward and `k`
+adjoints before the value is known: one stage). The estimates, in seconds (or in units of
+one forward when nothing is known):
+
+    standard        = (setup + fwd) + (setup, unless kept) + bwd + 2 * stage
+    deferred-basis  = one job:      setup + fwd + m * bwd + stage
+                      or m + 1 jobs on `workers`: max(longest job, all jobs / workers) + stage
+
+with `m = k`, or `ceil(k / 2)` for an adjoint linear over complex numbers on a complex
+output (a complex overlap's basis cotangents `m` and `1j * m` are one solve).
+
+The numbers come from the site's `cost=` hint, else from timings of its earlier calls
+(`observe`, kept by site name), else from equal-cost defaults (`fwd = bwd = 1`, no setup,
+and a stage worth a hundredth of a forward: a tie goes to the schedule with fewer stages).
+A decision must not flip-flop between eager calls, so the timings used are those first
+seen; they are replaced only when a new timing differs from them by more than a factor
+`CHANGE`, and `version()` (part of the key of eager calls' compiled stages) changes then.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import equinox as eqx
+
+BAD_COST = """`dx.Cost`: `{field}` must be {expected}, but got {found!r}.
+Give seconds (or any one unit for every number), for example:
+
+    dx.Cost(fwd=0.8, bwd=0.9)                       # a forward and an adjoint solve
+    dx.Cost(setup=2.0, fwd=0.05, bwd=0.05)          # a factorisation shared by every solve of a job"""
+
+# A host round trip between two stages (a `pure_callback` out of a compiled program and back,
+# and the executor's hand-off): measured at 0.1 to 0.3 ms on a 2-core CPU (benchmarks/bench_cost.py).
+STAGE_SECONDS = 3e-4
+DEFAULT_STAGE = 0.01  # (in units of one forward, with the equal-cost defaults)
+CHANGE = 4.0  # the factor by which timings must change before a decision is made again
+
+
+class Cost(eqx.Module):
+    """What a site's implementations cost: the hint from which [`deferax.filter_value_and_grad`][]
+    estimates each schedule's wall time when no `max_basis` is set (see "How the schedule
+    is chosen" in the docs). Numbers are seconds, or any one unit for all of them.
+
+    **Arguments:**
+
+    - `fwd`: the forward's work (a forward solve), past the setup. Default: measured from
+      earlier calls, else 1.
+    - `bwd`: one adjoint's work (one adjoint right-hand side), past the setup. Default:
+      measured, else 1.
+    - `setup`: work one job does once for any number of right-hand sides (a factorisation).
+      Default: measured, else 0.
+    - `keeps_setup`: the standard schedule's backward pass reuses the forward's setup (a
+      factorisation kept on the host between the passes); otherwise it pays it again.
+    - `linear`: the adjoint is linear over complex numbers in the cotangent, so a complex
+      output's `k` real basis cotangents need `ceil(k / 2)` adjoints.
+    - `workers`: how many jobs of one site run at once where it runs (pool workers or
+      cores left to it), for an implementation whose forward and adjoints are separate
+      jobs (`fwd` with `adjoint`). Default 1: no spare core is assumed.
+    - `stage`: the overhead of one stage (a host round trip). Default: 0.3 ms when any
+      number is known, a hundredth of a forward with the equal-cost defaults.
+
+    !!! Example
+
+        ```python
+        import deferax as dx
+
+        cost = dx.Cost(setup=0.030, fwd=0.002, bwd=0.002, keeps_setup=True)
+        ```
+    """
+
+    fwd: float | None = eqx.field(default=None, static=True)
+    bwd: float | None = eqx.field(default=None, static=True)
+    setup: float | None = eqx.field(default=None, static=True)
+    keeps_setup: bool = eqx.field(default=False, static=True)
+    linear: bool = eqx.field(default=False, static=True)
+    workers: int = eqx.field(default=1, static=True)
+    stage: float | None = eqx.field(default=None, static=True)
+
+    def __check_init__(self):
+        for field in ("fwd", "bwd", "setup", "stage"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0):
+                raise ValueError(BAD_COST.format(field=field, expected="a non-negative, finite number or None", found=value))
+        for field in ("keeps_setup", "linear"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(BAD_COST.format(field=field, expected="True or False", found=getattr(self, field)))
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(BAD_COST.format(field="workers", expected="a positive int", found=self.workers))
+
+
+class Estimates(eqx.Module):
+    """The estimated wall time of a site's schedules, beside the choice in [`deferax.Site`][].
+
+    **Fields:**
+
+    - `standard`: the standard schedule's.
+    - `deferred`: the deferred (`k = 1` or no dependence) or deferred-basis schedule's.
+    - `source`: where the numbers come from: `"hint"` (the `cost=` given), `"measured"`
+      (earlier calls) or `"defaults"` (equal costs, in units of one forward).
+    """
+
+    standard: float
+    deferred: float
+    source: str
+
+    def __str__(self) -> str:
+        unit = "" if self.source == "defaults" else " s"
+        return f"standard {self.standard:.3g}{unit}, deferred {self.deferred:.3g}{unit} ({self.source})"
+
+
+# ----------------------------------------------------------------------------- timings of earlier calls
+
+_LOCK = threading.Lock()
+_DECIDED: dict[str, dict[str, float]] = {}  # by site name: the timings decisions are made from
+_VERSION = [0]
+
+
+def observe(name: str, **seconds: float) -> None:
+    """Timings of a call of site `name` (`setup`, `fwd`, `bwd`: seconds). The first seen are
+    kept; they are replaced only when one changes by more than a factor `CHANGE`."""
+    with _LOCK:
+        decided = _DECIDED.setdefault(name, {})
+        changed = False
+        for what, t in seconds.items():
+            old = decided.get(what)
+            if old is None or max(t, 1e-9) > CHANGE * max(old, 1e-9) or max(old, 1e-9) > CHANGE * max(t, 1e-9):
+                decided[what] = float(t)
+                changed = True
+        if changed:
+            _VERSION[0] += 1
+
+
+def version() -> int:
+    """Changes whenever the timings that decisions are made from change."""
+    return _VERSION[0]
+
+
+def forget() -> None:
+    """Drop every timing (tests; a user who wants the schedules decided again)."""
+    with _LOCK:
+        _DECIDED.clear()
+        _VERSION[0] += 1
+
+
+# ----------------------------------------------------------------------------- the estimates
+
+
+def estimate(name: str, hint: Cost | None, k: int, complex_out: bool, one_job: bool) -> Estimates:
+    """The estimates for a site on `k` basis cotangents (`k = 1`: the plain deferred
+    schedule). `one_job`: the forward and the adjoints run in one job (`fused_batch`, or a
+    traced `fused` batched over the cotangents); otherwise they are separate jobs."""
+    hint = Cost() if hint is None else hint
+    with _LOCK:
+        measured = dict(_DECIDED.get(name, {}))
+    given = {f: getattr(hint, f) for f in ("fwd", "bwd", "setup") if getattr(hint, f) is not None}
+    numbers = {"fwd": 1.0, "bwd": 1.0, "setup": 0.0} | measured | given
+    source = "measured" if set(measured) - set(given) else "hint" if given else "defaults"
+    stage = hint.stage if hint.stage is not None else DEFAULT_STAGE if source == "defaults" else STAGE_SECONDS
+    setup, fwd, bwd = numbers["setup"], numbers["fwd"], numbers["bwd"]
+    m = math.ceil(k / 2) if hint.linear and complex_out else k
+    standard = setup + fwd + (0.0 if hint.keeps_setup else setup) + bwd + 2 * stage
+    if one_job:
+        deferred = setup + fwd + m * bwd + stage
+    else:
+        jobs = [setup + fwd] + [setup + bwd] * m
+        deferred = max(max(jobs), sum(jobs) / hint.workers) + stage
+    return Estimates(standard=standard, deferred=deferred, source=source)
