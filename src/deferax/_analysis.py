@@ -430,7 +430,8 @@ def _estimate(spec, k: int) -> _cost.Estimates:
     host = getattr(static.fused, "__self__", None)
     one_job = not getattr(host, "runs_on_host", False) or host.host_fused_batch is not None
     complex_out = any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in spec.y_structs)
-    return _cost.estimate(spec.name, static.cost, k, complex_out, one_job)
+    shapes = tuple(s.shape for s in spec.x_structs)
+    return _cost.estimate(spec.name, shapes, static.cost, k, complex_out, one_job)
 
 
 def zeros(structs) -> Any:

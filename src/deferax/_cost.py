@@ -15,7 +15,7 @@ with `m = k`, or `ceil(k / 2)` for an adjoint linear over complex numbers on a c
 output (a complex overlap's basis cotangents `m` and `1j * m` are one solve).
 
 The numbers come from the site's `cost=` hint, else from timings of its earlier calls
-(`observe`, kept by site name), else from equal-cost defaults (`fwd = bwd = 1`, no setup,
+(`observe`, kept by site name and input shapes), else from equal-cost defaults (`fwd = bwd = 1`, no setup,
 and a stage worth a hundredth of a forward: a tie goes to the schedule with fewer stages).
 A decision must not flip-flop between eager calls, so the timings used are those first
 seen; they are replaced only when a new timing differs from them by more than a factor
@@ -85,12 +85,9 @@ class Cost(eqx.Module):
     def __check_init__(self):
         for field in ("fwd", "bwd", "setup", "stage"):
             value = getattr(self, field)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0):
+            if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(BAD_COST.format(field=field, expected="a non-negative, finite number or None", found=value))
-        for field in ("keeps_setup", "linear"):
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(BAD_COST.format(field=field, expected="True or False", found=getattr(self, field)))
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+        if self.workers < 1:
             raise ValueError(BAD_COST.format(field="workers", expected="a positive int", found=self.workers))
 
 
@@ -111,21 +108,22 @@ class Estimates(eqx.Module):
 
     def __str__(self) -> str:
         unit = "" if self.source == "defaults" else " s"
-        return f"standard {self.standard:.3g}{unit}, deferred {self.deferred:.3g}{unit} ({self.source})"
+        return f"standard {self.standard:.4g}{unit}, deferred {self.deferred:.4g}{unit} ({self.source})"
 
 
 # ----------------------------------------------------------------------------- timings of earlier calls
 
 _LOCK = threading.Lock()
-_DECIDED: dict[str, dict[str, float]] = {}  # by site name: the timings decisions are made from
+_DECIDED: dict[tuple, dict[str, float]] = {}  # by (site name, input shapes): the timings decisions are made from
 _VERSION = [0]
 
 
-def observe(name: str, **seconds: float) -> None:
-    """Timings of a call of site `name` (`setup`, `fwd`, `bwd`: seconds). The first seen are
-    kept; they are replaced only when one changes by more than a factor `CHANGE`."""
+def observe(name: str, shapes: tuple, **seconds: float) -> None:
+    """Timings of a call of site `name` on inputs of `shapes` (`setup`, `fwd`, `bwd`:
+    seconds). The first seen are kept; they are replaced only when one changes by more
+    than a factor `CHANGE`."""
     with _LOCK:
-        decided = _DECIDED.setdefault(name, {})
+        decided = _DECIDED.setdefault((name, shapes), {})
         changed = False
         for what, t in seconds.items():
             old = decided.get(what)
@@ -151,13 +149,13 @@ def forget() -> None:
 # ----------------------------------------------------------------------------- the estimates
 
 
-def estimate(name: str, hint: Cost | None, k: int, complex_out: bool, one_job: bool) -> Estimates:
+def estimate(name: str, shapes: tuple, hint: Cost | None, k: int, complex_out: bool, one_job: bool) -> Estimates:
     """The estimates for a site on `k` basis cotangents (`k = 1`: the plain deferred
     schedule). `one_job`: the forward and the adjoints run in one job (`fused_batch`, or a
     traced `fused` batched over the cotangents); otherwise they are separate jobs."""
     hint = Cost() if hint is None else hint
     with _LOCK:
-        measured = dict(_DECIDED.get(name, {}))
+        measured = dict(_DECIDED.get((name, shapes), {}))
     given = {f: getattr(hint, f) for f in ("fwd", "bwd", "setup") if getattr(hint, f) is not None}
     numbers = {"fwd": 1.0, "bwd": 1.0, "setup": 0.0} | measured | given
     source = "measured" if set(measured) - set(given) else "hint" if given else "defaults"

@@ -140,7 +140,7 @@ class ExpensiveFn(eqx.Module):
     max_tangents: int | None = eqx.field(default=None, static=True)
     prefer: str | None = eqx.field(default=None, static=True)
     thread_safe: bool = eqx.field(default=True, static=True)
-    cost: Cost | None = eqx.field(default=None, static=True)
+    cost: Any = eqx.field(default=None, static=True)  # (a `Cost`; `Any` so that a wrong value reaches the check)
 
     def __post_init__(self):
         if self.name is None:
