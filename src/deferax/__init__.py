@@ -7,6 +7,7 @@ from ._concurrent import fuse as fuse
 from ._concurrent import set_devices as set_devices
 from ._cost import Cost as Cost
 from ._cost import Estimates as Estimates
+from ._cost import forget_timings as forget_timings
 from ._executor import HostError as HostError
 from ._executor import set_concurrency as set_concurrency
 from ._expensive import ExpensiveFn as ExpensiveFn

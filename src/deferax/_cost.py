@@ -17,9 +17,11 @@ output (a complex overlap's basis cotangents `m` and `1j * m` are one solve).
 The numbers come from the site's `cost=` hint, else from timings of its earlier calls
 (`observe`, kept by site name and input shapes), else from equal-cost defaults (`fwd = bwd = 1`, no setup,
 and a stage worth a hundredth of a forward: a tie goes to the schedule with fewer stages).
-A decision must not flip-flop between eager calls, so the timings used are those first
-seen; they are replaced only when a new timing differs from them by more than a factor
-`CHANGE`, and `version()` (part of the key of eager calls' compiled stages) changes then.
+A decision must not flip-flop between eager calls (timings on a loaded machine vary
+tenfold), so the timings used are the least of the first `SAMPLES` seen for each site (a
+first call also pays for imports and warm-up), and they are kept until
+the user asks for new ones (`forget_timings`); `version()` (part of the key of eager
+calls' compiled stages) changes when they do.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ Give seconds (or any one unit for every number), for example:
     dx.Cost(setup=2.0, fwd=0.05, bwd=0.05)          # a factorisation shared by every solve of a job"""
 
 # A host round trip between two stages (a `pure_callback` out of a compiled program and back,
-# and the executor's hand-off): measured at 0.1 to 0.3 ms on a 2-core CPU (benchmarks/bench_cost.py).
-STAGE_SECONDS = 3e-4
+# and the executor's hand-off): a trivial `dx.host` site under `jit` took 3.0 ms deferred (one
+# stage) and 6.8 ms standard (two) on a 2-core CPU at load 13; less on an idle machine.
+STAGE_SECONDS = 1e-3
+SAMPLES = 3  # timings of a site's first calls, of which the least is kept
 DEFAULT_STAGE = 0.01  # (in units of one forward, with the equal-cost defaults)
-CHANGE = 4.0  # the factor by which timings must change before a decision is made again
 
 
 class Cost(eqx.Module):
@@ -62,7 +65,7 @@ class Cost(eqx.Module):
     - `workers`: how many jobs of one site run at once where it runs (pool workers or
       cores left to it), for an implementation whose forward and adjoints are separate
       jobs (`fwd` with `adjoint`). Default 1: no spare core is assumed.
-    - `stage`: the overhead of one stage (a host round trip). Default: 0.3 ms when any
+    - `stage`: the overhead of one stage (a host round trip). Default: 1 ms when any
       number is known, a hundredth of a forward with the equal-cost defaults.
 
     !!! Example
@@ -115,21 +118,23 @@ class Estimates(eqx.Module):
 
 _LOCK = threading.Lock()
 _DECIDED: dict[tuple, dict[str, float]] = {}  # by (site name, input shapes): the timings decisions are made from
+_SEEN: dict[tuple, int] = {}  # by (site name, input shapes, what): how many timings were seen
 _VERSION = [0]
 
 
 def observe(name: str, shapes: tuple, **seconds: float) -> None:
     """Timings of a call of site `name` on inputs of `shapes` (`setup`, `fwd`, `bwd`:
-    seconds). The first seen are kept; they are replaced only when one changes by more
-    than a factor `CHANGE`."""
+    seconds). The least of the first `SAMPLES` is kept."""
     with _LOCK:
         decided = _DECIDED.setdefault((name, shapes), {})
         changed = False
         for what, t in seconds.items():
-            old = decided.get(what)
-            if old is None or max(t, 1e-9) > CHANGE * max(old, 1e-9) or max(old, 1e-9) > CHANGE * max(t, 1e-9):
-                decided[what] = float(t)
-                changed = True
+            seen = _SEEN.get((name, shapes, what), 0)
+            if seen < SAMPLES:
+                _SEEN[(name, shapes, what)] = seen + 1
+                if t < decided.get(what, math.inf):
+                    decided[what] = float(t)
+                    changed = True
         if changed:
             _VERSION[0] += 1
 
@@ -139,10 +144,13 @@ def version() -> int:
     return _VERSION[0]
 
 
-def forget() -> None:
-    """Drop every timing (tests; a user who wants the schedules decided again)."""
+def forget_timings() -> None:
+    """Forget the timings of earlier calls, so that the schedules chosen from them are chosen
+    again from the next calls' (after a change of machine load, of executor, of problem).
+    Programs compiled under `jax.jit` keep the plan they were traced with."""
     with _LOCK:
         _DECIDED.clear()
+        _SEEN.clear()
         _VERSION[0] += 1
 
 
