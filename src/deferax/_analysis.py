@@ -431,7 +431,8 @@ def _estimate(spec, k: int) -> _cost.Estimates:
     one_job = not getattr(host, "runs_on_host", False) or host.host_fused_batch is not None
     complex_out = any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in spec.y_structs)
     shapes = tuple(s.shape for s in spec.x_structs)
-    return _cost.estimate(spec.name, shapes, static.cost, k, complex_out, one_job)
+    fused_only = static.fwd is None and static.bwd is None and static.adjoint is None
+    return _cost.estimate(spec.name, shapes, static.cost, k, complex_out, one_job, fused_only)
 
 
 def zeros(structs) -> Any:

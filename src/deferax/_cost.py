@@ -8,8 +8,10 @@ adjoints before the value is known: one stage). The estimates, in seconds (or in
 one forward when nothing is known):
 
     standard        = (setup + fwd) + (setup, unless kept) + bwd + 2 * stage
+                      (`fused` alone: two calls, 2 * (setup + fwd + bwd) + 2 * stage)
     deferred-basis  = one job:      setup + fwd + m * bwd + stage
                       or m + 1 jobs on `workers`: max(longest job, all jobs / workers) + stage
+                      (`fused` alone: m jobs of setup + fwd + bwd)
 
 with `m = k`, or `ceil(k / 2)` for an adjoint linear over complex numbers on a complex
 output (a complex overlap's basis cotangents `m` and `1j * m` are one solve).
@@ -157,10 +159,12 @@ def forget_timings() -> None:
 # ----------------------------------------------------------------------------- the estimates
 
 
-def estimate(name: str, shapes: tuple, hint: Cost | None, k: int, complex_out: bool, one_job: bool) -> Estimates:
+def estimate(name: str, shapes: tuple, hint: Cost | None, k: int, complex_out: bool, one_job: bool, fused_only: bool) -> Estimates:
     """The estimates for a site on `k` basis cotangents (`k = 1`: the plain deferred
     schedule). `one_job`: the forward and the adjoints run in one job (`fused_batch`, or a
-    traced `fused` batched over the cotangents); otherwise they are separate jobs."""
+    traced `fused` batched over the cotangents); otherwise they are separate jobs.
+    `fused_only`: `fused` is the site's only implementation, so each of its jobs computes
+    the forward too, and the standard schedule calls it twice."""
     hint = Cost() if hint is None else hint
     with _LOCK:
         measured = dict(_DECIDED.get((name, shapes), {}))
@@ -170,10 +174,13 @@ def estimate(name: str, shapes: tuple, hint: Cost | None, k: int, complex_out: b
     stage = hint.stage if hint.stage is not None else DEFAULT_STAGE if source == "defaults" else STAGE_SECONDS
     setup, fwd, bwd = numbers["setup"], numbers["fwd"], numbers["bwd"]
     m = math.ceil(k / 2) if hint.linear and complex_out else k
-    standard = setup + fwd + (0.0 if hint.keeps_setup else setup) + bwd + 2 * stage
+    if fused_only:
+        standard = 2 * (setup + fwd + bwd) + 2 * stage
+    else:
+        standard = setup + fwd + (0.0 if hint.keeps_setup else setup) + bwd + 2 * stage
     if one_job:
         deferred = setup + fwd + m * bwd + stage
     else:
-        jobs = [setup + fwd] + [setup + bwd] * m
+        jobs = [setup + fwd + bwd] * m if fused_only else [setup + fwd] + [setup + bwd] * m
         deferred = max(max(jobs), sum(jobs) / hint.workers) + stage
     return Estimates(standard=standard, deferred=deferred, source=source)
