@@ -120,25 +120,22 @@ class Estimates(eqx.Module):
 
 _LOCK = threading.Lock()
 _DECIDED: dict[tuple, dict[str, float]] = {}  # by (site name, input shapes): the timings decisions are made from
-_SEEN: dict[tuple, int] = {}  # by (site name, input shapes, what): how many timings were seen
+_SAMPLES: dict[tuple, list[float]] = {}  # by (site name, input shapes, what): the timings seen so far
 _VERSION = [0]
 
 
 def observe(name: str, shapes: tuple, **seconds: float) -> None:
     """Timings of a call of site `name` on inputs of `shapes` (`setup`, `fwd`, `bwd`:
-    seconds). The least of the first `SAMPLES` is kept."""
+    seconds). Once `SAMPLES` are seen, the least is kept: then, and only then, the
+    decisions change (one new plan, one compilation)."""
     with _LOCK:
-        decided = _DECIDED.setdefault((name, shapes), {})
-        changed = False
         for what, t in seconds.items():
-            seen = _SEEN.get((name, shapes, what), 0)
-            if seen < SAMPLES:
-                _SEEN[(name, shapes, what)] = seen + 1
-                if t < decided.get(what, math.inf):
-                    decided[what] = float(t)
-                    changed = True
-        if changed:
-            _VERSION[0] += 1
+            samples = _SAMPLES.setdefault((name, shapes, what), [])
+            if len(samples) < SAMPLES:
+                samples.append(float(t))
+                if len(samples) == SAMPLES:
+                    _DECIDED.setdefault((name, shapes), {})[what] = min(samples)
+                    _VERSION[0] += 1
 
 
 def version() -> int:
@@ -152,7 +149,7 @@ def forget_timings() -> None:
     Programs compiled under `jax.jit` keep the plan they were traced with."""
     with _LOCK:
         _DECIDED.clear()
-        _SEEN.clear()
+        _SAMPLES.clear()
         _VERSION[0] += 1
 
 
