@@ -15,6 +15,9 @@ from ._implementation._expensive import trainable as trainable
 from ._implementation._fused import Fused as Fused
 from ._implementation._fused import fuse as fuse
 from ._jacobian import jacobian as jacobian
+from ._plan._cost import Cost as Cost
+from ._plan._cost import Estimates as Estimates
+from ._plan._cost import forget_timings as forget_timings
 from ._plan._plan import Plan as Plan
 from ._plan._plan import Site as Site
 from ._record import Call as Call

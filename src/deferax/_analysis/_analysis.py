@@ -28,11 +28,14 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .. import _jaxpr
 from .._checks import _messages
 from .._forward_basis import _primitive as _forward_basis
+from .._implementation._abstract import AbstractImplementation
 from .._misc import struct_of, structs
+from .._plan import _cost
 from .._plan._decision import Basis, Decision
 from .._plan._plan import Plan, Site
 from .._site import _spec as _site
@@ -75,7 +78,7 @@ class Analysis:
 
 
 def analyse(
-    program, n_consts: int, *, schedule: str, max_basis: int, where: str, bwds: tuple | None = None
+    program, n_consts: int, *, schedule: str, max_basis: int | None, where: str, bwds: tuple | None = None
 ) -> Analysis:
     """Run the static check on `program` (`J`, with its constants as leading inputs).
     `bwds`: what `bwd_decisions(program)` returned, if it was called already.
@@ -152,7 +155,10 @@ class _Check:
             spec = self.specs[k]
             if decisions[k].schedule == "standard" and _forward_basis.strategy(spec) == "forward-basis":
                 reason = decisions[k].reason + _forward_basis_why(spec)
-                decisions[k] = Decision("forward-basis", reason, decisions[k].location, n=_forward_basis.n_inputs(spec))
+                n = _forward_basis.n_inputs(spec)
+                decisions[k] = Decision(
+                    "forward-basis", reason, decisions[k].location, n=n, estimates=decisions[k].estimates
+                )
         deferred = tuple(k for k in range(n) if decisions[k].deferred)
         basis = {k: decisions[k].basis for k in deferred if decisions[k].basis is not None}
         early = tuple(
@@ -276,8 +282,8 @@ class _Check:
 
     def _decide(self, k, ct_dep, backward, labels):
         sources, outputs = ct_dep
-        if not sources:
-            return Decision("deferred")
+        if not sources:  # (the same work as standard's in one stage fewer: never slower)
+            return Decision("deferred", estimates=_estimate(self.specs[k], 1))
         location = None
         uses = _jaxpr.nonlinear_uses(*self._tail(k))  # (to name the culprit as the user wrote it)
         for index in outputs:
@@ -296,15 +302,20 @@ class _Check:
         basis = self._basis(k)
         limit = self.specs[k].static.max_basis
         limit = limit if limit is not None else self.max_basis
-        if basis.k <= limit:
+        estimates = _estimate(self.specs[k], basis.k)
+        if basis.k <= limit if limit is not None else estimates.deferred < estimates.standard:
             ahead = _jaxpr.once_only(basis.program, [True] * len(basis.program.jaxpr.eqns))
             if ahead is not None:
-                return Decision(
-                    "standard", reason + "; " + _once_reason("its basis cotangents", ahead), location, k=basis.k
-                )
-            return Decision("deferred-basis", None, location, k=basis.k, basis=basis)
-        reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
-        return Decision("standard", reason, location, k=basis.k)
+                reason += "; " + _once_reason("its basis cotangents", ahead)
+                return Decision("standard", reason, location, k=basis.k, estimates=estimates)
+            return Decision("deferred-basis", None, location, k=basis.k, basis=basis, estimates=estimates)
+        if limit is not None:
+            reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
+        else:
+            reason += (
+                f"; it is a combination of k={basis.k} fixed cotangents, estimated slower than standard: {estimates}"
+            )
+        return Decision("standard", reason, location, k=basis.k, estimates=estimates)
 
     def _tail(self, k):
         """The value as a function of site `k`'s output: `(program, source, stand_ins)` for
@@ -337,7 +348,8 @@ class _Check:
             shapes = {"in_shapes": _describe(spec.x_structs), "out_shapes": _describe(spec.y_structs)}
             row = {"schedule": decision.schedule, "reason": decision.reason, "location": decision.location}
             sites.append(
-                Site(index=index, name=spec.name, **shapes, **row, k=decision.k, n=decision.n, batch=spec.sizes)
+                Site(index=index, name=spec.name, **shapes, **row, k=decision.k, n=decision.n, batch=spec.sizes,
+                     estimates=decision.estimates)
             )
         if self.schedule == "deferred":
             refused = [s for s in sites if s.schedule == "standard"]
@@ -424,3 +436,15 @@ def _forward_basis_why(spec) -> str:
     if not static.has_vjp:
         return f"; reverse mode from its forward-mode implementation: the output and n={n} tangents in one call"
     return f"; forward-basis: the output and n={n} tangents in one call, one stage where `fwd` then `bwd` take two"
+
+
+def _estimate(spec: _site.Spec, k: int) -> _cost.Estimates:
+    """The estimates for site `spec` on `k` cotangents: one job when its forward and
+    adjoints share one call (`fused_batch`, or a traced `fused` batched over them)."""
+    static = spec.static
+    fused = static.fused
+    one_job = not isinstance(fused, AbstractImplementation) or fused.batch_in_one_job
+    complex_out = any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in spec.y_structs)
+    shapes = tuple(s.shape for s in spec.x_structs)
+    fused_only = static.fwd is None and static.bwd is None and static.adjoint is None
+    return _cost.estimate(spec.name, shapes, static.cost, k, complex_out, one_job, fused_only)

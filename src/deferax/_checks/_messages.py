@@ -52,6 +52,16 @@ def out_example(make: str, impls: dict[str, Any]) -> str:
     return f"{make}({', '.join([*given, 'out=jax.ShapeDtypeStruct((nx, ny), jnp.float64)'])})"
 
 
+BAD_COST = """`dx.Cost`: `{field}` must be {expected}, but got {found!r}.
+Give seconds (or any one unit for every number), for example:
+
+    dx.Cost(fwd=0.8, bwd=0.9)                       # a forward and an adjoint solve
+    dx.Cost(setup=2.0, fwd=0.05, bwd=0.05)          # a factorisation shared by every solve of a job"""
+
+BAD_COST_HINT = """{call}: `cost` must be a `dx.Cost` or None, but got {found!r}. Give what the implementations cost:
+
+    dx.ExpensiveFn(fwd=..., bwd=..., fused=..., cost=dx.Cost(fwd=0.8, bwd=0.9))"""
+
 NOT_CALLABLE = "{call}: `{impl}` must be a callable or None, but got {found!r}."
 
 SIGNATURES = {
@@ -287,3 +297,5 @@ SPARSE_BAD_SOLVER = "`dx.sparse_solve(name={name!r})`: `solver` must be a `dx.Ab
 SPARSE_SINGULAR = """the matrix is singular: {solver} found {why}.
 Check that `values` has no zero (or cancelling) entries on the pivots and that the pattern covers every row and \
 column."""
+
+SPARSE_BAD_COST = "`dx.sparse_solve(name={name!r})`: `cost` must be a `dx.Cost` or None, but got {found!r}."

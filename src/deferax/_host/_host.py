@@ -131,6 +131,10 @@ class HostImplementation(AbstractImplementation):
     impl: str = eqx.field(static=True)
     runs_on_host: ClassVar[bool] = True
 
+    @property
+    def batch_in_one_job(self) -> bool:
+        return self.host.runner.fused_batch is not None
+
     def __call__(self, *args: Any) -> Any:
         return _METHODS[self.impl](self.host, *args)
 
@@ -157,6 +161,7 @@ def host(
     max_tangents: int | None = None,
     prefer: str | None = None,
     thread_safe: bool = True,
+    cost: Any = None,
 ) -> ExpensiveFn:
     """Make a [`deferax.ExpensiveFn`][] from host functions: NumPy, SciPy, a C++ solver, a job
     on a cluster.
@@ -216,7 +221,9 @@ def host(
       linear solve with the cotangent as right-hand side). Then, on the deferred-basis
       schedule, a basis cotangent that is a multiple of another (an overlap `|<m, E>|^2`
       gives `m` and `1j * m`) or zero is not solved again.
-    - `max_basis`, `max_tangents`, `prefer`: as for [`deferax.ExpensiveFn`][].
+    - `max_basis`, `max_tangents`, `prefer`, `cost`: as for [`deferax.ExpensiveFn`][]
+      (`cost`: a [`deferax.Cost`][]; with `fused_batch`, give its `setup`: the work one
+      job does once for the forward and every adjoint).
     - `thread_safe`: `False` when the host functions share one workspace (a C or Fortran
       solver): their jobs are then submitted one at a time, never two at once (see
       [`deferax.set_concurrency`][]).
@@ -307,4 +314,5 @@ def host(
         max_tangents=max_tangents,
         prefer=prefer,
         thread_safe=thread_safe,
+        cost=cost,
     )

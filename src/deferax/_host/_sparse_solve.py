@@ -20,6 +20,7 @@ import dataclasses
 import functools as ft
 import importlib.util
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,8 +31,11 @@ from jaxtyping import Array, ArrayLike, Inexact
 
 from .._checks import _messages
 from .._implementation._expensive import ExpensiveFn
+from .._plan import _cost
+from .._plan._cost import Cost
 from . import _affinity
 from ._host import host
+from ._runner import _multiples
 from ._sparse_solver import AbstractSparseSolver, SuperLU
 
 
@@ -201,19 +205,27 @@ FACTORISATIONS = Store(limit=8)
 @dataclasses.dataclass(frozen=True)
 class _Solve:
     """The host functions of one sparse solve (pattern, solver and dtype): NumPy in and out.
-    Compares by value, so equal solves share compiled programs and factorisations."""
+    Compares by value, so equal solves share compiled programs and factorisations. The
+    factorisations and solves are timed, for the choice of schedule (`_cost`, by `name`)."""
 
     pattern: SparsePattern
     solver: AbstractSparseSolver
     dtype: np.dtype
+    name: str = "sparse_solve"
 
     def _factor(self, values: np.ndarray) -> Any:
         import scipy.sparse
 
         p = self.pattern
-        return self.solver.factor(
-            scipy.sparse.csc_matrix((values.astype(self.dtype), (p.rows, p.cols)), shape=(p.n, p.n))
-        )
+        matrix = scipy.sparse.csc_matrix((values.astype(self.dtype), (p.rows, p.cols)), shape=(p.n, p.n))
+        start = time.perf_counter()
+        lu = self.solver.factor(matrix)
+        _cost.observe(self.name, self._shapes, setup=time.perf_counter() - start)
+        return lu
+
+    @property
+    def _shapes(self) -> tuple:  # (the site's input shapes, by which its timings are kept)
+        return ((self.pattern.nnz,), (self.pattern.n,))
 
     def _key(self, values: np.ndarray) -> Any:
         return (self, values.dtype.str, values.tobytes())
@@ -231,7 +243,10 @@ class _Solve:
     def _solve(self, lu: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
         """`A^-1 rhs` (or `A^-T rhs`) for `rhs` of shape `(n,)` or `(k, n)`: one call of the solver."""
         rhs = np.asarray(rhs, self.dtype)
+        start = time.perf_counter()
         out = self.solver.solve(lu, rhs.T if rhs.ndim == 2 else rhs, transpose)
+        per_rhs = (time.perf_counter() - start) / (rhs.shape[0] if rhs.ndim == 2 else 1)
+        _cost.observe(self.name, self._shapes, **{"bwd" if transpose else "fwd": per_rhs})
         return np.asarray(out, self.dtype).T if rhs.ndim == 2 else np.asarray(out, self.dtype)
 
     def _cotangents(self, x: tuple, y: np.ndarray, lam: np.ndarray) -> tuple:
@@ -263,9 +278,13 @@ class _Solve:
 
     def fused_batch(self, x: tuple, cts: np.ndarray) -> tuple:
         values, b = x
+        # The adjoint is linear in the cotangent: a row that is a multiple of another
+        # (a complex overlap's `m` and `1j * m`) or zero is not solved.
+        recipe, unique = _multiples(list(cts), jax.ShapeDtypeStruct((), self.dtype))
         with self._factorised(values, uses=1) as lu:
             y = self._solve(lu, b, False)
-            lam = self._solve(lu, cts, True)
+            solved = self._solve(lu, cts[unique], True) if unique else np.zeros((0, self.pattern.n), self.dtype)
+        lam = np.stack([c * solved[u] if u is not None else np.zeros(self.pattern.n, self.dtype) for u, c in recipe])
         return y, self._cotangents(x, y, lam)
 
     def jvp(self, x: tuple, t_x: tuple) -> tuple:
@@ -287,7 +306,14 @@ def _like(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 @ft.lru_cache(maxsize=64)
-def _solve_site(solve: _Solve, executor: Any, timeout: Any, name: str, max_basis: int | None) -> ExpensiveFn:
+def _solve_site(
+    solve: _Solve, executor: Any, timeout: Any, name: str, max_basis: int | None, cost: Cost | None
+) -> ExpensiveFn:
+    c = Cost() if cost is None else cost
+    # one factorisation answers every right-hand side; it waits for the backward pass in
+    # this process (not in a process pool's or Dask's workers: there the backward factors again)
+    keeps = executor is None or isinstance(executor, cf.ThreadPoolExecutor)
+    cost = Cost(fwd=c.fwd, bwd=c.bwd, setup=c.setup, keeps_setup=keeps, linear=True, workers=c.workers, stage=c.stage)
     return host(
         solve.fwd,
         bwd=solve.bwd,
@@ -302,6 +328,7 @@ def _solve_site(solve: _Solve, executor: Any, timeout: Any, name: str, max_basis
         max_basis=max_basis,
         # one adjoint solve beats `n` tangent solves: reverse mode always uses `bwd`
         max_tangents=0,
+        cost=cost,
     )
 
 
@@ -317,6 +344,7 @@ def sparse_solve(
     timeout: float | None = None,
     name: str = "sparse_solve",
     max_basis: int | None = None,
+    cost: Any = None,
 ) -> Inexact[Array, " n"]:
     """Solve `A x = b` for a sparse matrix `A`, real or complex, whose entries are a JAX
     array on a static pattern: `A[pattern.rows[k], pattern.cols[k]] += values[k]`.
@@ -354,12 +382,16 @@ lam = ct_x` with the forward's factorisation |
     - `solver`: the sparse direct solver, a [`deferax.AbstractSparseSolver`][]; default
       [`deferax.SuperLU`][] (SciPy's `splu`, imported when it first runs).
     - `executor`, `timeout`: where the jobs run and how long to wait, as for
-      [`deferax.host`][] (default: deferax's thread pool). A factorisation is kept in the
-      worker that made it. On Dask, every job of one matrix goes to one worker (the one
-      that factored it), and new matrices go to the workers in turn; with a process pool,
-      a backward pass that runs in another process factors again.
+      [`deferax.host`][] (default: deferax's thread pool). With a process pool or Dask,
+      a factorisation is kept in the worker that made it; a backward pass that runs on
+      another worker factors again.
     - `name`: shown in errors and in [`deferax.explain`][].
     - `max_basis`: as for [`deferax.ExpensiveFn`][].
+    - `cost`: a [`deferax.Cost`][] with what a factorisation (`setup`) and one solve (`fwd`,
+      `bwd`) take; default: as timed in earlier calls (in this process), else equal. The
+      rest is known here: a factorisation serves every right-hand side of a job, the
+      standard schedule's backward reuses the forward's on a thread pool, and a complex
+      overlap's two basis cotangents are one adjoint solve.
 
     **Returns:**
 
@@ -396,7 +428,9 @@ lam = ct_x` with the forward's factorisation |
                 _messages.SPARSE_BAD_OPERAND.format(name=name, what=what, expected=expected, found=_found(a), fix=fix)
             )
     dtype = np.result_type(np.dtype(values.dtype), np.dtype(b.dtype))
-    fn = _solve_site(_Solve(pattern, solver, dtype), _affinity.pinned(executor), timeout, name, max_basis)
+    if cost is not None and not isinstance(cost, Cost):
+        raise TypeError(_messages.SPARSE_BAD_COST.format(name=name, found=cost))
+    fn = _solve_site(_Solve(pattern, solver, dtype, name), _affinity.pinned(executor), timeout, name, max_basis, cost)
     return fn((values, b))
 
 

@@ -41,6 +41,12 @@ class AbstractImplementation(eqx.Module):
     def __call__(self, *args: Any) -> Any:
         """Run the implementation."""
 
+    @property
+    @abc.abstractmethod
+    def batch_in_one_job(self) -> bool:
+        """Whether a batch of cotangents (the deferred-basis schedule) runs as one job with
+        the forward (a `fused_batch` of its own), rather than one job per cotangent."""
+
 
 class AbstractFused(AbstractImplementation):
     """`fused(x, ct_y) -> (y, ct_x)` built from `fwd(x) -> y` and `adjoint(x, ct_y)`, with
@@ -54,6 +60,10 @@ class AbstractFused(AbstractImplementation):
     # `jax.jit` would), or called as the standard schedule calls it (see `concurrently`).
     compiled: eqx.AbstractClassVar[bool]
     runs_on_host: ClassVar[bool] = False
+
+    @property
+    def batch_in_one_job(self) -> bool:
+        return True  # (the forward once, the adjoint batched: both halves at once)
 
     @abc.abstractmethod
     def half_names(self) -> tuple[str, str]:
@@ -120,6 +130,7 @@ class AbstractExpensiveFn(eqx.Module):
     max_tangents: eqx.AbstractVar[int | None]
     prefer: eqx.AbstractVar[str | None]
     thread_safe: eqx.AbstractVar[bool]
+    cost: eqx.AbstractVar[Any]  # a `dx.Cost` hint, or None
 
     @property
     @abc.abstractmethod

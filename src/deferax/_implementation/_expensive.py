@@ -16,6 +16,7 @@ from .. import _record, _typed
 from .._checks import _checks, _messages
 from .._forward_basis import _tangents
 from .._misc import is_concrete, stacked, structs, zeros
+from .._plan._cost import Cost
 from .._site import _primitive as _site
 from ._abstract import AbstractExpensiveFn, AbstractFused, AbstractImplementation, Implementation
 from ._derived import AdjointHalf, CombineStep, DerivedFused, PrimalHalf
@@ -94,6 +95,9 @@ max_tangents`, else as above |
       shared workspace): deferax then runs no two calls of it, nor of any other such
       function, at the same time, not even the forward and the adjoint of one deferred
       call. See also [`deferax.set_concurrency`][].
+    - `cost`: a [`deferax.Cost`][], what the implementations cost, from which the schedule
+      is chosen when no `max_basis` is set; default: timings of earlier calls, else equal
+      costs (see "How the schedule is chosen" in the docs).
     - `prefer`: `None` (the default rule: fewest sequential expensive stages, then fewest
       expensive calls), or force a strategy: `"standard"` (`fwd` then `bwd`; never
       deferred), `"forward-basis"` (the primal with `n` tangents; never deferred).
@@ -130,6 +134,7 @@ max_tangents`, else as above |
     max_tangents: int | None = eqx.field(default=None, static=True)
     prefer: str | None = eqx.field(default=None, static=True)
     thread_safe: bool = eqx.field(default=True, static=True)
+    cost: Any = eqx.field(default=None, static=True)  # (a `Cost`; `Any` so that a wrong value reaches the check)
 
     def __post_init__(self):
         if self.name is None:
@@ -142,6 +147,8 @@ max_tangents`, else as above |
             allowed = "a non-negative int (or None: the limit of `filter_value_and_grad`)"
             raise ValueError(_messages.BAD_MAX_BASIS.format(where=call, allowed=allowed, found=self.max_basis))
         _checks.check_adjoint_split(call, self.adjoint, self.bwd, combine=self.combine)
+        if self.cost is not None and not isinstance(self.cost, Cost):
+            raise TypeError(_messages.BAD_COST_HINT.format(call=call, found=self.cost))
         if self.max_tangents is not None and not _checks.is_count(self.max_tangents):
             raise ValueError(_messages.BAD_MAX_TANGENTS.format(call=call, found=self.max_tangents))
         if self.prefer is not None and self.prefer not in _tangents.STRATEGIES:

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 import equinox as eqx
 
+from ._cost import Estimates
+
 Schedule = Literal["standard", "deferred", "deferred-basis", "forward-basis"]
 
 
@@ -36,6 +38,8 @@ class Decision(eqx.Module):
     - `k`: the number of basis cotangents its cotangent is a combination of, where known.
     - `n`: for the forward-basis strategy, the number of tangents.
     - `basis`: for the deferred-basis schedule, the frontier that stage 1 evaluates.
+    - `estimates`: for a site that could be deferred, the estimated wall time of the
+      standard and the deferred (or deferred-basis) schedule.
     """
 
     schedule: Schedule
@@ -44,6 +48,7 @@ class Decision(eqx.Module):
     k: int | None = None
     n: int | None = None
     basis: Basis | None = None
+    estimates: Estimates | None = None
 
     @property
     def deferred(self) -> bool:
