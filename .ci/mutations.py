@@ -29,8 +29,8 @@ MUTATIONS = [
         [
             (
                 "_analysis/_analysis.py",
-                '        if not sources:\n            return Decision("deferred")',
-                '        if True:\n            return Decision("deferred")',
+                "        if not sources:  #",
+                "        if True:  #",
             )
         ],
         ["tests/test_deferred.py"],
