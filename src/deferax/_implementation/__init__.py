@@ -1,0 +1,1 @@
+"""The implementations: the interfaces, `ExpensiveFn`, `dx.fuse`, the `fused` made from `fwd` and `adjoint`."""

@@ -1,0 +1,1 @@
+"""Each call of an `ExpensiveFn` as one equation: `Spec`, the site primitive and its rules."""
