@@ -155,9 +155,9 @@ class _Check:
             spec = self.specs[k]
             if decisions[k].schedule == "standard" and _forward_basis.strategy(spec) == "forward-basis":
                 reason = decisions[k].reason + _forward_basis_why(spec)
-                n = _forward_basis.n_inputs(spec)
+                tangents = _forward_basis.n_inputs(spec)
                 decisions[k] = Decision(
-                    "forward-basis", reason, decisions[k].location, n=n, estimates=decisions[k].estimates
+                    "forward-basis", reason, decisions[k].location, n=tangents, estimates=decisions[k].estimates
                 )
         deferred = tuple(k for k in range(n) if decisions[k].deferred)
         basis = {k: decisions[k].basis for k in deferred if decisions[k].basis is not None}
