@@ -41,11 +41,11 @@ SIZES |= dict(cladding_permittivity=2.25, slab_permittivity=12.25)
 LOWER, UPPER = np.array([0.0, 10**-0.05]), np.array([10**-2.0, 1.0])
 
 
-def challenge(name: str):
+def challenge(name: str, sim=SIM):
     """The `ceviche_challenges` model of the challenge `name`."""
     if name == "waveguide_bend":
         spec = cc.waveguide_bend.spec.WaveguideBendSpec(wg_width=400 * u.nm, wg_mode_padding=520 * u.nm, **SIZES)
-        return cc.waveguide_bend.model.WaveguideBendModel(SIM, spec)
+        return cc.waveguide_bend.model.WaveguideBendModel(sim, spec)
     wg = dict(wg_width=400 * u.nm, wg_mode_padding=520 * u.nm)
     spec = cc.mode_converter.spec.ModeConverterSpec(
         **{f"{side}_{k}": v for side in ("left", "right") for k, v in wg.items()},
@@ -53,7 +53,7 @@ def challenge(name: str):
         right_wg_mode_order=2,
         **SIZES,
     )
-    return cc.mode_converter.model.ModeConverterModel(SIM, spec)
+    return cc.mode_converter.model.ModeConverterModel(sim, spec)
 
 
 def window_loss(s, xp=jnp):
@@ -69,8 +69,9 @@ class Wavelength:
     """One wavelength's FDFD problem of `model`, excited at port 1: what does not depend on
     the design is computed once, with ceviche, in NumPy."""
 
-    def __init__(self, model, wavelength_nm: float):
-        self.model, self.omega, dl = model, 2 * np.pi * u.c.to_value("nm/s") / wavelength_nm, model.dl
+    def __init__(self, model, wavelength_nm: float, executor=None):
+        self.model, self.executor, dl = model, executor, model.dl
+        self.omega = 2 * np.pi * u.c.to_value("nm/s") / wavelength_nm  # as ceviche_challenges converts it
         eps_bg = model.epsilon_r_bg()
         sim = ceviche.fdfd_ez(self.omega, dl, eps_bg, [model.pml_width] * 2)  # PML and derivative matrices
         n = eps_bg.size
@@ -82,11 +83,15 @@ class Wavelength:
         self.dxb, self.dyb = sim.Dxb.diagonal().reshape(eps_bg.shape), sim.Dyb.diagonal().reshape(eps_bg.shape)
         self.modes = [port.field_profiles(eps_bg[port.coords()], self.omega, dl) for port in model.ports]
 
+    def solve(self, values):
+        """`Ez = A^-1 b` for the entries `values` of `A`: the expensive step."""
+        return dx.sparse_solve(values, self.pattern, self.source, executor=self.executor)
+
     def s_params(self, eps):
         """S_j1 = b_j / a_1 for each port `j`: the field, then each port's mode amplitudes
         (`ceviche_challenges.scattering.calculate_amplitudes`, in JAX)."""
         values = jnp.concatenate([-EPSILON_0 * self.omega**2 * eps.ravel(), self.curl])
-        ez = dx.sparse_solve(values, self.pattern, self.source).reshape(eps.shape)
+        ez = self.solve(values).reshape(eps.shape)
         hx = -self.dyb * (ez - jnp.roll(ez, 1, axis=1)) / (1j * self.omega * MU_0)
         hy = self.dxb * (ez - jnp.roll(ez, 1, axis=0)) / (1j * self.omega * MU_0)
         a, b = [], []
@@ -112,10 +117,11 @@ def overlap(a, b, normal):
     return jnp.sum(ops.cross(tuple(jnp.conj(x) for x in a), b)[normal.index])
 
 
-def make_loss(model):
+def make_loss(model, wavelengths=None):
     """`design -> loss`: the design (densities in [0, 1]) inlaid in the background, the
-    permittivity, the S-parameters at each wavelength, the window loss."""
-    wavelengths = [Wavelength(model, w) for w in model.output_wavelengths]
+    permittivity, the S-parameters at each wavelength, the window loss. `wavelengths`:
+    `Wavelength`s of `model` (default: each of its wavelengths, solved on deferax's threads)."""
+    wavelengths = wavelengths or [Wavelength(model, w) for w in model.output_wavelengths]
     (x0, y0, x1, y1), lo, hi = model.design_region_coords, model.cladding_permittivity, model.slab_permittivity
 
     def loss(design):
