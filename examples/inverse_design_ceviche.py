@@ -67,7 +67,8 @@ def window_loss(s, xp=jnp):
 
 class Wavelength:
     """One wavelength's FDFD problem of `model`, excited at port 1: what does not depend on
-    the design is computed once, with ceviche, in NumPy."""
+    the design is computed once, with ceviche, in NumPy. The solves run on `executor`
+    (default: deferax's thread pool; a process pool or a Dask client's executor also do)."""
 
     def __init__(self, model, wavelength_nm: float, executor=None):
         self.model, self.executor, dl = model, executor, model.dl
@@ -156,8 +157,8 @@ def main():
     model = challenge(args.challenge)
     loss = make_loss(model)
     design = jnp.full(model.design_variable_shape, 0.5)
-    (nx, ny), (dx_, dy_) = model.shape, model.design_variable_shape
-    print(f"{args.challenge}: {nx} x {ny} grid, design region {dx_} x {dy_}, wavelengths {model.output_wavelengths} nm")
+    (nx, ny), (mx, my) = model.shape, model.design_variable_shape
+    print(f"{args.challenge}: {nx} x {ny} grid, design region {mx} x {my}, wavelengths {model.output_wavelengths} nm")
     print(dx.explain(loss, design))
     step = jax.jit(dx.filter_value_and_grad(loss))
     jax.block_until_ready(step(design))  # compiled
