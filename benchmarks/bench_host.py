@@ -6,8 +6,8 @@
     Laplacian (inverted by fast sine transforms); they take about the same number of
     iterations. The operator is applied matrix-free with NumPy slicing and the
     preconditioner with `scipy.fft`, both of which release the GIL, so two solves use the two
-    cores from two threads (SciPy's sparse matrix-vector product and SuperLU keep the GIL:
-    with them two threads run one after the other). BLAS is kept to one thread per solve.
+    cores from two threads (SciPy's sparse matrix-vector product keeps the GIL: with it two
+    threads run one after the other). BLAS is kept to one thread per solve.
     The loss is `-|<m, E>|^2`: the deferred-basis schedule with `linear_adjoint=True` runs
     one forward and one adjoint solve at the same time on the default thread pool; the
     standard schedule runs them one after the other. (For comparison, without

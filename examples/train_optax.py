@@ -16,7 +16,8 @@ What to look at:
   their gradient is zero, but `adamw`'s weight decay would still shrink them (checked at
   the end);
 - one progress line per step, with the loss, the step's time (the first includes
-  compiling) and the implementation runs recorded with `dx.record()`.
+  compiling) and the implementation runs recorded with `dx.record()`; the loss falls by
+  more than 90 % in 20 steps (the script checks that it at least halves).
 
 Run: python examples/train_optax.py
 """
@@ -99,19 +100,19 @@ PROBE = jnp.zeros(N).at[3 * N // 4].set(1.0)  # the temperature at one point
 def loss(model, zs):
     temperatures = jax.vmap(model)(zs)  # one batched solve per step, deferred
     probe = temperatures @ PROBE  # linear in the solver's output: nothing waits for it
-    penalty = 1e-6 * jnp.mean(jax.vmap(model.conductivity)(zs) ** 2)
+    penalty = 1e-7 * jnp.mean(jax.vmap(model.conductivity)(zs) ** 2)
     return jnp.mean(probe) + penalty, probe
 
 
 def main():
     key, data_key = jax.random.split(jax.random.key(0))
-    model = make_model(key)
+    model = eqx.filter_jit(make_model)(key)  # (built under jit: one compilation)
     zs = jax.random.normal(data_key, (BATCH, LATENT))
 
     # The solver's arrays stay out of the optimizer; the MLP's weights are trained.
     params, static = eqx.partition(model, dx.trainable(model))
-    optimizer = optax.adamw(3e-3, weight_decay=1e-2)
-    opt_state = optimizer.init(params)
+    optimizer = optax.adamw(2e-2, weight_decay=1e-2)
+    opt_state = eqx.filter_jit(optimizer.init)(params)
     print(dx.explain(lambda p, zs: loss(eqx.combine(p, static), zs)[0], params, zs))
 
     @eqx.filter_jit
@@ -123,6 +124,7 @@ def main():
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return eqx.apply_updates(params, updates), opt_state, value, probe
 
+    first = None
     for i in range(STEPS):
         start = time.perf_counter()
         with dx.record() as timeline:  # (the first step is traced inside it: all its calls are counted)
@@ -132,6 +134,9 @@ def main():
         print(f"step {i:3d}  loss {float(value):.6f}  probe temperature {float(jnp.mean(probe)):.6f}  {ms:7.1f} ms  runs {runs}")
         if i == 0:
             assert runs == {"adjoint": 1, "combine": 1, "fwd": 1}, runs  # the whole batch: one forward, one adjoint
+            first = float(value)
+    print(f"loss {first:.6f} -> {float(value):.6f} in {STEPS} steps ({100 * (float(value) / first - 1):+.0f} %)")
+    assert float(value) < 0.5 * first, "the loss did not fall"
 
     trained = eqx.combine(params, static)
     solver = trained.rod.solver
@@ -141,12 +146,17 @@ def main():
     print(f"decoder weights moved by up to {float(moved):.3f}; the solver's configuration did not move")
 
     # What happens without dx.trainable: adamw's weight decay shrinks the configuration.
-    naive = eqx.filter(model, eqx.is_inexact_array)
-    naive_state = optimizer.init(naive)
-    grads = eqx.filter_grad(lambda m: loss(m, zs)[0])(model)
-    for _ in range(3):
-        updates, naive_state = optimizer.update(grads, naive_state, naive)
-        naive = eqx.apply_updates(naive, updates)
+    @eqx.filter_jit
+    def naive_steps(model):  # three adamw steps on every array of the model
+        naive = eqx.filter(model, eqx.is_inexact_array)
+        naive_state = optimizer.init(naive)
+        grads = eqx.filter_grad(lambda m: loss(m, zs)[0])(model)
+        for _ in range(3):
+            updates, naive_state = optimizer.update(grads, naive_state, naive)
+            naive = eqx.apply_updates(naive, updates)
+        return naive
+
+    naive = naive_steps(model)
     drift = jnp.max(jnp.abs(naive.rod.solver.fwd.source - model.rod.solver.fwd.source))
     print(f"without dx.trainable, 3 adamw steps move the heat source by up to {float(drift):.2e}")
     assert drift > 0

@@ -1,8 +1,11 @@
 """A typed model carrying an expensive simulation, composed with `eqx.nn` layers.
 
 The canonical pattern: a `dx.TypedModule` wrapper holds a `dx.ExpensiveFn` and declares
-the shapes of its input and output; a larger Equinox model feeds it from an MLP. A shape
-mistake stops at once with a message naming the module, the argument and the dimensions.
+the shapes of its input and output; a larger Equinox model feeds it from an MLP. The
+script trains it for a few steps (the solver call is deferred), then shows what the
+annotations catch: a background field of the wrong shape, which NumPy-style broadcasting
+would otherwise let through silently, stops at once with a message naming the module,
+the argument and the dimensions.
 
 Run: python examples/typed_model.py
 """
@@ -58,8 +61,9 @@ def main():
         fused=dx.fuse(simulate, adjoint),
         name="field-solver",
     )
-    key = jax.random.PRNGKey(0)
-    model = Model(eqx.nn.MLP(4, NX * NY, 32, 2, key=key), Simulator(sim, jnp.ones((NX, NY))))
+    # (built under `jit`: one compilation instead of one per initialiser)
+    decoder = eqx.filter_jit(lambda key: eqx.nn.MLP(4, NX * NY, 32, 2, key=key))(jax.random.key(0))
+    model = Model(decoder, Simulator(sim, jnp.ones((NX, NY))))
     target = jnp.cos(jnp.linspace(0.0, 3.0, NX * NY)).reshape(NX, NY)
     z = jnp.array([0.1, -0.2, 0.3, 0.4])
 
@@ -67,23 +71,39 @@ def main():
         return -jnp.sum(target * m(z))  # linear in the field: the solver call is deferred
 
     print(dx.explain(loss, model, z))
-    step = eqx.filter_jit(dx.filter_value_and_grad(loss))
+
+    @eqx.filter_jit
+    def step(model, z):  # the shapes are checked once, while this is traced
+        value, grads = dx.filter_value_and_grad(loss)(model, z)
+        return value, eqx.apply_updates(model, jax.tree.map(lambda g: -0.05 * g, grads))
+
     for i in range(5):
-        value, grads = step(model, z)
-        model = eqx.apply_updates(model, jax.tree.map(lambda g: -0.05 * g, grads))
+        value, model = step(model, z)
         print(f"step {i}: loss {float(value):.5f}")
-    reference = eqx.filter_value_and_grad(loss)(model, z)
-    ours = dx.filter_value_and_grad(loss)(model, z)
-    error = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True))
+
+    @eqx.filter_jit
+    def difference(model, z):  # deferax's value and gradients against Equinox's
+        ours = dx.filter_value_and_grad(loss)(model, z)
+        reference = eqx.filter_value_and_grad(loss)(model, z)
+        return jnp.max(jnp.stack([jnp.max(jnp.abs(a - b)) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True)]))
+
+    error = float(difference(model, z))
     print(f"max difference from eqx.filter_value_and_grad: {error:.2e}")
     assert error < 1e-4
 
-    # A shape mistake: a decoder whose output does not fit the grid.
-    wrong = Model(eqx.nn.MLP(4, NX * NY, 32, 2, key=key), Simulator(sim, jnp.ones((NY, NX))))
+    # A shape mistake: the background given as one column, (nx, 1) instead of (nx, ny).
+    run = eqx.filter_jit(Model.__call__)  # (the checks run while it is traced)
+    wrong = Model(decoder, Simulator(sim, jnp.ones((NX, 1))))
     try:
-        wrong(z)
+        run(wrong, z)
     except dx.AnnotationError as error:
-        print("\nA shape mistake is caught:\n" + str(error))
+        print("\nA background of the wrong shape is caught at the wrapper, before the solver runs:\n" + str(error))
+    else:
+        raise AssertionError("the wrong background was not caught")
+    # `background + design` broadcasts it: without the checks, nothing complains.
+    with dx.typechecking(False):
+        field = run(wrong, z)
+    print(f"Without the checks it passes silently: a field of shape {field.shape}, computed on the wrong background")
 
 
 if __name__ == "__main__":

@@ -144,12 +144,14 @@ def real_overlap(f):
     return lambda p: jnp.abs(jnp.sum(jnp.real(f(p)))) ** 2
 
 
-def test_default_max_basis_is_one():
+def test_default_equal_costs_defer_one_cotangent_not_two():
     counter = Counter()
     f = sim(field_ref, counter)
     complex_overlap = dx.explain(overlap(f), P0).sites[0]
     assert complex_overlap.schedule == "standard" and complex_overlap.k == 2
-    assert "more than max_basis=1" in complex_overlap.reason
+    # the forward and two adjoints (3) against a forward and one adjoint (2) in a stage more
+    assert complex_overlap.reason.endswith("k=2 fixed cotangents, estimated slower than standard: standard 2.02, deferred 3.01 (defaults)")
+    assert complex_overlap.estimates == dx.Estimates(standard=2.02, deferred=3.01, source="defaults")
     assert run_and_compare(overlap(f), overlap(field_ref), P0, counter, max_basis=None) == {"fwd": 1, "bwd": 1, "primal": 0, "adjoint": 0}
     site = dx.explain(real_overlap(f), P0).sites[0]
     assert site.schedule == "deferred-basis" and site.k == 1
@@ -313,7 +315,7 @@ def test_error_bad_max_basis():
     # (a value of another type is refused before this check when the tests run with the
     # jaxtyping hook on deferax, as pyproject.toml sets them up)
     for bad in (-1, True):
-        with pytest.raises(ValueError, match=re.escape(f"`deferax.filter_value_and_grad`: `max_basis` must be a non-negative int, but got {bad!r}.")):
+        with pytest.raises(ValueError, match=re.escape(f"`deferax.filter_value_and_grad`: `max_basis` must be a non-negative int or None, but got {bad!r}.")):
             dx.filter_value_and_grad(lambda p: p.sum(), max_basis=bad)
     for bad in (-2, True):  # a function's None means "the transform's limit"
         expected = f"`ExpensiveFn(name='f')`: `max_basis` must be a non-negative int (or None: the limit of `filter_value_and_grad`), but got {bad!r}."

@@ -234,6 +234,55 @@ def test_fdfd_example_on_dask(executor):
     assert on_dask[-1] > on_dask[0]
 
 
+class CountedLU(dx.AbstractSparseSolver):
+    """SciPy's `splu`, recording each factorisation (and the worker's process) in `directory`."""
+
+    directory: str = eqx.field(static=True)
+
+    def factor(self, matrix):
+        record(self.directory, "factor")
+        return dx.SuperLU().factor(matrix)
+
+    def solve(self, factorisation, rhs, transpose):
+        return dx.SuperLU().solve(factorisation, rhs, transpose)
+
+
+def helmholtz(n, k0):
+    """A complex 2D Helmholtz operator on an n x n grid, as `(values, pattern)`."""
+    import scipy.sparse as sp
+
+    d = sp.diags([1.0, -2.0, 1.0], [-1, 0, 1], shape=(n, n)) * (n + 1) ** 2
+    a = sp.kron(d, sp.identity(n)) + sp.kron(sp.identity(n), d) + k0**2 * (1 + 0.1j) * sp.identity(n * n)
+    return dx.SparsePattern.from_scipy(a.tocsc())
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_sparse_solve_keeps_each_matrix_on_one_worker(executor, tmp_path, jit):
+    """The standard schedule: each forward factors on a worker and leaves the factorisation
+    there; the backward job goes to that worker and uses it. Two matrices (two wavelengths)
+    go to the two workers."""
+    pytest.importorskip("scipy")
+    sites = [helmholtz(6, k0) for k0 in (9.0, 13.0)]
+    b = jnp.linspace(1.0, 2.0, 36).astype(jnp.complex128)
+
+    def loss(vs, solve):
+        return sum(jnp.sum(jnp.abs(solve(v, p)) ** 2) for v, (_, p) in zip(vs, sites, strict=True))
+
+    def dense(v, p):
+        return jnp.linalg.solve(p.todense(v), b)
+
+    for step in range(3):
+        directory = str(tmp_path / f"step{step}")
+        on_dask = lambda v, p, d=directory: dx.sparse_solve(v, p, b, solver=CountedLU(d), executor=executor)  # noqa: E731
+        vs = tuple(jnp.asarray(v) * (1.0 + 0.1 * step) for v, _ in sites)
+        fn = jax.value_and_grad(lambda vs, s=on_dask: loss(vs, s))
+        got = (jax.jit(fn) if jit else fn)(vs)
+        assert_tree_allclose(got, jax.value_and_grad(lambda vs: loss(vs, dense))(vs), rtol=1e-10, atol=1e-12)
+        counts, pids = runs(directory)
+        assert counts == {"factor": 2}  # one a matrix: the backward passes reused them
+        assert len(pids) == 2  # the two matrices on the two workers
+
+
 # The two tests that kill workers come last: the nannies restart them, which takes a moment.
 
 

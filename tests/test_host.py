@@ -352,14 +352,21 @@ def counted_fused(runs):
 
 
 def test_fused_host_function_alone():
+    """A `fused`-only site: the standard schedule would call it twice (the forward, then
+    the forward again with the adjoint); a complex overlap (k = 2) calls it once per basis
+    cotangent, both in one stage (its real input's cotangent is not complex-linear in the
+    output's: no call answers for another)."""
     runs = Runs()
     f = dx.host(fused=counted_fused(runs), out=FIELD, name="both")
-    for make_loss, expected in ((linear_loss, 1), (overlap_loss, 2)):  # k = 2 basis cotangents: 2 calls
+    for make_loss, g, schedule, expected in ((linear_loss, f, "deferred", 1), (overlap_loss, f, "deferred-basis", 2)):
+        assert dx.explain(make_loss(g), X0).sites[0].schedule == schedule
         for jit in (False, True):
             runs.counts.clear()
-            got = run(make_loss(f), X0, jit=jit)
+            got = run(make_loss(g), X0, jit=jit)
             assert_tree_allclose(got, eqx.filter_value_and_grad(make_loss(reference))(X0), rtol=1e-12, atol=1e-12)
             assert runs["fused"] == expected
+    site = dx.explain(overlap_loss(f), X0).sites[0]  # two calls in one stage against two in two
+    assert site.estimates == dx.Estimates(standard=4.02, deferred=4.01, source="defaults")
 
 
 def test_fused_batch_host_function_runs_once_for_all_basis_cotangents():

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors, _jaxpr, _site
+from . import _cost, _errors, _jaxpr, _site
 from ._plan import Plan, Site
 
 
@@ -79,7 +79,7 @@ class Analysis:
         return bool(self.nested) or len(self.deferred) < len(self.sites) or bool(self.early)
 
 
-def analyse(program, n_consts: int, *, schedule: str, max_basis: int, where: str, bwds: tuple | None = None) -> Analysis:
+def analyse(program, n_consts: int, *, schedule: str, max_basis: int | None, where: str, bwds: tuple | None = None) -> Analysis:
     """Run the static check on `program` (`J`, with its constants as leading inputs).
     `bwds`: what `bwd_decisions(program)` returned, if it was called already.
 
@@ -120,6 +120,7 @@ class _Check:
         self.eqn_labels = {i: ("y", k) for k, i in enumerate(sites)} | {i: ("n", i) for i in nested}
         self._substituted = None
         self.fallback = _fallback(program)
+        self.estimates: dict[int, _cost.Estimates] = {}
 
     # ------------------------------------------------------------------ the order of the plan
 
@@ -277,7 +278,8 @@ class _Check:
 
     def _decide(self, k, ct_dep, backward, labels):
         sources, outputs = ct_dep
-        if not sources:
+        if not sources:  # (the same work as standard's in one stage fewer: never slower)
+            self.estimates[k] = _estimate(self.specs[k], 1)
             return ("deferred", None, None, None)
         location = None
         uses = _jaxpr.nonlinear_uses(*self._tail(k))  # (to name the culprit as the user wrote it)
@@ -297,12 +299,16 @@ class _Check:
         basis = self._basis(k)
         limit = self.specs[k].static.max_basis
         limit = limit if limit is not None else self.max_basis
-        if basis.k <= limit:
+        self.estimates[k] = estimates = _estimate(self.specs[k], basis.k)
+        if basis.k <= limit if limit is not None else estimates.deferred < estimates.standard:
             ahead = _jaxpr.once_only(basis.program, [True] * len(basis.program.jaxpr.eqns))
             if ahead is not None:
                 return ("standard", reason + "; " + _once_reason("its basis cotangents", ahead), location, basis.k)
             return ("deferred-basis", None, location, basis)
-        reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
+        if limit is not None:
+            reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
+        else:
+            reason += f"; it is a combination of k={basis.k} fixed cotangents, estimated slower than standard: {estimates}"
         return ("standard", reason, location, basis.k)
 
     def _tail(self, k):
@@ -334,17 +340,19 @@ class _Check:
         for index, (k, spec, kind) in enumerate(self._entries()):
             if k is None:
                 schedule, reason, location, kk = "standard", f"called inside {kind}; sites there stay standard", None, None
+                estimates = None
                 if _site.strategy(spec) == "forward-basis":
                     schedule, kk = "forward-basis", _site.n_inputs(spec)
                     reason += _forward_basis_why(spec)
             else:
                 schedule, reason, location, kk = decisions[k]
+                estimates = self.estimates.get(k)
             sites.append(
                 Site(
                     index=index, name=spec.name, in_shapes=_describe(spec.x_structs), out_shapes=_describe(spec.y_structs),
                     schedule=schedule, reason=reason, location=location,
                     k=kk.k if isinstance(kk, Basis) else None if schedule == "forward-basis" else kk,
-                    n=kk if schedule == "forward-basis" else None, batch=spec.sizes,
+                    n=kk if schedule == "forward-basis" else None, batch=spec.sizes, estimates=estimates,
                 )
             )  # fmt: skip
         if self.schedule == "deferred":
@@ -413,6 +421,18 @@ def _forward_basis_why(spec) -> str:
     if not static.has_vjp:
         return f"; reverse mode from its forward-mode implementation: the output and n={n} tangents in one call"
     return f"; forward-basis: the output and n={n} tangents in one call, one stage where `fwd` then `bwd` take two"
+
+
+def _estimate(spec, k: int) -> _cost.Estimates:
+    """The estimates for site `spec` on `k` cotangents: one job when its forward and
+    adjoints share one call (`fused_batch`, or a traced `fused` batched over them)."""
+    static = spec.static
+    host = getattr(static.fused, "__self__", None)
+    one_job = not getattr(host, "runs_on_host", False) or host.host_fused_batch is not None
+    complex_out = any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in spec.y_structs)
+    shapes = tuple(s.shape for s in spec.x_structs)
+    fused_only = static.fwd is None and static.bwd is None and static.adjoint is None
+    return _cost.estimate(spec.name, shapes, static.cost, k, complex_out, one_job, fused_only)
 
 
 def zeros(structs) -> Any:

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _record
+from . import _record, _threads
 
 _DEFAULT: cf.Executor | None = None
 _DEFAULT_LOCK = threading.Lock()
@@ -117,7 +117,7 @@ class Job:
 
 def name(executor: cf.Executor) -> str:
     """The executor, for messages: "a ThreadPoolExecutor", "a Dask cluster", ..."""
-    return "a Dask cluster" if _is_dask(executor) else f"a {type(executor).__name__}"
+    return "a Dask cluster" if is_dask(executor) else f"a {type(executor).__name__}"
 
 
 def describe(executor: cf.Executor) -> str:
@@ -126,12 +126,13 @@ def describe(executor: cf.Executor) -> str:
         return "a thread of a ThreadPoolExecutor"
     if isinstance(executor, cf.ProcessPoolExecutor):
         return "a process of a ProcessPoolExecutor"
-    if _is_dask(executor):
+    if is_dask(executor):
         return "a Dask worker"
     return name(executor)
 
 
-def _is_dask(executor: cf.Executor) -> bool:
+def is_dask(executor: cf.Executor) -> bool:
+    executor = getattr(executor, "dask_executor", executor)  # (`_affinity.Pinned` wraps one)
     return type(executor).__module__.split(".")[0] == "distributed"
 
 
@@ -139,7 +140,7 @@ def check_picklable(call: str, executor: cf.Executor, impls: dict[str, Callable[
     """Raise before anything is submitted if a host function cannot reach the executor's workers."""
     if isinstance(executor, cf.ProcessPoolExecutor):
         pickler, dumps = "pickle", pickle.dumps
-    elif _is_dask(executor):
+    elif is_dask(executor):
         import cloudpickle  # shipped with distributed
 
         pickler, dumps = "cloudpickle", cloudpickle.dumps
@@ -168,7 +169,7 @@ def _failure(call: str, executor: cf.Executor, job: Job, e: BaseException) -> Ho
     if _lost(e):
         if isinstance(executor, cf.ProcessPoolExecutor):
             advice = ADVICE_PROCESS_POOL
-        elif _is_dask(executor):
+        elif is_dask(executor):
             advice = ADVICE_DASK
         else:
             advice = ADVICE_OTHER
@@ -210,6 +211,18 @@ _GRACE = 1.0  # seconds to let the other jobs finish when one fails, to check th
 
 def _run(call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], check: Any = None) -> list[Any]:
     executor = executor if executor is not None else default_executor()
+    with _threads.shared(_at_once(executor, len(jobs))):
+        return _submit(call, executor, timeout, jobs, check)
+
+
+def _at_once(executor: cf.Executor, jobs: int) -> int:
+    """How many of `jobs` run at once on threads of this process (none on other processes)."""
+    if not isinstance(executor, cf.ThreadPoolExecutor):
+        return 0
+    return min(jobs, getattr(executor, "_max_workers", jobs))
+
+
+def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[Job], check: Any = None) -> list[Any]:
     futures: list[cf.Future] = []
     where = name(executor)
     for job in jobs:

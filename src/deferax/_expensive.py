@@ -14,6 +14,11 @@ from jaxtyping import PyTree
 
 from . import _errors, _record, _site, _tangents, _typed
 from ._concurrent import Derived, Fused, is_concrete
+from ._cost import Cost
+
+BAD_COST_HINT = """{call}: `cost` must be a `dx.Cost` or None, but got {found!r}. Give what the implementations cost:
+
+    dx.ExpensiveFn(fwd=..., bwd=..., fused=..., cost=dx.Cost(fwd=0.8, bwd=0.9))"""
 
 
 def _struct(tree: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
@@ -94,6 +99,9 @@ class ExpensiveFn(eqx.Module):
       shared workspace): deferax then runs no two calls of it, nor of any other such
       function, at the same time, not even the forward and the adjoint of one deferred
       call. See also [`deferax.set_concurrency`][].
+    - `cost`: a [`deferax.Cost`][], what the implementations cost, from which the schedule
+      is chosen when no `max_basis` is set; default: timings of earlier calls, else equal
+      costs (see "How the schedule is chosen" in the docs).
     - `prefer`: `None` (the default rule: fewest sequential expensive stages, then fewest
       expensive calls), or force a strategy: `"standard"` (`fwd` then `bwd`; never
       deferred), `"forward-basis"` (the primal with `n` tangents; never deferred).
@@ -132,6 +140,7 @@ class ExpensiveFn(eqx.Module):
     max_tangents: int | None = eqx.field(default=None, static=True)
     prefer: str | None = eqx.field(default=None, static=True)
     thread_safe: bool = eqx.field(default=True, static=True)
+    cost: Any = eqx.field(default=None, static=True)  # (a `Cost`; `Any` so that a wrong value reaches the check)
 
     def __post_init__(self):
         if self.name is None:
@@ -151,6 +160,8 @@ class ExpensiveFn(eqx.Module):
             raise ValueError(_errors.BAD_MAX_BASIS.format(where=self._call, allowed=allowed, found=self.max_basis))
         if self.adjoint is not None and self.bwd is not None:
             raise TypeError(_errors.BOTH_ADJOINTS.format(call=self._call))
+        if self.cost is not None and not isinstance(self.cost, Cost):
+            raise TypeError(BAD_COST_HINT.format(call=self._call, found=self.cost))
         if self.combine is not None and self.adjoint is None:
             raise TypeError(_errors.ONLY_WITH_ADJOINT.format(call=self._call, what="combine"))
         if self.max_tangents is not None and (not isinstance(self.max_tangents, int) or isinstance(self.max_tangents, bool) or self.max_tangents < 0):

@@ -182,6 +182,7 @@ def host(
     max_tangents: int | None = None,
     prefer: str | None = None,
     thread_safe: bool = True,
+    cost: Any = None,
 ) -> ExpensiveFn:
     """Make a [`deferax.ExpensiveFn`][] from host functions: NumPy, SciPy, a C++ solver, a job
     on a cluster.
@@ -241,7 +242,9 @@ def host(
       linear solve with the cotangent as right-hand side). Then, on the deferred-basis
       schedule, a basis cotangent that is a multiple of another (an overlap `|<m, E>|^2`
       gives `m` and `1j * m`) or zero is not solved again.
-    - `max_basis`, `max_tangents`, `prefer`: as for [`deferax.ExpensiveFn`][].
+    - `max_basis`, `max_tangents`, `prefer`, `cost`: as for [`deferax.ExpensiveFn`][]
+      (`cost`: a [`deferax.Cost`][]; with `fused_batch`, give its `setup`: the work one
+      job does once for the forward and every adjoint).
     - `thread_safe`: `False` when the host functions share one workspace (a C or Fortran
       solver): their jobs are then submitted one at a time, never two at once (see
       [`deferax.set_concurrency`][]).
@@ -337,4 +340,5 @@ def host(
         max_tangents=max_tangents,
         prefer=prefer,
         thread_safe=thread_safe,
+        cost=cost,
     )

@@ -7,6 +7,8 @@ from typing import Literal
 
 import equinox as eqx
 
+from ._cost import Estimates
+
 Schedule = Literal["standard", "deferred", "deferred-basis", "forward-basis"]
 
 
@@ -30,6 +32,9 @@ class Site(eqx.Module):
     - `k`: for a site whose cotangent depends on outputs, the number of fixed basis
       cotangents it is a combination of (a complex number counts as two); `None` otherwise.
     - `n`: for a forward-basis site, the number of tangents (the input's real numbers).
+    - `estimates`: for a site that could be deferred, the estimated wall time of the
+      standard and the deferred (or deferred-basis) schedule, a [`deferax.Estimates`][];
+      `None` otherwise.
     - `batch`: the sizes of the `jax.vmap` levels the call is made under, outermost first
       (`()` for a call on one example). A deferred site under `vmap` runs one `fused` call
       for the whole batch; `in_shapes` and `out_shapes` are those of one example.
@@ -45,6 +50,7 @@ class Site(eqx.Module):
     k: int | None = None
     n: int | None = None
     batch: tuple[int, ...] = ()
+    estimates: Estimates | None = None
 
 
 class Plan(eqx.Module):
@@ -111,6 +117,11 @@ class Plan(eqx.Module):
         out.extend(line(r) for r in rows)
         for i, note in enumerate(notes, 1):
             out.extend(_wrap(note, f"[{i}] "))
+        chosen = [s for s in self.sites if s.schedule == "deferred-basis" and s.estimates is not None]
+        if chosen:  # (a standard site's note gives them already)
+            out.append("estimated wall time:")
+            for s in chosen:
+                out.extend(_wrap(str(s.estimates), f"  #{s.index} "))
         if self.stages:
             out.append("expensive stages, in order:")
             for i, stage in enumerate(self.stages, 1):

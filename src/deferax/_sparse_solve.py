@@ -20,6 +20,7 @@ import dataclasses
 import functools as ft
 import importlib.util
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,7 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Inexact
 
+from . import _affinity, _cost
+from ._cost import Cost
 from ._host import host
+from ._host_jobs import _multiples
 from ._sparse_solver import AbstractSparseSolver, SuperLU
 
 BAD_PATTERN = """`dx.SparsePattern`: {what}, but got {found}.
@@ -51,6 +55,8 @@ NO_SCIPY = """`dx.sparse_solve(name={name!r})`: SciPy is not installed, and the 
 solver as a `scipy.sparse.csc_matrix`; the default solver is SciPy's `splu`). Install it: `pip install scipy`."""
 
 BAD_SOLVER = "`dx.sparse_solve(name={name!r})`: `solver` must be a `dx.AbstractSparseSolver` (e.g. `dx.SuperLU()`), but got {found!r}."
+
+BAD_COST = "`dx.sparse_solve(name={name!r})`: `cost` must be a `dx.Cost` or None, but got {found!r}."
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -198,17 +204,27 @@ FACTORISATIONS = Store(limit=8)
 @dataclasses.dataclass(frozen=True)
 class _Solve:
     """The host functions of one sparse solve (pattern, solver and dtype): NumPy in and out.
-    Compares by value, so equal solves share compiled programs and factorisations."""
+    Compares by value, so equal solves share compiled programs and factorisations. The
+    factorisations and solves are timed, for the choice of schedule (`_cost`, by `name`)."""
 
     pattern: SparsePattern
     solver: AbstractSparseSolver
     dtype: np.dtype
+    name: str = "sparse_solve"
 
     def _factor(self, values: np.ndarray) -> Any:
         import scipy.sparse
 
         p = self.pattern
-        return self.solver.factor(scipy.sparse.csc_matrix((values.astype(self.dtype), (p.rows, p.cols)), shape=(p.n, p.n)))
+        matrix = scipy.sparse.csc_matrix((values.astype(self.dtype), (p.rows, p.cols)), shape=(p.n, p.n))
+        start = time.perf_counter()
+        lu = self.solver.factor(matrix)
+        _cost.observe(self.name, self._shapes, setup=time.perf_counter() - start)
+        return lu
+
+    @property
+    def _shapes(self) -> tuple:  # (the site's input shapes, by which its timings are kept)
+        return ((self.pattern.nnz,), (self.pattern.n,))
 
     def _key(self, values: np.ndarray) -> Any:
         return (self, values.dtype.str, values.tobytes())
@@ -226,7 +242,10 @@ class _Solve:
     def _solve(self, lu: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
         """`A^-1 rhs` (or `A^-T rhs`) for `rhs` of shape `(n,)` or `(k, n)`: one call of the solver."""
         rhs = np.asarray(rhs, self.dtype)
+        start = time.perf_counter()
         out = self.solver.solve(lu, rhs.T if rhs.ndim == 2 else rhs, transpose)
+        per_rhs = (time.perf_counter() - start) / (rhs.shape[0] if rhs.ndim == 2 else 1)
+        _cost.observe(self.name, self._shapes, **{"bwd" if transpose else "fwd": per_rhs})
         return np.asarray(out, self.dtype).T if rhs.ndim == 2 else np.asarray(out, self.dtype)
 
     def _cotangents(self, x: tuple, y: np.ndarray, lam: np.ndarray) -> tuple:
@@ -258,9 +277,13 @@ class _Solve:
 
     def fused_batch(self, x: tuple, cts: np.ndarray) -> tuple:
         values, b = x
+        # The adjoint is linear in the cotangent: a row that is a multiple of another
+        # (a complex overlap's `m` and `1j * m`) or zero is not solved.
+        recipe, unique = _multiples(list(cts), jax.ShapeDtypeStruct((), self.dtype))
         with self._factorised(values, uses=1) as lu:
             y = self._solve(lu, b, False)
-            lam = self._solve(lu, cts, True)
+            solved = self._solve(lu, cts[unique], True) if unique else np.zeros((0, self.pattern.n), self.dtype)
+        lam = np.stack([c * solved[u] if u is not None else np.zeros(self.pattern.n, self.dtype) for u, c in recipe])
         return y, self._cotangents(x, y, lam)
 
     def jvp(self, x: tuple, t_x: tuple) -> tuple:
@@ -282,7 +305,13 @@ def _like(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 @ft.lru_cache(maxsize=64)
-def _site(solve: _Solve, executor: Any, timeout: Any, name: str, max_basis: int | None) -> Any:
+def _site(solve: _Solve, executor: Any, timeout: Any, name: str, max_basis: int | None, cost: Cost | None) -> Any:
+    c = Cost() if cost is None else cost
+    # one factorisation answers every right-hand side; it waits for the backward pass in
+    # this process, or in the Dask worker that every job of the matrix goes to (not in a
+    # process pool's workers: there the backward factors again)
+    keeps = executor is None or isinstance(executor, (cf.ThreadPoolExecutor, _affinity.Pinned))
+    cost = Cost(fwd=c.fwd, bwd=c.bwd, setup=c.setup, keeps_setup=keeps, linear=True, workers=c.workers, stage=c.stage)
     return host(
         solve.fwd,
         bwd=solve.bwd,
@@ -297,6 +326,7 @@ def _site(solve: _Solve, executor: Any, timeout: Any, name: str, max_basis: int 
         max_basis=max_basis,
         # one adjoint solve beats `n` tangent solves: reverse mode always uses `bwd`
         max_tangents=0,
+        cost=cost,
     )
 
 
@@ -312,6 +342,7 @@ def sparse_solve(
     timeout: float | None = None,
     name: str = "sparse_solve",
     max_basis: int | None = None,
+    cost: Any = None,
 ) -> Inexact[Array, " n"]:
     """Solve `A x = b` for a sparse matrix `A`, real or complex, whose entries are a JAX
     array on a static pattern: `A[pattern.rows[k], pattern.cols[k]] += values[k]`.
@@ -348,11 +379,17 @@ def sparse_solve(
     - `solver`: the sparse direct solver, a [`deferax.AbstractSparseSolver`][]; default
       [`deferax.SuperLU`][] (SciPy's `splu`, imported when it first runs).
     - `executor`, `timeout`: where the jobs run and how long to wait, as for
-      [`deferax.host`][] (default: deferax's thread pool). With a process pool or Dask,
-      a factorisation is kept in the worker that made it; a backward pass that runs on
-      another worker factors again.
+      [`deferax.host`][] (default: deferax's thread pool). A factorisation is kept in the
+      worker that made it. On Dask, every job of one matrix goes to one worker (the one
+      that factored it), and new matrices go to the workers in turn; with a process pool,
+      a backward pass that runs in another process factors again.
     - `name`: shown in errors and in [`deferax.explain`][].
     - `max_basis`: as for [`deferax.ExpensiveFn`][].
+    - `cost`: a [`deferax.Cost`][] with what a factorisation (`setup`) and one solve (`fwd`,
+      `bwd`) take; default: as timed in earlier calls (in this process), else equal. The
+      rest is known here: a factorisation serves every right-hand side of a job, the
+      standard schedule's backward reuses the forward's on a thread pool, and a complex
+      overlap's two basis cotangents are one adjoint solve.
 
     **Returns:**
 
@@ -384,7 +421,9 @@ def sparse_solve(
             expected = f"a real or complex array of shape {shape} (for {pattern!r})"
             raise ValueError(BAD_OPERAND.format(name=name, what=what, expected=expected, found=_found(a), fix=fix))
     dtype = np.result_type(np.dtype(values.dtype), np.dtype(b.dtype))
-    fn = _site(_Solve(pattern, solver, dtype), executor, timeout, name, max_basis)
+    if cost is not None and not isinstance(cost, Cost):
+        raise TypeError(BAD_COST.format(name=name, found=cost))
+    fn = _site(_Solve(pattern, solver, dtype, name), _affinity.pinned(executor), timeout, name, max_basis, cost)
     return fn((values, b))
 
 

@@ -69,9 +69,9 @@ class SuperLU(AbstractSparseSolver):
     - `permc_spec`: the column ordering, as for `splu`: `"COLAMD"` (the default),
       `"MMD_AT_PLUS_A"`, `"MMD_ATA"` or `"NATURAL"`.
 
-    SuperLU keeps Python's GIL while it factors: two factorisations on two threads run one
-    after the other. Use a process pool or Dask (`dx.sparse_solve(..., executor=...)`) when
-    several systems should be factored at once.
+    SuperLU releases Python's GIL while it factors and solves: several systems (one a
+    wavelength, say) are factored at once on deferax's threads, each with a share of the
+    cores' BLAS threads.
     """
 
     permc_spec: str = eqx.field(default="COLAMD", static=True)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _errors, _jaxpr, _record, _site, _stages
+from . import _cost, _errors, _jaxpr, _record, _site, _stages
 from ._analysis import Analysis, analyse, bwd_decisions
 from ._concurrent import is_concrete
 from ._plan import Plan
@@ -128,7 +128,7 @@ def _analysis(traced: _Traced, schedule, max_basis, eager: bool):
             # which inputs are constants and which are differentiated is not in the equations,
             # nor whether each `bwd` (traced now) lets a `fused` be made from it
             bwds = bwd_decisions(traced.program)
-            key = (key, len(traced.consts), schedule, max_basis, bwds)
+            key = (key, len(traced.consts), schedule, max_basis, bwds, _cost.version())
             with _CACHE_LOCK:
                 compiled = _CACHE.get(key)
                 if compiled is not None:
@@ -148,7 +148,7 @@ def _analysis(traced: _Traced, schedule, max_basis, eager: bool):
     return analysis, compiled
 
 
-def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int, x, args, kwargs):
+def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, x, args, kwargs):
     if schedule == "standard":
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
     traced = _trace(fun, x, args, kwargs, has_aux)
@@ -201,7 +201,7 @@ class _ValueAndGradWrapper(eqx.Module):
     _fun: Callable
     _has_aux: bool = eqx.field(static=True)
     _schedule: str = eqx.field(static=True)
-    _max_basis: int = eqx.field(static=True)
+    _max_basis: int | None = eqx.field(static=True)
 
     @property
     def __wrapped__(self):
@@ -248,22 +248,21 @@ class _GradWrapper(eqx.Module):
         return eqx.Partial(self, instance)
 
 
-# Measured on two 2-core CPUs (benchmarks/bench_basis.py, docs/deferred.md): with k = 1 the
-# forward and one adjoint overlap (0.52 to 0.61 of the standard schedule's time) on both;
-# with k = 2 the forward and two batched adjoints lost on an Intel Xeon (1.16) and gained on
-# an AMD EPYC (0.77 to 1.02). 1 is the limit that gained on both. Raise it where adjoints
-# batch well (a GPU, a cluster, `dx.host(..., linear_adjoint=True)`).
-DEFAULT_MAX_BASIS = 1
+# None: no limit on `k`; each site's schedule is chosen by the estimates of `_cost`, whose
+# equal-cost defaults make `k = 1` deferred-basis and `k >= 2` standard (what the fixed
+# limit of 1 chose before; measured on two 2-core CPUs, benchmarks/bench_basis.py: `k = 1`
+# gained on both, `k = 2` lost on one).
+DEFAULT_MAX_BASIS = None
 
 
 def _check_settings(schedule, max_basis):
     if schedule not in _SCHEDULES:
         raise ValueError(_errors.BAD_SCHEDULE.format(where=_WHERE, found=schedule))
-    if not isinstance(max_basis, int) or isinstance(max_basis, bool) or max_basis < 0:
-        raise ValueError(_errors.BAD_MAX_BASIS.format(where=_WHERE, allowed="a non-negative int", found=max_basis))
+    if max_basis is not None and (not isinstance(max_basis, int) or isinstance(max_basis, bool) or max_basis < 0):
+        raise ValueError(_errors.BAD_MAX_BASIS.format(where=_WHERE, allowed="a non-negative int or None", found=max_basis))
 
 
-def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "auto", max_basis: int = DEFAULT_MAX_BASIS):
+def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "auto", max_basis: int | None = DEFAULT_MAX_BASIS):
     """Equinox's `filter_value_and_grad`, running the deferred VJP where it is sound.
 
     Differentiates `fun` with respect to the floating-point arrays of its first positional
@@ -282,13 +281,12 @@ def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "a
       raises an error naming each site that cannot be deferred and why.
     - `max_basis`: the most basis cotangents `k` a site may need for the
       `"deferred-basis"` schedule (its cotangent is a combination of `k` fixed cotangents
-      with coefficients that depend on outputs). Default 1: a function of one real number
-      (a scalar output, a real overlap), which on a CPU costs the forward and one adjoint
-      run together. A site's own `ExpensiveFn(max_basis=...)` takes precedence. Raise it
-      when the `k` adjoints batch well (a GPU, a cluster, a solver that takes several
-      right-hand sides): on two 2-core CPUs, `k = 2` batched JAX adjoints took 1.16 of the
-      standard schedule's time on one and 0.77 to 1.02 on the other (see "How many
-      adjoints" in the docs), so measure on your machine before raising it.
+      with coefficients that depend on outputs). Default `None`: no limit, each site's
+      schedule is the one estimated fastest from its costs (its `cost=` hint, timings of
+      earlier calls, or equal costs, which defer `k = 1` and keep `k >= 2` standard; see
+      "How the schedule is chosen" in the docs). An int is a fixed rule: `k <= max_basis`
+      is deferred-basis, beyond it standard, whatever the estimates. A site's own
+      `ExpensiveFn(max_basis=...)` takes precedence.
 
     **Returns:**
 
@@ -313,7 +311,7 @@ def filter_value_and_grad(fun=None, *, has_aux: bool = False, schedule: str = "a
     return eqx.module_update_wrapper(_ValueAndGradWrapper(fun, has_aux, schedule, max_basis))
 
 
-def filter_grad(fun=None, *, has_aux: bool = False, schedule: str = "auto", max_basis: int = DEFAULT_MAX_BASIS):
+def filter_grad(fun=None, *, has_aux: bool = False, schedule: str = "auto", max_basis: int | None = DEFAULT_MAX_BASIS):
     """Equinox's `filter_grad`, running the deferred VJP where it is sound.
 
     As [`deferax.filter_value_and_grad`][], but returns only the gradients (and `aux`,

@@ -1,0 +1,183 @@
+"""The schedule chosen by cost: an estimate of each sound schedule's wall time for a site.
+
+Soundness is decided elsewhere (`_analysis`); this module only chooses among the schedules
+already allowed. For a site whose cotangent is a combination of `k` fixed cotangents, the
+choice is between the standard schedule (the forward on the forward pass, one adjoint on
+the backward pass: two stages) and the deferred-basis schedule (the forward and `k`
+adjoints before the value is known: one stage). The estimates, in seconds (or in units of
+one forward when nothing is known):
+
+    standard        = (setup + fwd) + (setup, unless kept) + bwd + 2 * stage
+                      (`fused` alone: two calls, 2 * (setup + fwd + bwd) + 2 * stage)
+    deferred-basis  = one job:      setup + fwd + m * bwd + stage
+                      or m + 1 jobs on `workers`: max(longest job, all jobs / workers) + stage
+                      (`fused` alone: m jobs of setup + fwd + bwd)
+
+with `m = k`, or `ceil(k / 2)` for an adjoint linear over complex numbers on a complex
+output (a complex overlap's basis cotangents `m` and `1j * m` are one solve).
+
+The numbers come from the site's `cost=` hint, else from timings of its earlier calls
+(`observe`, kept by site name and input shapes), else from equal-cost defaults (`fwd = bwd = 1`, no setup,
+and a stage worth a hundredth of a forward: a tie goes to the schedule with fewer stages).
+A decision must not flip-flop between eager calls (timings on a loaded machine vary
+tenfold), so the timings used are the least of the first `SAMPLES` seen for each site (a
+first call also pays for imports and warm-up), and they are kept until
+the user asks for new ones (`forget_timings`); `version()` (part of the key of eager
+calls' compiled stages) changes when they do.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import equinox as eqx
+
+BAD_COST = """`dx.Cost`: `{field}` must be {expected}, but got {found!r}.
+Give seconds (or any one unit for every number), for example:
+
+    dx.Cost(fwd=0.8, bwd=0.9)                       # a forward and an adjoint solve
+    dx.Cost(setup=2.0, fwd=0.05, bwd=0.05)          # a factorisation shared by every solve of a job"""
+
+# A host round trip between two stages (a `pure_callback` out of a compiled program and back,
+# and the executor's hand-off): a trivial `dx.host` site under `jit` took 3.0 ms deferred (one
+# stage) and 6.8 ms standard (two) on a 2-core CPU at load 13; less on an idle machine.
+STAGE_SECONDS = 1e-3
+SAMPLES = 3  # timings of a site's first calls, of which the least is kept
+DEFAULT_STAGE = 0.01  # (in units of one forward, with the equal-cost defaults)
+
+
+class Cost(eqx.Module):
+    """What a site's implementations cost: the hint from which [`deferax.filter_value_and_grad`][]
+    estimates each schedule's wall time when no `max_basis` is set (see "How the schedule
+    is chosen" in the docs). Numbers are seconds, or any one unit for all of them.
+
+    **Arguments:**
+
+    - `fwd`: the forward's work (a forward solve), past the setup. Default: measured from
+      earlier calls, else 1.
+    - `bwd`: one adjoint's work (one adjoint right-hand side), past the setup. Default:
+      measured, else 1.
+    - `setup`: work one job does once for any number of right-hand sides (a factorisation).
+      Default: measured, else 0.
+    - `keeps_setup`: the standard schedule's backward pass reuses the forward's setup (a
+      factorisation kept on the host between the passes); otherwise it pays it again.
+    - `linear`: the adjoint is linear over complex numbers in the cotangent, so a complex
+      output's `k` real basis cotangents need `ceil(k / 2)` adjoints.
+    - `workers`: how many jobs of one site run at once where it runs (pool workers or
+      cores left to it), for an implementation whose forward and adjoints are separate
+      jobs (`fwd` with `adjoint`). Default 1: no spare core is assumed.
+    - `stage`: the overhead of one stage (a host round trip). Default: 1 ms when any
+      number is known, a hundredth of a forward with the equal-cost defaults.
+
+    !!! Example
+
+        ```python
+        import deferax as dx
+
+        cost = dx.Cost(setup=0.030, fwd=0.002, bwd=0.002, keeps_setup=True)
+        ```
+    """
+
+    fwd: float | None = eqx.field(default=None, static=True)
+    bwd: float | None = eqx.field(default=None, static=True)
+    setup: float | None = eqx.field(default=None, static=True)
+    keeps_setup: bool = eqx.field(default=False, static=True)
+    linear: bool = eqx.field(default=False, static=True)
+    workers: int = eqx.field(default=1, static=True)
+    stage: float | None = eqx.field(default=None, static=True)
+
+    def __check_init__(self):
+        for field in ("fwd", "bwd", "setup", "stage"):
+            value = getattr(self, field)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(BAD_COST.format(field=field, expected="a non-negative, finite number or None", found=value))
+        if self.workers < 1:
+            raise ValueError(BAD_COST.format(field="workers", expected="a positive int", found=self.workers))
+
+
+class Estimates(eqx.Module):
+    """The estimated wall time of a site's schedules, beside the choice in [`deferax.Site`][].
+
+    **Fields:**
+
+    - `standard`: the standard schedule's.
+    - `deferred`: the deferred (`k = 1` or no dependence) or deferred-basis schedule's.
+    - `source`: where the numbers come from: `"hint"` (the `cost=` given), `"measured"`
+      (earlier calls) or `"defaults"` (equal costs, in units of one forward).
+    """
+
+    standard: float
+    deferred: float
+    source: str
+
+    def __str__(self) -> str:
+        unit = "" if self.source == "defaults" else " s"
+        return f"standard {self.standard:.4g}{unit}, deferred {self.deferred:.4g}{unit} ({self.source})"
+
+
+# ----------------------------------------------------------------------------- timings of earlier calls
+
+_LOCK = threading.Lock()
+_DECIDED: dict[tuple, dict[str, float]] = {}  # by (site name, input shapes): the timings decisions are made from
+_SAMPLES: dict[tuple, list[float]] = {}  # by (site name, input shapes, what): the timings seen so far
+_VERSION = [0]
+
+
+def observe(name: str, shapes: tuple, **seconds: float) -> None:
+    """Timings of a call of site `name` on inputs of `shapes` (`setup`, `fwd`, `bwd`:
+    seconds). Once `SAMPLES` are seen, the least is kept: then, and only then, the
+    decisions change (one new plan, one compilation)."""
+    with _LOCK:
+        for what, t in seconds.items():
+            samples = _SAMPLES.setdefault((name, shapes, what), [])
+            if len(samples) < SAMPLES:
+                samples.append(float(t))
+                if len(samples) == SAMPLES:
+                    _DECIDED.setdefault((name, shapes), {})[what] = min(samples)
+                    _VERSION[0] += 1
+
+
+def version() -> int:
+    """Changes whenever the timings that decisions are made from change."""
+    return _VERSION[0]
+
+
+def forget_timings() -> None:
+    """Forget the timings of earlier calls, so that the schedules chosen from them are chosen
+    again from the next calls' (after a change of machine load, of executor, of problem).
+    Programs compiled under `jax.jit` keep the plan they were traced with."""
+    with _LOCK:
+        _DECIDED.clear()
+        _SAMPLES.clear()
+        _VERSION[0] += 1
+
+
+# ----------------------------------------------------------------------------- the estimates
+
+
+def estimate(name: str, shapes: tuple, hint: Cost | None, k: int, complex_out: bool, one_job: bool, fused_only: bool) -> Estimates:
+    """The estimates for a site on `k` basis cotangents (`k = 1`: the plain deferred
+    schedule). `one_job`: the forward and the adjoints run in one job (`fused_batch`, or a
+    traced `fused` batched over the cotangents); otherwise they are separate jobs.
+    `fused_only`: `fused` is the site's only implementation, so each of its jobs computes
+    the forward too, and the standard schedule calls it twice."""
+    hint = Cost() if hint is None else hint
+    with _LOCK:
+        measured = dict(_DECIDED.get((name, shapes), {}))
+    given = {f: getattr(hint, f) for f in ("fwd", "bwd", "setup") if getattr(hint, f) is not None}
+    numbers = {"fwd": 1.0, "bwd": 1.0, "setup": 0.0} | measured | given
+    source = "measured" if set(measured) - set(given) else "hint" if given else "defaults"
+    stage = hint.stage if hint.stage is not None else DEFAULT_STAGE if source == "defaults" else STAGE_SECONDS
+    setup, fwd, bwd = numbers["setup"], numbers["fwd"], numbers["bwd"]
+    m = math.ceil(k / 2) if hint.linear and complex_out else k
+    if fused_only:
+        standard = 2 * (setup + fwd + bwd) + 2 * stage
+    else:
+        standard = setup + fwd + (0.0 if hint.keeps_setup else setup) + bwd + 2 * stage
+    if one_job:
+        deferred = setup + fwd + m * bwd + stage
+    else:
+        jobs = [setup + fwd + bwd] * m if fused_only else [setup + fwd] + [setup + bwd] * m
+        deferred = max(max(jobs), sum(jobs) / hint.workers) + stage
+    return Estimates(standard=standard, deferred=deferred, source=source)
