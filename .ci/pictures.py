@@ -13,12 +13,6 @@
 
 from __future__ import annotations
 
-import os
-
-# One BLAS thread per SciPy solve (the inverse-design run solves two wavelengths at once):
-# set before NumPy is first imported.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
 import pathlib
 import re
 import statistics
