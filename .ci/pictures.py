@@ -4,7 +4,9 @@
   the standard and on the deferred schedule, recorded with `dx.record()` on this machine
   just now;
 - `docs/images/benchmarks.svg`: the ratios of `benchmarks/results.txt` (the RESULT lines
-  of the run that `docs/benchmarks.md` reports), with the ideal 0.5 and the targets marked.
+  of the run that `docs/benchmarks.md` reports), with the ideal 0.5 and the targets marked;
+- `docs/images/inverse_design.svg`: the waveguide bend of `examples/inverse_design_ceviche.py`
+  after a short Adam run on this machine, and its loss at each step.
 
     python .ci/pictures.py
 """
@@ -106,8 +108,37 @@ def benchmarks() -> None:
     print(f"benchmarks: {len(names)} ratios, {n_runs} run(s), from {source.relative_to(ROOT)}")
 
 
+def inverse_design(steps: int = 30) -> None:
+    import importlib.util
+
+    import numpy as np
+
+    path = ROOT / "examples" / "inverse_design_ceviche.py"
+    spec = importlib.util.spec_from_file_location("inverse_design_ceviche", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.challenge("waveguide_bend")
+    losses, design = example.optimise(model, steps, verbose=False)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(7.5, 3.2), gridspec_kw={"width_ratios": [1, 1.4]})
+    left.imshow(np.asarray(model.density(np.asarray(design))).T, origin="lower", cmap="Greys", vmin=0, vmax=1)
+    x0, y0, x1, y1 = model.design_region_coords
+    left.add_patch(plt.Rectangle((x0 - 0.5, y0 - 0.5), x1 - x0, y1 - y0, fill=False, edgecolor="#C44E52", linewidth=1))
+    left.set_title(f"density after {steps} steps (design region in red)", fontsize=8)
+    left.set_xticks([]), left.set_yticks([])
+    right.semilogy(range(1, steps + 1), losses, color="#4C72B0", marker=".")
+    right.set_xlabel("Adam step", fontsize=8)
+    right.set_ylabel("loss (invrs-gym's window loss)", fontsize=8)
+    right.tick_params(labelsize=7)
+    (nx, ny), waves = model.shape, len(model.output_wavelengths)
+    fig.suptitle(f"ceviche-challenges' waveguide bend, {nx} x {ny} grid, {waves} wavelengths", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(IMAGES / "inverse_design.svg", **SVG)
+    print(f"inverse design: loss {losses[0]:.4g} -> {losses[-1]:.4g} in {steps} steps")
+
+
 if __name__ == "__main__":
     IMAGES.mkdir(parents=True, exist_ok=True)
     plt.rcParams["svg.hashsalt"] = "deferax"
     timeline()
     benchmarks()
+    inverse_design()
