@@ -166,7 +166,7 @@ def test_default_equal_costs_defer_one_cotangent_not_two():
     assert complex_overlap.schedule == "standard" and complex_overlap.k == 2
     # the forward and two adjoints (3) against a forward and one adjoint (2) in a stage more
     assert complex_overlap.reason.endswith(
-        "k=2 fixed cotangents, estimated slower than standard: standard 2.02, deferred 3.01 (defaults)"
+        "deferring its k=2 fixed cotangents is estimated slower: standard 2.02, deferred 3.01 (equal costs assumed)"
     )
     assert complex_overlap.estimates == dx.Estimates(standard=2.02, deferred=3.01, source="defaults")
     assert run_and_compare(overlap(f), overlap(field_ref), P0, counter, max_basis=None) == {

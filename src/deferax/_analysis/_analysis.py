@@ -312,9 +312,7 @@ class _Check:
         if limit is not None:
             reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
         else:
-            reason += (
-                f"; it is a combination of k={basis.k} fixed cotangents, estimated slower than standard: {estimates}"
-            )
+            reason += f"; deferring its k={basis.k} fixed cotangents is estimated slower: {estimates}"
         return Decision("standard", reason, location, k=basis.k, estimates=estimates)
 
     def _tail(self, k):

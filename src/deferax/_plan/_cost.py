@@ -115,7 +115,8 @@ class Estimates(eqx.Module):
 
     def __str__(self) -> str:
         unit = "" if self.source == "defaults" else " s"
-        return f"standard {self.standard:.4g}{unit}, deferred {self.deferred:.4g}{unit} ({self.source})"
+        source = {"defaults": "equal costs assumed", "hint": "from cost="}.get(self.source, self.source)
+        return f"standard {self.standard:.4g}{unit}, deferred {self.deferred:.4g}{unit} ({source})"
 
 
 # ----------------------------------------------------------------------------- timings of earlier calls
