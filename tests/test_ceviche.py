@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax import _sparse_solve
+from deferax._host import _sparse_solve
 
 from .helpers import assert_tree_allclose
 
