@@ -30,7 +30,7 @@ WIDTHS = (1280, 1600)
 FLAGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
     "--disable-component-update", "--disable-sync",
-]  # fmt: skip
+]
 
 OVERFLOWING = """
 () => [...document.querySelectorAll('.md-content pre, .md-content pre > code')]

@@ -72,7 +72,8 @@ def benchmarks() -> None:
     targets: dict[str, float | None] = {}
     for ln in lines:
         m = LINE.match(ln)
-        if m and m.group(1) not in ("bench_typed", "bench_eager", "bench_mlp"):  # speed-ups of the deferred schedules only
+        # speed-ups of the deferred schedules only
+        if m and m.group(1) not in ("bench_typed", "bench_eager", "bench_mlp"):
             name = f"{m.group(1).removeprefix('bench_')}: {m.group(2)}"
             runs.setdefault(name, []).append(float(m.group(3)))
             targets[name] = float(m.group(4)) if m.group(4) else None
@@ -80,22 +81,34 @@ def benchmarks() -> None:
     medians = [statistics.median(runs[n]) for n in names]
     fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.26 * len(names)))
     y = list(range(len(names)))
-    colours = ["#55A868" if targets[n] is None or m <= targets[n] else "#C44E52" for n, m in zip(names, medians, strict=True)]
+    colours = [
+        "#55A868" if targets[n] is None or m <= targets[n] else "#C44E52" for n, m in zip(names, medians, strict=True)
+    ]
     ax.barh(y, medians, color=colours, height=0.6)
     for i, n in enumerate(names):
         low, high = min(runs[n]), max(runs[n])
         ax.plot([low, high], [i, i], color="#333333", linewidth=1)
         if targets[n] is not None:
             ax.plot([targets[n], targets[n]], [i - 0.4, i + 0.4], color="black", linewidth=1.5)
-        ax.text(max(high, targets[n] or 0) + 0.015, i, f"{low:.2f}-{high:.2f}" if low != high else f"{low:.2f}", va="center", fontsize=7)
+        ax.text(
+            max(high, targets[n] or 0) + 0.015,
+            i,
+            f"{low:.2f}-{high:.2f}" if low != high else f"{low:.2f}",
+            va="center",
+            fontsize=7,
+        )
     ax.axvline(0.5, color="#4C72B0", linestyle="--", linewidth=1)
     ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
-    ax.text(0.5, 1.0, "ideal 0.5 ", color="#4C72B0", fontsize=7, ha="right", va="bottom", transform=ax.get_xaxis_transform())
+    ax.text(
+        0.5, 1.0, "ideal 0.5 ", color="#4C72B0", fontsize=7, ha="right", va="bottom", transform=ax.get_xaxis_transform()
+    )
     ax.text(1.0, 1.0, "no gain ", color="grey", fontsize=7, ha="right", va="bottom", transform=ax.get_xaxis_transform())
     ax.set_yticks(y, names, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlim(0, max(1.15, max(max(r) for r in runs.values()) + 0.15))
-    ax.set_xlabel("time of deferax / time of the baseline: median of the runs, their range, black tick: target", fontsize=8)
+    ax.set_xlabel(
+        "time of deferax / time of the baseline: median of the runs, their range, black tick: target", fontsize=8
+    )
     n_runs = max(len(r) for r in runs.values())
     when = [re.match(r"Measured (\S+ \S+) UTC to (\S+) UTC, ([^;]+)", h) for h in header]
     if when and all(when):

@@ -38,7 +38,9 @@ def main():
     }
     results = []
     for label, mode in modes.items():
-        loss_def, loss_std = build(forward, adjoint, objective=lambda y, m=mode: jnp.abs(jnp.vdot(m, y.astype(m.dtype))) ** 2)
+        loss_def, loss_std = build(
+            forward, adjoint, objective=lambda y, m=mode: jnp.abs(jnp.vdot(m, y.astype(m.dtype))) ** 2
+        )
         params = {"source": source}
         # max_basis=2 so that the complex mode (k = 2) is deferred too: the default limit
         # is 1, set from this very measurement.
@@ -52,11 +54,25 @@ def main():
         print(f"{label}: value {float(v1):.6g} vs {float(v2):.6g}, gradient max relative difference {gerr:.1e}")
         assert gerr < 1e-4, gerr
         vg_std = eqx.filter_value_and_grad(loss_std)
-        times = interleaved({"deferred-basis": lambda f=vg_def, p=params: f(p, profile), "standard": lambda f=vg_std, p=params: f(p, profile)}, repeats, warmup=2)
+        times = interleaved(
+            {
+                "deferred-basis": lambda f=vg_def, p=params: f(p, profile),
+                "standard": lambda f=vg_std, p=params: f(p, profile),
+            },
+            repeats,
+            warmup=2,
+        )
         for side, ts in times.items():
             print(f"{label} {side:15s}: {describe(ts)}")
         results.append(
-            result_line("bench_basis", f"eager {label}", median(times["deferred-basis"]), median(times["standard"]), None, new_name="deferred-basis")
+            result_line(
+                "bench_basis",
+                f"eager {label}",
+                median(times["deferred-basis"]),
+                median(times["standard"]),
+                None,
+                new_name="deferred-basis",
+            )
         )
     print(f"at the end: {load()}")
     for line in results:

@@ -98,10 +98,28 @@ def main():
     s = plan.sites[0].estimates
     print(f"estimated per site: standard {1e3 * s.standard:.2f} ms, deferred-basis {1e3 * s.deferred:.2f} ms "
           f"-> {plan.sites[0].schedule}; measured deferred-basis / standard = "
-          f"{median(times['deferred-basis']) / median(times['standard']):.2f}")  # fmt: skip
+          f"{median(times['deferred-basis']) / median(times['standard']):.2f}")
     print(f"at the end: {load()}")
-    print(result_line("bench_cost", f"default ({plan.sites[0].schedule})", median(times["default"]), median(times["standard"]), None, "default"))
-    print(result_line("bench_cost", "deferred-basis forced", median(times["deferred-basis"]), median(times["standard"]), None, "deferred-basis"))
+    print(
+        result_line(
+            "bench_cost",
+            f"default ({plan.sites[0].schedule})",
+            median(times["default"]),
+            median(times["standard"]),
+            None,
+            "default",
+        )
+    )
+    print(
+        result_line(
+            "bench_cost",
+            "deferred-basis forced",
+            median(times["deferred-basis"]),
+            median(times["standard"]),
+            None,
+            "deferred-basis",
+        )
+    )
 
 
 if __name__ == "__main__":

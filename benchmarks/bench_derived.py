@@ -45,7 +45,9 @@ TARGETS = {"10 ms": 0.58, "35 ms": 0.55, "two sites": 0.6}
 def sides(forward, adjoint):
     fwd_jit, adj_jit = jax.jit(forward), jax.jit(adjoint)
     derived = dx.ExpensiveFn(fwd=fwd_jit, bwd=lambda x, y, ct: adj_jit(x, ct), name="wave")
-    fused = dx.ExpensiveFn(fwd=fwd_jit, bwd=lambda x, y, ct: adj_jit(x, ct), fused=dx.fuse(forward, adjoint), name="wave")
+    fused = dx.ExpensiveFn(
+        fwd=fwd_jit, bwd=lambda x, y, ct: adj_jit(x, ct), fused=dx.fuse(forward, adjoint), name="wave"
+    )
 
     @jax.custom_vjp
     def baseline(x):
@@ -89,7 +91,9 @@ def main():
         reference = eqx.filter_value_and_grad(loss_of(baseline))(source, w)
         for sim in mine.values():
             got = dx.filter_value_and_grad(loss_of(sim))(source, w)
-            assert jnp.allclose(got[0], reference[0], rtol=1e-4) and jnp.allclose(got[1], reference[1], rtol=1e-3, atol=1e-5)
+            assert jnp.allclose(got[0], reference[0], rtol=1e-4) and jnp.allclose(
+                got[1], reference[1], rtol=1e-3, atol=1e-5
+            )
         fwd_jit, adj_jit = jax.jit(forward), jax.jit(adjoint)
         ct = jax.random.normal(jax.random.fold_in(key, 2), (n, n))
         for case, wrap in (("eager", lambda f: f), ("jit", eqx.filter_jit)):
@@ -99,7 +103,9 @@ def main():
                 {
                     **{k: (lambda s=s, source=source, w=w: s(source, w)) for k, s in steps_.items()},
                     "forward alone": lambda f=fwd_jit, source=source: f(source),
-                    "bare threads": lambda f=fwd_jit, a=adj_jit, source=source, ct=ct: bare_threads([lambda: f(source), lambda: a(source, ct)]),
+                    "bare threads": lambda f=fwd_jit, a=adj_jit, source=source, ct=ct: bare_threads(
+                        [lambda: f(source), lambda: a(source, ct)]
+                    ),
                 },
                 repeats,
                 warmup=2,
@@ -108,15 +114,20 @@ def main():
                 print(f"{label} {case:5s} {side:13s}: {describe(ts)}")
             floors.append(
                 f"FLOOR bench_derived {label} {case}: forward and adjoint on two bare threads (no deferax) "
-                f"{fmt(median(times['bare threads']))}, ratio {median(times['bare threads']) / median(times['custom_vjp']):.2f} to custom_vjp"
+                f"{fmt(median(times['bare threads']))}, ratio "
+                f"{median(times['bare threads']) / median(times['custom_vjp']):.2f} to custom_vjp"
             )
             for name in mine:
                 results.append(
                     result_line(
-                        "bench_derived", f"{label} {case} {name}{tag}", median(times[name]), median(times["custom_vjp"]), TARGETS[label],
+                        "bench_derived",
+                        f"{label} {case} {name}{tag}",
+                        median(times[name]),
+                        median(times["custom_vjp"]),
+                        TARGETS[label],
                         old_name="custom_vjp",
                     )
-                )  # fmt: skip
+                )
 
     # two JAX-native deferred sites (fwd + bwd each) inside one jitted step: 10 ms size
     n, steps = sizes["10 ms"]
@@ -132,24 +143,38 @@ def main():
     step_dx = eqx.filter_jit(dx.filter_value_and_grad(loss))
     step_std = eqx.filter_jit(eqx.filter_value_and_grad(two_sites_loss(baseline, baseline)))
     fwd_jit, adj_jit = jax.jit(forward), jax.jit(adjoint)
-    four = [lambda: fwd_jit(sources[0]), lambda: adj_jit(sources[0], w), lambda: fwd_jit(sources[1]), lambda: adj_jit(sources[1], w)]
+    four = [
+        lambda: fwd_jit(sources[0]),
+        lambda: adj_jit(sources[0], w),
+        lambda: fwd_jit(sources[1]),
+        lambda: adj_jit(sources[1], w),
+    ]
     times = interleaved(
-        {"two sites deferred": lambda: step_dx(sources, w), "two sites custom_vjp": lambda: step_std(sources, w), "bare threads": lambda: bare_threads(four)},
+        {
+            "two sites deferred": lambda: step_dx(sources, w),
+            "two sites custom_vjp": lambda: step_std(sources, w),
+            "bare threads": lambda: bare_threads(four),
+        },
         repeats,
         warmup=2,
     )
     floors.append(
         f"FLOOR bench_derived two sites jit: the four halves on four bare threads (no deferax) "
-        f"{fmt(median(times['bare threads']))}, ratio {median(times['bare threads']) / median(times['two sites custom_vjp']):.2f} to custom_vjp"
+        f"{fmt(median(times['bare threads']))}, ratio "
+        f"{median(times['bare threads']) / median(times['two sites custom_vjp']):.2f} to custom_vjp"
     )
     for side, ts in times.items():
         print(f"jit   {side:21s}: {describe(ts)}")
     results.append(
         result_line(
-            "bench_derived", f"two sites jit{tag}", median(times["two sites deferred"]), median(times["two sites custom_vjp"]),
-            TARGETS["two sites"], old_name="custom_vjp",
+            "bench_derived",
+            f"two sites jit{tag}",
+            median(times["two sites deferred"]),
+            median(times["two sites custom_vjp"]),
+            TARGETS["two sites"],
+            old_name="custom_vjp",
         )
-    )  # fmt: skip
+    )
     print(f"at the end: {load()}")
     for line in [*floors, *results]:
         print(line)

@@ -78,7 +78,8 @@ def run_case(case, what, loss, call_args, repeats, inner) -> str:
     )
     same_tree = jax.tree_util.tree_structure(g1) == jax.tree_util.tree_structure(g2)
     print(
-        f"{case} dx vs eqx: value {float(v1):.6g} vs {float(v2):.6g}, gradients allclose: {close}, same structure: {same_tree}"
+        f"{case} dx vs eqx: value {float(v1):.6g} vs {float(v2):.6g}, "
+        f"gradients allclose: {close}, same structure: {same_tree}"
     )
     assert close and same_tree, (v1, v2)
 

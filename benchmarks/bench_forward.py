@@ -79,13 +79,23 @@ class Problem:
     def jvp_batch(self, p, tangents):
         lu = self.factorise(p)
         e = lu.solve(self.source).reshape(self.n, self.n)
-        rhs = np.stack([(-(self.k0**2) * sum(ti * b for ti, b in zip(t, self.bumps, strict=True)) * e).ravel() for t in tangents], axis=1)
+        rhs = np.stack(
+            [(-(self.k0**2) * sum(ti * b for ti, b in zip(t, self.bumps, strict=True)) * e).ravel() for t in tangents],
+            axis=1,
+        )
         de = lu.solve(rhs)  # all tangents with the one factorisation
         return e, np.moveaxis(de, 1, 0).reshape(len(tangents), self.n, self.n)
 
     def site(self, prefer):
         field = jax.ShapeDtypeStruct((self.n, self.n), jnp.complex128)
-        return dx.host(self.fwd, bwd=self.bwd, jvp_batch=self.jvp_batch, out=field, prefer=prefer, name="fdfd" if prefer is None else f"fdfd-{prefer}")
+        return dx.host(
+            self.fwd,
+            bwd=self.bwd,
+            jvp_batch=self.jvp_batch,
+            out=field,
+            prefer=prefer,
+            name="fdfd" if prefer is None else f"fdfd-{prefer}",
+        )
 
     def loss(self, site):
         monitor = self.monitor
@@ -112,8 +122,14 @@ def main():
     vg_std, vg_fwd = dx.filter_value_and_grad(standard), dx.filter_value_and_grad(forward)
     (v1, g1), (v2, g2) = vg_std(p), vg_fwd(p)
     eps = 1e-6
-    fd = np.array([(float(standard(p.at[i].add(eps))) - float(standard(p.at[i].add(-eps)))) / (2 * eps) for i in range(N_PARAMS)])
-    print(f"values {float(v1):.10g} vs {float(v2):.10g}; gradient rel. difference {float(jnp.max(jnp.abs(g1 - g2)) / jnp.max(jnp.abs(g1))):.1e}; vs finite differences {float(np.max(np.abs(np.asarray(g2) - fd)) / np.max(np.abs(fd))):.1e}")
+    fd = np.array(
+        [(float(standard(p.at[i].add(eps))) - float(standard(p.at[i].add(-eps)))) / (2 * eps) for i in range(N_PARAMS)]
+    )
+    print(
+        f"values {float(v1):.10g} vs {float(v2):.10g}; gradient rel. difference "
+        f"{float(jnp.max(jnp.abs(g1 - g2)) / jnp.max(jnp.abs(g1))):.1e}; "
+        f"vs finite differences {float(np.max(np.abs(np.asarray(g2) - fd)) / np.max(np.abs(fd))):.1e}"
+    )
     assert np.allclose(v1, v2, rtol=1e-10) and np.allclose(g1, g2, rtol=1e-8, atol=1e-12)
     assert np.allclose(g2, fd, rtol=1e-4, atol=1e-8 * np.max(np.abs(fd)))
     for name, vg in (("standard", vg_std), ("forward-basis", vg_fwd)):
@@ -125,7 +141,16 @@ def main():
     for side, ts in times.items():
         print(f"{side:14s}: {describe(ts)}")
     print(f"at the end: {load()}")
-    print(result_line("bench_forward", "fdfd 4 parameters eager", median(times["forward-basis"]), median(times["standard"]), TARGET, new_name="forward-basis"))
+    print(
+        result_line(
+            "bench_forward",
+            "fdfd 4 parameters eager",
+            median(times["forward-basis"]),
+            median(times["standard"]),
+            TARGET,
+            new_name="forward-basis",
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -106,9 +106,13 @@ class StencilHelmholtz:
     def _solve(self, x, rhs, iterations=None):
         count = [0]
         e, info = spl.bicgstab(
-            self.operator(x), rhs.ravel(), rtol=self.rtol, M=self.preconditioner(), maxiter=10 * self.n,
+            self.operator(x),
+            rhs.ravel(),
+            rtol=self.rtol,
+            M=self.preconditioner(),
+            maxiter=10 * self.n,
             callback=lambda _: count.__setitem__(0, count[0] + 1),
-        )  # fmt: skip
+        )
         if info != 0:
             raise RuntimeError(f"BiCGSTAB did not converge (info={info})")
         if iterations is not None:
@@ -131,9 +135,14 @@ class StencilHelmholtz:
     def loss(self, **kwargs):
         field = jax.ShapeDtypeStruct((self.n, self.n), jnp.complex128)
         f = dx.host(
-            self.solve, adjoint=self.solve_adjoint, combine=lambda x, e, lam: -(self.k0**2) * jnp.real(e[self.design] * lam[self.design]),
-            out=field, adjoint_out=field, name="fdfd", **kwargs,
-        )  # fmt: skip
+            self.solve,
+            adjoint=self.solve_adjoint,
+            combine=lambda x, e, lam: -(self.k0**2) * jnp.real(e[self.design] * lam[self.design]),
+            out=field,
+            adjoint_out=field,
+            name="fdfd",
+            **kwargs,
+        )
         mode = jnp.asarray(self.mode)
         return lambda x: -(jnp.abs(jnp.vdot(mode, f(x))) ** 2)
 
@@ -146,7 +155,10 @@ def bench_fdfd(small: bool, repeats: int) -> list[str]:
     problem.solve(np.asarray(x))
     one = time.perf_counter() - t0
     forward, adjoint = problem.iterations(np.asarray(x))
-    print(f"(a) FDFD {n}x{n}, BiCGSTAB to rtol {problem.rtol:g}: {forward} iterations forward, {adjoint} adjoint; one solve {one:.3f} s")
+    print(
+        f"(a) FDFD {n}x{n}, BiCGSTAB to rtol {problem.rtol:g}: {forward} "
+        f"iterations forward, {adjoint} adjoint; one solve {one:.3f} s"
+    )
     lines = []
     for label, linear in (("linear_adjoint=True", True), ("linear_adjoint=False", False)):
         loss = problem.loss(linear_adjoint=linear)
@@ -158,12 +170,17 @@ def bench_fdfd(small: bool, repeats: int) -> list[str]:
         v1, g1 = deferred(x)
         v2, g2 = standard(x)
         diff = float(jnp.max(jnp.abs(g1 - g2)) / jnp.max(jnp.abs(g2)))
-        print(f"    {label}: site schedule {site.schedule} (k={site.k}); deferred vs standard gradient relative difference {diff:.1e}")
+        print(
+            f"    {label}: site schedule {site.schedule} (k={site.k}); "
+            f"deferred vs standard gradient relative difference {diff:.1e}"
+        )
         assert diff < 1e-6, diff
         times = interleaved({"deferred": lambda d=deferred: d(x), "standard": lambda s=standard: s(x)}, repeats)
         for side, ts in times.items():
             print(f"    {side:9s}: {describe(ts)}")
-        line = result_line("bench_host", f"fdfd-{n} {label}", median(times["deferred"]), median(times["standard"]), TARGETS["fdfd"])
+        line = result_line(
+            "bench_host", f"fdfd-{n} {label}", median(times["deferred"]), median(times["standard"]), TARGETS["fdfd"]
+        )
         if not linear:
             line = line.rsplit(" (target", 1)[0] + " (for comparison: 3 solves on 2 cores)"
         elif small:
@@ -187,7 +204,9 @@ def service_fn(service: cf.Executor, seconds: float, size: int, name: str, seed:
         time.sleep(seconds)
         return g.T @ ct
 
-    return dx.host(simulate, adjoint=simulate_adjoint, out=jax.ShapeDtypeStruct((size,), jnp.float64), executor=service, name=name)
+    return dx.host(
+        simulate, adjoint=simulate_adjoint, out=jax.ShapeDtypeStruct((size,), jnp.float64), executor=service, name=name
+    )
 
 
 def bench_service(small: bool, repeats: int) -> list[str]:
@@ -210,7 +229,13 @@ def bench_service(small: bool, repeats: int) -> list[str]:
             times = interleaved({"deferred": lambda d=deferred: d(x), "standard": lambda s=standard: s(x)}, repeats)
             for side, ts in times.items():
                 print(f"    {mode:5s} {side:9s}: {describe(ts)}")
-            line = result_line("bench_host", f"service {sites} site(s) {workers} workers {mode}", median(times["deferred"]), median(times["standard"]), TARGETS[target])
+            line = result_line(
+                "bench_host",
+                f"service {sites} site(s) {workers} workers {mode}",
+                median(times["deferred"]),
+                median(times["standard"]),
+                TARGETS[target],
+            )
             lines.append(line)
         service.shutdown()
     return lines

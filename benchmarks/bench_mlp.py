@@ -57,7 +57,8 @@ def main():
     repeats = args.repeats or (2 if args.small else 21)
     first_repeats = args.repeats or (1 if args.small else 11)
     print(
-        f"bench_mlp: MLP {in_size}-{width}x{depth}-{out_size}, batch {batch}, float32, {inner} steps per timing; {machine()}"
+        f"bench_mlp: MLP {in_size}-{width}x{depth}-{out_size}, batch "
+        f"{batch}, float32, {inner} steps per timing; {machine()}"
     )
 
     kx, ky, km = jax.random.split(jax.random.key(0), 3)

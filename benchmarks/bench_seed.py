@@ -119,7 +119,8 @@ def main():
 
     err32, err64 = check_adjoint_both(forward, adjoint, pattern, w)
     print(
-        f"adjoint vs jax.vjp(forward), max relative error: {err32:.1e} (float32, this size), {err64:.1e} (float64, 64x64, 100 steps)"
+        f"adjoint vs jax.vjp(forward), max relative error: {err32:.1e} "
+        f"(float32, this size), {err64:.1e} (float64, 64x64, 100 steps)"
     )
     assert err32 < 1e-4 and err64 < 1e-10, (err32, err64)
 
@@ -133,7 +134,8 @@ def main():
     gp = float(jnp.max(jnp.abs(g1["pattern"] - g2["pattern"])) / jnp.max(jnp.abs(g2["pattern"])))
     gs = float(jnp.abs(g1["gain"] - g2["gain"]) / jnp.abs(g2["gain"]))
     print(
-        f"deferred vs seed: value {float(v1):.6g} vs {float(v2):.6g}; gradient relative difference: pattern {gp:.1e}, gain {gs:.1e}"
+        f"deferred vs seed: value {float(v1):.6g} vs {float(v2):.6g}; "
+        f"gradient relative difference: pattern {gp:.1e}, gain {gs:.1e}"
     )
     assert gp < 1e-5 and gs < 1e-4 and abs(float(v1 - v2)) <= 1e-5 * abs(float(v2)), (v1, v2, gp, gs)
 

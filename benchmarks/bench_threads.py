@@ -103,13 +103,21 @@ def main():
     for side, ts in plain.items():
         print(f"    plain SciPy {side:34s}: {describe(ts)}")
     gil = median(plain["two threads"]) / median(plain["two in turn"])
-    print(f"plain SciPy, one BLAS thread: two threads / two in turn = {gil:.2f} (0.5: SuperLU overlaps fully; 1.0: not at all)")
+    print(
+        "plain SciPy, one BLAS thread: two threads / two in turn = "
+        f"{gil:.2f} (0.5: SuperLU overlaps fully; 1.0: not at all)"
+    )
 
     # De-duplicating the cotangent rows of a basis schedule (host jobs with `linear_adjoint`),
     # beside the solve it may save.
     rows = [np.exp(1j * np.arange(n * n) * (r + 1) / n) for r in range(6)]
-    dedup = interleaved({"dedup": lambda: _multiples(rows, jax.ShapeDtypeStruct((n * n,), jnp.complex128))}, repeats)["dedup"]
-    print(f"de-duplication of 6 cotangent rows of {n * n} entries: {describe(dedup)}; one solve {fmt(median(plain['one solve']))}")
+    dedup = interleaved({"dedup": lambda: _multiples(rows, jax.ShapeDtypeStruct((n * n,), jnp.complex128))}, repeats)[
+        "dedup"
+    ]
+    print(
+        f"de-duplication of 6 cotangent rows of {n * n} entries: "
+        f"{describe(dedup)}; one solve {fmt(median(plain['one solve']))}"
+    )
 
     def sequential():
         dx.set_concurrency(False)
@@ -141,7 +149,9 @@ def main():
     print(f"concurrent, not limited / sequential = {ratio_free:.2f}")
     print(f"at the end: {load()}")
     concurrent, in_turn = median(times["concurrent"]), median(times["sequential"])
-    line = result_line("bench_threads", f"two sparse solves {n * n}", concurrent, in_turn, TARGET, "concurrent", "sequential")
+    line = result_line(
+        "bench_threads", f"two sparse solves {n * n}", concurrent, in_turn, TARGET, "concurrent", "sequential"
+    )
     if args.small:
         line = line.rsplit(" (target", 1)[0] + " (smoke size; no target)"
     print(line)

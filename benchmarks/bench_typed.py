@@ -92,15 +92,24 @@ def main():
     med = {k: statistics.median(v) for k, v in times.items()}
     med_first = {k: statistics.median(v) for k, v in first.items()}
     print(f"steady step: typed {med['typed'] * 1e3:.3f} ms, untyped {med['plain'] * 1e3:.3f} ms")
-    print(f"first call:  typed {med_first['typed'] * 1e3:.1f} ms, untyped {med_first['plain'] * 1e3:.1f} ms "
-          f"(extra {1e3 * (med_first['typed'] - med_first['plain']):.1f} ms)")
-    print(f"RESULT bench_typed steady: typed {med['typed']:.6f} s, untyped {med['plain']:.6f} s, "
-          f"ratio {med['typed'] / med['plain']:.3f} (target <= 1.02)")
+    print(
+        f"first call:  typed {med_first['typed'] * 1e3:.1f} ms, untyped {med_first['plain'] * 1e3:.1f} ms "
+        f"(extra {1e3 * (med_first['typed'] - med_first['plain']):.1f} ms)"
+    )
+    print(
+        f"RESULT bench_typed steady: typed {med['typed']:.6f} s, untyped {med['plain']:.6f} s, "
+        f"ratio {med['typed'] / med['plain']:.3f} (target <= 1.02)"
+    )
     med_trace = {k: statistics.median(v) for k, v in trace.items()}
-    print(f"RESULT bench_typed trace: typed {med_trace['typed'] * 1e3:.2f} ms, untyped {med_trace['plain'] * 1e3:.2f} ms, "
-          f"extra {1e3 * (med_trace['typed'] - med_trace['plain']):.2f} ms for {depth} checked layer calls")
-    print(f"RESULT bench_typed first-call: typed {med_first['typed']:.4f} s, untyped {med_first['plain']:.4f} s, "
-          f"extra {med_first['typed'] - med_first['plain']:.4f} s")
+    print(
+        f"RESULT bench_typed trace: typed {med_trace['typed'] * 1e3:.2f} "
+        f"ms, untyped {med_trace['plain'] * 1e3:.2f} ms, "
+        f"extra {1e3 * (med_trace['typed'] - med_trace['plain']):.2f} ms for {depth} checked layer calls"
+    )
+    print(
+        f"RESULT bench_typed first-call: typed {med_first['typed']:.4f} s, untyped {med_first['plain']:.4f} s, "
+        f"extra {med_first['typed'] - med_first['plain']:.4f} s"
+    )
 
 
 if __name__ == "__main__":

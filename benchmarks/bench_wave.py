@@ -72,7 +72,8 @@ def main():
 
     err32, err64 = check_adjoint_both(forward, adjoint, source, w)
     print(
-        f"adjoint vs jax.vjp(forward), max relative error: {err32:.1e} (float32, this size), {err64:.1e} (float64, 64x64, 100 steps)"
+        f"adjoint vs jax.vjp(forward), max relative error: {err32:.1e} "
+        f"(float32, this size), {err64:.1e} (float64, 64x64, 100 steps)"
     )
     assert err32 < 1e-4 and err64 < 1e-10, (err32, err64)
 

@@ -163,7 +163,8 @@ def main():
             from distributed import Client, LocalCluster
         except ModuleNotFoundError:
             raise SystemExit(
-                "--dask needs Dask's `distributed`: install it with `pip install -e .[dask]` (or `pip install distributed`)."
+                "--dask needs Dask's `distributed`: install it with "
+                "`pip install -e .[dask]` (or `pip install distributed`)."
             ) from None
 
         with LocalCluster(n_workers=args.dask, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:

@@ -131,7 +131,10 @@ def main():
             params, opt_state, value, probe = jax.block_until_ready(step(params, opt_state, zs))
         ms = 1e3 * (time.perf_counter() - start)
         runs = dict(sorted(timeline.counts().items()))
-        print(f"step {i:3d}  loss {float(value):.6f}  probe temperature {float(jnp.mean(probe)):.6f}  {ms:7.1f} ms  runs {runs}")
+        print(
+            f"step {i:3d}  loss {float(value):.6f}  probe temperature "
+            f"{float(jnp.mean(probe)):.6f}  {ms:7.1f} ms  runs {runs}"
+        )
         if i == 0:
             assert runs == {"adjoint": 1, "combine": 1, "fwd": 1}, runs  # the whole batch: one forward, one adjoint
             first = float(value)

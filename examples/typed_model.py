@@ -24,7 +24,9 @@ def simulate(eps: Float[Array, "nx ny"]) -> Float[Array, "nx ny"]:
     """A stand-in for an expensive field solver: a few smoothing sweeps, nonlinear in eps."""
     field = jnp.sin(eps)
     for _ in range(3):
-        field = 0.5 * field + 0.125 * (jnp.roll(field, 1, 0) + jnp.roll(field, -1, 0) + jnp.roll(field, 1, 1) + jnp.roll(field, -1, 1))
+        field = 0.5 * field + 0.125 * (
+            jnp.roll(field, 1, 0) + jnp.roll(field, -1, 0) + jnp.roll(field, 1, 1) + jnp.roll(field, -1, 1)
+        )
     return field
 
 
@@ -85,7 +87,8 @@ def main():
     def difference(model, z):  # deferax's value and gradients against Equinox's
         ours = dx.filter_value_and_grad(loss)(model, z)
         reference = eqx.filter_value_and_grad(loss)(model, z)
-        return jnp.max(jnp.stack([jnp.max(jnp.abs(a - b)) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True)]))
+        pairs = zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True)
+        return jnp.max(jnp.stack([jnp.max(jnp.abs(a - b)) for a, b in pairs]))
 
     error = float(difference(model, z))
     print(f"max difference from eqx.filter_value_and_grad: {error:.2e}")
