@@ -296,6 +296,59 @@ def test_fused_batch_is_used():
     assert_tree_allclose(got, jax.value_and_grad(overlap(field_ref))(P0))
 
 
+def batched_site(counter, **kwargs):
+    def fused_batch(x, cts):
+        counter.counts.update(["batch"])
+        y, vjp = jax.vjp(field_ref, x)
+        return y, jax.vmap(lambda c: vjp(c)[0])(cts)
+
+    def fused(x, ct):
+        y, vjp = jax.vjp(field_ref, x)
+        return y, vjp(ct)[0]
+
+    implementations = {"fused_batch": fused_batch, "fused": fused}
+    chosen = {k: implementations[k] for k in kwargs.pop("with_")}
+    return dx.ExpensiveFn(fwd=field_ref, name="batched", **chosen, **kwargs)
+
+
+def vmapped(f):
+    """A loss with the site under `vmap` over two levels (3 x 2 examples), the overlap's
+    mode batched over the inner level only."""
+    modes = jnp.stack([M1, M2])
+    return lambda ps: jnp.sum(
+        jax.vmap(lambda p2: jax.vmap(lambda p, m: jnp.abs(jnp.vdot(m, f(p))) ** 2)(p2, modes))(ps)
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_fused_batch_under_vmap_is_deferred_basis(jit):
+    """A site with `fused_batch` under two `vmap` levels: deferred-basis, each example on
+    every basis cotangent, the gradient that of plain JAX."""
+    counter = Counter()
+    # (each job gets all 12 basis cotangents: `max_basis` caps that number)
+    loss = vmapped(batched_site(counter, with_=("fused_batch",), max_basis=12))
+    ps = jnp.stack([jnp.stack([P0, -P0]), jnp.stack([2 * P0, P0 + 0.1]), jnp.stack([P0 * P0, -0.5 * P0])])
+    site = dx.explain(loss, ps).sites[0]
+    assert (site.schedule, site.k, site.batch) == ("deferred-basis", 12, (3, 2))
+    fn = eqx.filter_jit(dx.filter_value_and_grad(loss)) if jit else dx.filter_value_and_grad(loss)
+    counter.reset()
+    with dx.record() as timeline:
+        got = fn(ps)
+    assert_tree_allclose(got, jax.value_and_grad(vmapped(field_ref))(ps), rtol=1e-12, atol=1e-12)
+    # one call of `fused_batch`, batched by `vmap` over the 6 examples (a JAX function)
+    assert timeline.counts() == {"fused_batch": 1} and counter.counts["batch"] == 1
+
+
+def test_fused_only_under_vmap_stays_standard():
+    loss = vmapped(batched_site(Counter(), with_=("fused",), max_basis=12))
+    ps = jnp.stack([jnp.stack([P0, -P0])] * 3)
+    site = dx.explain(loss, ps).sites[0]
+    assert site.schedule == "standard"
+    assert site.reason.startswith("its cotangent depends on its own output")
+    assert site.reason.endswith("; the basis schedule is used for a site under `vmap` only with a `fused_batch`")
+    assert_tree_allclose(dx.filter_value_and_grad(loss)(ps), jax.value_and_grad(vmapped(field_ref))(ps))
+
+
 def test_fuse_batched_runs_forward_once():
     """`dx.fuse` on the basis schedule: the forward runs once for all `k` adjoints (the
     adjoint once, batched), counted on the host; values against plain JAX."""

@@ -266,6 +266,44 @@ def test_vmap_over_systems(jit):
         assert tally.counts["factor"] == 3  # one per system
 
 
+def wavelengths(solve, b, joint=False):
+    """A loss of a batch of systems (wavelengths) solved under `vmap` inside it: each x seen
+    through its complex overlap (k=2 each), or (`joint`) through the overlap of their sum."""
+    if joint:
+        return lambda vs: jnp.abs(jnp.sum(jax.vmap(lambda v: overlap(solve(v, b)))(vs))) ** 2
+    return lambda vs: jnp.sum(jax.vmap(lambda v: jnp.abs(overlap(solve(v, b))) ** 2)(vs))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("joint", [False, True], ids=["each", "joint"])
+def test_vmap_over_wavelengths_inside_the_loss_is_deferred_like_the_loop(joint, jit):
+    """One site under `vmap` over 3 systems, each seen through a complex overlap: deferred-
+    basis like the loop of 3 sites, with its estimates; one job per system, which factors
+    it once and solves b and one adjoint (`m` and `1j * m` are one solve; the other
+    systems' basis cotangents are zero there)."""
+    values, pattern, b = COMPLEX
+    vs = jnp.stack([values, 1.1 * values, values + 0.5])
+    tally = Tally()
+    loss = wavelengths(sparse(pattern, tally), b, joint)
+    reference = wavelengths(dense(pattern), b, joint)
+    site = dx.explain(loss, vs).sites[0]
+    assert (site.schedule, site.k, site.batch) == ("deferred-basis", 2 if joint else 6, (3,))
+    if not joint:
+        solve = sparse(pattern)
+        loop = dx.explain(lambda vs: sum(jnp.abs(overlap(solve(v, b))) ** 2 for v in vs), vs).sites
+        assert [(s.schedule, s.k) for s in loop] == [("deferred-basis", 2)] * 3
+        assert site.estimates == loop[0].estimates
+    if jit:
+        run(loss, vs, jit=True)
+    tally.clear()
+    with dx.record() as timeline:
+        got = run(loss, vs, jit=jit)
+    assert_tree_allclose(got, jax.value_and_grad(reference)(vs), rtol=1e-10, atol=1e-12)
+    assert timeline.counts() == {"fused_batch": 3}
+    assert tally.counts == {"factor": 3, "solve": 6, "rhs": 6}
+    assert len(_sparse_solve.FACTORISATIONS) == 0
+
+
 @pytest.mark.parametrize("kind", ["real", "complex"])
 def test_forward_mode(kind):
     values, pattern, b = REAL if kind == "real" else COMPLEX

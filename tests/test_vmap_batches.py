@@ -112,3 +112,31 @@ def test_fuse_under_vmap_runs_the_batch_once_and_compiles_once():
         assert sorted(runs) == ["adjoint", "fwd"] and traces == []
         assert_tree_allclose(got, eqx.filter_value_and_grad(reference)(p))
     assert_tree_allclose(eqx.filter_jit(step)(p), eqx.filter_value_and_grad(reference)(p))
+
+
+# ----------------------------------------------------------------------------- a basis site under two vmaps
+
+
+def test_basis_site_under_vmap_inside_a_vmap_of_the_whole_step():
+    """A `dx.sparse_solve` vmapped over 3 wavelengths inside the loss (deferred-basis), the
+    step vmapped over 2 designs: 6 systems, each factored once in its own `fused_batch`
+    job with b and one adjoint solved, the gradient that of a vmapped dense solve."""
+    from deferax._host import _sparse_solve
+
+    from .test_sparse_solve import COMPLEX, Tally, dense, sparse, wavelengths
+
+    _sparse_solve.FACTORISATIONS._entries.clear()  # (none kept by an earlier test)
+    values, pattern, b = COMPLEX
+    vs = jnp.stack([values, 1.1 * values, values + 0.5])
+    designs = jnp.stack([vs, 0.9 * vs])
+    tally = Tally()
+    loss = wavelengths(sparse(pattern, tally), b)
+    expected = jax.vmap(jax.value_and_grad(wavelengths(dense(pattern), b)))(designs)
+    for step in (jax.vmap(dx.filter_value_and_grad(loss)), jax.jit(jax.vmap(dx.filter_value_and_grad(loss)))):
+        step(designs)
+        tally.clear()
+        with dx.record() as timeline:
+            got = jax.block_until_ready(step(designs))
+        assert_tree_allclose(got, expected, rtol=1e-10, atol=1e-12)
+        assert timeline.counts() == {"fused_batch": 6}
+        assert tally.counts == {"factor": 6, "solve": 12, "rhs": 12}

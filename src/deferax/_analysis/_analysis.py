@@ -25,6 +25,7 @@ could have been deferred, never the reverse.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -297,12 +298,14 @@ class _Check:
             reason = "its cotangent depends on " + ", ".join(self._source(lab) for lab in sorted(sources, key=str))
         if location is not None:
             reason += f", through {location}"
-        if self.specs[k].axes:
-            return Decision("standard", reason + "; the basis schedule is not used for a site under `vmap`", location)
+        spec = self.specs[k]
+        if spec.axes and spec.static.fused_batch is None:
+            reason += "; the basis schedule is used for a site under `vmap` only with a `fused_batch`"
+            return Decision("standard", reason, location)
         basis = self._basis(k)
-        limit = self.specs[k].static.max_basis
+        limit = spec.static.max_basis
         limit = limit if limit is not None else self.max_basis
-        estimates = _estimate(self.specs[k], basis.k)
+        estimates = _estimate(spec, basis.k)
         if basis.k <= limit if limit is not None else estimates.deferred < estimates.standard:
             ahead = _jaxpr.once_only(basis.program, [True] * len(basis.program.jaxpr.eqns))
             if ahead is not None:
@@ -438,8 +441,16 @@ def _forward_basis_why(spec) -> str:
 
 def _estimate(spec: _site.Spec, k: int) -> _cost.Estimates:
     """The estimates for site `spec` on `k` cotangents: one job when its forward and
-    adjoints share one call (`fused_batch`, or a traced `fused` batched over them)."""
+    adjoints share one call (`fused_batch`, or a traced `fused` batched over them).
+
+    Under `vmap`, each example's job gets all `k`, of which those of the other examples
+    are zero there when the frontier is batched like the output (a loss of each example's
+    overlaps): a site that solves only rows that are not multiples of others (`linear`
+    in its `cost`, as `dx.sparse_solve`) is estimated on its example's share, like one
+    site of the loop over the examples."""
     static = spec.static
+    if spec.axes and static.cost is not None and static.cost.linear:
+        k = math.ceil(k / math.prod(spec.sizes))
     fused = static.fused
     one_job = not isinstance(fused, AbstractImplementation) or fused.batch_in_one_job
     complex_out = any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in spec.y_structs)

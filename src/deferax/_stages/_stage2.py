@@ -1,6 +1,6 @@
 """Stage 2 of a deferred schedule: the expensive calls. One `fused` per deferred site
-(batched over its `vmap` levels, or over its basis cotangents), and the `fwd` of the
-standard sites that need no expensive output, concurrently."""
+(batched over its `vmap` levels, or over its basis cotangents and its levels), and the
+`fwd` of the standard sites that need no expensive output, concurrently."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
@@ -92,14 +93,7 @@ class _Stage2:
         if k in analysis.early:
             return _site.outputs(spec, *operands[k]), None
         if k in analysis.basis:
-            fn = spec.fn(operands[k][: spec.n_fn])
-            cts_tree = jtu.tree_unflatten(spec.y_tree, cts[k])
-            x = spec.x(operands[k][spec.n_fn :])
-            if analysis.derived(k):
-                y, ct_xs = fn.derived_fused().batched(x, cts_tree)
-            else:
-                y, ct_xs = fn.run_fused_batch(x, cts_tree)
-            return jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_xs), spec.diff, strict=True) if d]
+            return basis_over_levels(spec, operands[k], cts[k], analysis.derived(k))
         return fused_over_levels(spec, operands[k], cts[k], analysis.derived(k))
 
     def guarded(self, k: int, operands: dict, cts: dict, size: int | None = None) -> tuple:
@@ -236,3 +230,35 @@ def fused_over_levels(spec: Spec, operands: list, ct: list, derived: bool = Fals
     else:
         y, ct_x = spec.over_levels(one, axes_of)(list(operands[:n_fn]), list(operands[n_fn:]), list(ct))
     return y, _site.unbatch(spec, ct_x)
+
+
+def basis_over_levels(spec: Spec, operands: list, cts: list, derived: bool = False) -> tuple[list, list]:
+    """The forward and `k` adjoints of a basis site in one job (`fused_batch`, or a `fused`
+    batched over the cotangents): output leaves, and the cotangents of the differentiable
+    leaves of `x` stacked on a leading axis of `k`. Under `vmap` (a site with a
+    `fused_batch`: the analysis keeps the others standard), `fused_batch` batched over the
+    examples (a host one: a job per example), each on all `k` basis cotangents at that
+    example (zero there for those that only other examples' outputs reach)."""
+    n_fn = spec.n_fn
+
+    def one(fn_leaves, x_leaves, ct_leaves):
+        fn = spec.fn(fn_leaves)
+        cts_tree = jtu.tree_unflatten(spec.y_tree, list(ct_leaves))
+        x = spec.x(x_leaves)
+        y, ct_xs = fn.derived_fused().batched(x, cts_tree) if derived else fn.run_fused_batch(x, cts_tree)
+        return jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_xs), spec.diff, strict=True) if d]
+
+    if not spec.axes:
+        return one(operands[:n_fn], operands[n_fn:], cts)
+
+    def axes_of(level):  # (the basis cotangents: `k` first, then the batch levels)
+        return (list(level[:n_fn]), list(level[n_fn:]), [1] * len(spec.y_structs))
+
+    y, ct_xs = spec.over_levels(one, axes_of)(list(operands[:n_fn]), list(operands[n_fn:]), list(cts))
+    # (summed over the levels where their operand is not batched; then `k` moved first)
+    x_structs = [s for s, d in zip(spec.x_structs, spec.diff, strict=True) if d]
+    ct_xs = [
+        jnp.moveaxis(c, c.ndim - 1 - len(s.shape), 0)
+        for c, s in zip(_site.unbatch(spec, ct_xs), x_structs, strict=True)
+    ]
+    return y, ct_xs
