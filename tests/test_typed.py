@@ -265,18 +265,21 @@ def test_typed_implementations_pass_on_every_schedule(schedule):
     assert_tree_allclose(got, eqx.filter_value_and_grad(lambda x: jnp.sum(fdtd(x) * 3.0))(x))
 
 
+# What the message says when `bad_fwd` returns `(5, 4)` for an input of `(4, 5)`.
+BAD_FWD_SHAPE = dict(
+    where="`ExpensiveFn(name='fdtd')` `fwd`",
+    what="the return value",
+    expected="Float[Array, 'nx ny']",
+    found="float64[5, 4]",
+    bindings="nx=4, ny=5",
+)
+
+
 def test_typed_fwd_returning_wrong_shape():
     f = dx.ExpensiveFn(fwd=bad_fwd, bwd=fdtd_adjoint, out=jax.ShapeDtypeStruct((4, 5), jnp.float64), name="fdtd")
     with pytest.raises(dx.AnnotationError) as info:
         f(jnp.ones((4, 5)))
-    expect(
-        info,
-        where="`ExpensiveFn(name='fdtd')` `fwd`",
-        what="the return value",
-        expected="Float[Array, 'nx ny']",
-        found="float64[5, 4]",
-        bindings="nx=4, ny=5",
-    )
+    expect(info, **BAD_FWD_SHAPE)
 
 
 @pytest.mark.parametrize("weights", [None, jnp.ones((4, 5))], ids=["sum", "weighted"])
@@ -289,14 +292,7 @@ def test_typed_fwd_returning_wrong_shape_on_the_deferred_schedule(weights):
     for run in (dx.filter_value_and_grad(loss), eqx.filter_value_and_grad(loss), lambda x: dx.explain(loss, x)):
         with pytest.raises(dx.AnnotationError) as info:
             run(jnp.ones((4, 5)))
-        expect(
-            info,
-            where="`ExpensiveFn(name='fdtd')` `fwd`",
-            what="the return value",
-            expected="Float[Array, 'nx ny']",
-            found="float64[5, 4]",
-            bindings="nx=4, ny=5",
-        )
+        expect(info, **BAD_FWD_SHAPE)
 
 
 def test_typed_fused_checked_on_deferred_schedule():
