@@ -19,3 +19,14 @@ def counter():
     from .helpers import Counter
 
     return Counter()
+
+
+@pytest.fixture(autouse=True)
+def no_timings():
+    """Each test starts with no timings of earlier calls (every host site times its jobs,
+    and a site's timings, kept by name and input shapes, would change another test's plan)."""
+    import deferax as dx
+
+    dx.forget_timings()
+    yield
+    dx.forget_timings()

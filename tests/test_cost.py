@@ -3,8 +3,11 @@ defaults, the estimates `explain` shows, `max_basis` as a fixed rule; the newcom
 complex overlap through `dx.sparse_solve` deferred by default; errors."""
 
 import concurrent.futures as cf
+import math
 import multiprocessing
+import os
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +19,6 @@ from deferax._plan import _cost
 
 from .helpers import assert_tree_allclose
 from .test_sparse_solve import COMPLEX, Tally, dense, run, sparse
-
-
-@pytest.fixture(autouse=True)
-def no_timings():
-    """Each test starts with no timings of earlier calls (a sparse solve times its own)."""
-    dx.forget_timings()
-    yield
-    dx.forget_timings()
 
 
 def sim_site(**kwargs):
@@ -137,6 +132,142 @@ def test_timings_of_earlier_calls_are_used_and_kept_stable():
     assert hinted.estimates.source == "hint"
 
 
+# ----------------------------------------------------------------------------- a `dx.host` site timed
+
+SLEEP_FWD, SLEEP_ADJOINT = 0.030, 0.001  # seconds: a slow forward, a quick adjoint
+SLEEPY = ("sleepy", ((4,),))  # the key of its timings: name and input shapes
+
+
+def slow_sin(x):
+    time.sleep(SLEEP_FWD)
+    return np.sin(x)
+
+
+def quick_adjoint(x, ct):
+    time.sleep(SLEEP_ADJOINT)
+    return ct * np.cos(x)
+
+
+def sleepy(**kwargs):
+    """A host site (module-level functions: picklable for a process pool)."""
+    out = jax.ShapeDtypeStruct((4,), jnp.float64)
+    return dx.host(slow_sin, adjoint=quick_adjoint, out=out, name="sleepy", **kwargs)
+
+
+def deferred_seconds(fwd, bwd, k, workers):
+    """The deferred-basis estimate of a site whose forward and `k` adjoints are separate jobs,
+    `workers` at a time: the longest job, or all of them shared by the workers."""
+    jobs = [fwd] + [bwd] * k
+    return max(max(jobs), sum(jobs) / workers) + _cost.STAGE_SECONDS
+
+
+def steps(loss, n):
+    """`n` eager value-and-gradient steps: for each, the schedule `explain` shows before it,
+    where its estimates come from, and the counts of the host jobs that ran."""
+    seen = []
+    for _ in range(n):
+        site = dx.explain(loss, X).sites[0]
+        with dx.record() as timeline:
+            got = run(loss, X)
+        assert_tree_allclose(got, jax.value_and_grad(power(jnp.sin))(X), rtol=1e-12, atol=1e-14)
+        seen.append((site.schedule, site.estimates.source, timeline.counts()))
+    return seen
+
+
+def test_a_host_sites_timings_change_its_schedule_once():
+    """Equal costs keep k=4 standard; measured, the four 1 ms adjoints fit beside the 30 ms
+    forward on two workers: deferred-basis from the call after the SAMPLES-th, and then kept."""
+    loss = power(sleepy(cost=dx.Cost(workers=2)))
+    standard, basis = {"fwd": 1, "adjoint": 1}, {"fwd": 1, "adjoint": 4}
+    expected = [("standard", "defaults", standard)] * _cost.SAMPLES + [("deferred-basis", "measured", basis)] * 2
+    before = _cost.version()
+    assert steps(loss, _cost.SAMPLES + 2) == expected
+    assert _cost.version() == before + 2  # (`fwd` and `bwd` decided once each, after the same call)
+    measured = _cost._DECIDED[SLEEPY]
+    assert set(measured) == {"fwd", "bwd"} and measured["fwd"] >= SLEEP_FWD and measured["bwd"] >= SLEEP_ADJOINT
+    # one sample of each per call (a call's four adjoints are one), and no more once decided
+    assert [len(_cost._SAMPLES[(*SLEEPY, what)]) for what in ("fwd", "bwd")] == [_cost.SAMPLES] * 2
+    site = dx.explain(loss, X).sites[0]
+    assert site.estimates == dx.Estimates(
+        standard=measured["fwd"] + measured["bwd"] + 2 * _cost.STAGE_SECONDS,
+        deferred=deferred_seconds(measured["fwd"], measured["bwd"], 4, workers=2),
+        source="measured",
+    )
+    dx.forget_timings()  # measured again from the next calls
+    assert steps(loss, _cost.SAMPLES + 1) == expected[: _cost.SAMPLES + 1]
+
+
+def fused_sin(x, ct):
+    time.sleep(SLEEP_FWD)
+    return np.sin(x), ct * np.cos(x)
+
+
+def test_a_fused_job_is_split_as_equal_costs():
+    """A `fused` job's time is the forward's and the adjoint's together: half each."""
+    cost = dx.Cost(workers=1)  # (k = 4 calls of `fused` one after the other: slower than two)
+    loss = power(dx.host(fused=fused_sin, out=jax.ShapeDtypeStruct((4,), jnp.float64), name="sleepy", cost=cost))
+    seen = steps(loss, _cost.SAMPLES + 1)
+    # the standard schedule calls it twice a step: two samples
+    timed = math.ceil(_cost.SAMPLES / 2)
+    assert [s[:2] for s in seen] == [("standard", "defaults")] * timed + [("standard", "measured")] * (
+        _cost.SAMPLES + 1 - timed
+    )
+    assert [s[2] for s in seen] == [{"fused": 2}] * (_cost.SAMPLES + 1)
+    measured = _cost._DECIDED[SLEEPY]
+    assert measured["fwd"] == measured["bwd"] >= SLEEP_FWD / 2
+
+
+def test_a_process_pool_sites_jobs_are_timed_in_the_workers():
+    """The timing wrapper travels with the jobs (pickled); the pool's two workers run the
+    forward beside the adjoints."""
+    pool = cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        seen = steps(power(sleepy(executor=pool)), _cost.SAMPLES + 1)
+    finally:
+        pool.shutdown()
+    assert [s[:2] for s in seen] == [("standard", "defaults")] * _cost.SAMPLES + [("deferred-basis", "measured")]
+    measured = _cost._DECIDED[SLEEPY]
+    assert measured["fwd"] >= SLEEP_FWD and measured["bwd"] >= SLEEP_ADJOINT
+
+
+def test_workers_are_taken_from_the_executor():
+    """fwd 3, bwd 1, k = 4: standard 4; deferred-basis 7 on one worker, 3.5 on two, 3 on more."""
+    cost = dx.Cost(fwd=3.0, bwd=1.0)
+    standard = 4.0 + 2 * _cost.STAGE_SECONDS
+    cores = len(os.sched_getaffinity(0))
+    processes = cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+    threads = [cf.ThreadPoolExecutor(1), cf.ThreadPoolExecutor(2), cf.ThreadPoolExecutor(64)]
+    cases = [
+        ({"executor": threads[0]}, 1),
+        ({"executor": threads[1]}, min(2, cores)),
+        ({"executor": threads[2]}, cores),  # (a thread pool: at most the cores)
+        ({"executor": processes}, 2),
+        ({"executor": processes, "thread_safe": False}, 1),  # (one job at a time)
+        ({"executor": threads[0], "cost": dx.Cost(fwd=3.0, bwd=1.0, workers=3)}, 3),  # (the hint wins)
+    ]
+    try:  # (nothing runs: explain only traces)
+        for kwargs, workers in cases:
+            site = dx.explain(power(sleepy(**{"cost": cost} | kwargs)), X).sites[0]
+            deferred = deferred_seconds(3.0, 1.0, 4, workers)
+            assert site.estimates == dx.Estimates(standard=standard, deferred=deferred, source="hint"), kwargs
+            assert site.schedule == ("deferred-basis" if deferred < standard else "standard"), kwargs
+    finally:
+        processes.shutdown()
+        for pool in threads:
+            pool.shutdown()
+
+
+def test_a_sparse_solve_is_timed_once_per_part():
+    """`dx.sparse_solve` times its factorisation and each solve itself; its jobs are not
+    also timed whole (which would count the forward job as a right-hand side)."""
+    values, pattern, b = COMPLEX
+    key = ("sparse_solve", ((pattern.nnz,), (pattern.n,)))
+    run(three_overlaps(sparse(pattern)), (values, b))  # standard: factor, solve, solve the adjoint
+    assert {what: len(_cost._SAMPLES[(*key, what)]) for what in ("setup", "fwd", "bwd")} == {
+        "setup": 1, "fwd": 1, "bwd": 1
+    }
+
+
 @pytest.mark.parametrize(
     "kwargs, field, expected",
     [
@@ -144,7 +275,7 @@ def test_timings_of_earlier_calls_are_used_and_kept_stable():
         ({"bwd": float("nan")}, "bwd", "a non-negative, finite number or None"),
         ({"setup": float("inf")}, "setup", "a non-negative, finite number or None"),
         ({"stage": -1e-3}, "stage", "a non-negative, finite number or None"),
-        ({"workers": 0}, "workers", "a positive int"),
+        ({"workers": 0}, "workers", "a positive int or None (taken from the executor)"),
     ],
 )
 def test_error_bad_cost(kwargs, field, expected):

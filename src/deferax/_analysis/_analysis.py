@@ -453,7 +453,8 @@ def _estimate(spec: _site.Spec, k: int) -> _cost.Estimates:
         k = math.ceil(k / math.prod(spec.sizes))
     fused = static.fused
     one_job = not isinstance(fused, AbstractImplementation) or fused.batch_in_one_job
+    workers = 1 if one_job else fused.jobs_at_once
     complex_out = any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in spec.y_structs)
     shapes = tuple(s.shape for s in spec.x_structs)
     fused_only = static.fwd is None and static.bwd is None and static.adjoint is None
-    return _cost.estimate(spec.name, shapes, static.cost, k, complex_out, one_job, fused_only)
+    return _cost.estimate(spec.name, shapes, static.cost, k, complex_out, one_job, fused_only, workers)

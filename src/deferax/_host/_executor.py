@@ -225,3 +225,26 @@ def _check_others(futures: list[cf.Future], failed: cf.Future, check: Any) -> No
     for i, g in enumerate(futures):
         if g is not failed and g.done() and not g.cancelled() and g.exception() is None:
             check(i, g.result())
+
+
+def jobs_at_once(executor: cf.Executor | None) -> int:
+    """How many jobs `executor` runs at the same time (`None`: deferax's thread pool): a
+    thread pool's `max_workers`, at most the cores this process may use; a process pool's
+    `max_workers`; a Dask cluster's worker threads, all workers together (one question to
+    the scheduler; 1 if it cannot answer); 1 for an executor deferax does not know."""
+    import os  # (here, so that this function stays one hunk at the end of the file)
+
+    executor = default_executor() if executor is None else executor
+    if isinstance(executor, WrappingExecutor):
+        executor = executor.wrapped
+    if isinstance(executor, cf.ThreadPoolExecutor):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(executor._max_workers, cores))
+    if isinstance(executor, cf.ProcessPoolExecutor):
+        return max(1, executor._max_workers)
+    if is_dask(executor):
+        try:
+            return max(1, sum(executor._client.nthreads().values()))
+        except Exception:  # (an asynchronous client, a scheduler gone)
+            return 1
+    return 1

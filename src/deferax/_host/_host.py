@@ -4,6 +4,7 @@ remote service), run on an executor through `jax.pure_callback`."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import functools as ft
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -70,12 +71,13 @@ class _Host(eqx.Module):
 
     def _run(self, kind: str, args: tuple, result: PyTree) -> PyTree:
         runner = self.runner
+        shapes = tuple(s.shape for s in jtu.tree_leaves(structs(args[0])))  # (as the site's `Spec` has them)
         args = _raw(args)
         arg_structs = structs(args)
         if is_concrete(args):
-            return jtu.tree_map(jnp.asarray, runner(kind, result, arg_structs, *jtu.tree_map(np.asarray, args)))
+            return jtu.tree_map(jnp.asarray, runner(kind, result, arg_structs, shapes, *jtu.tree_map(np.asarray, args)))
         # (with the caller's context: the site's name and schedule, for the recording)
-        callback = _jaxpr.carry_context(ft.partial(runner, kind, result, arg_structs))
+        callback = _jaxpr.carry_context(ft.partial(runner, kind, result, arg_structs, shapes))
         return jax.pure_callback(callback, result, *args, vmap_method="broadcast_all")
 
     def _combine(self, x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
@@ -134,6 +136,11 @@ class HostImplementation(AbstractImplementation):
     @property
     def batch_in_one_job(self) -> bool:
         return self.host.runner.fused_batch is not None
+
+    @property
+    def jobs_at_once(self) -> int:
+        runner = self.host.runner
+        return _executor.jobs_at_once(runner.executor) if runner.thread_safe else 1
 
     def __call__(self, *args: Any) -> Any:
         return _METHODS[self.impl](self.host, *args)
@@ -278,6 +285,7 @@ def host(
         adjoint_why = "shaped like the input `x`, the default of `adjoint_out=`"
     runner = Runner(
         call=call,
+        name=name,
         fwd=fwd,
         adjoint=adjoint,
         bwd=bwd,
@@ -316,3 +324,14 @@ def host(
         thread_safe=thread_safe,
         cost=cost,
     )
+
+
+def timing_its_own(fn: ExpensiveFn) -> ExpensiveFn:
+    """`fn`, made by `host`, with its jobs not timed by the runner: for host functions that
+    time their own parts, finer, under the same name and input shapes (`dx.sparse_solve`:
+    a factorisation apart from each right-hand side)."""
+    impls = {impl: getattr(fn, impl) for impl in _METHODS}
+    h = next(i.host for i in impls.values() if isinstance(i, HostImplementation))
+    h = dataclasses.replace(h, runner=dataclasses.replace(h.runner, timed=False))
+    replaced = {impl: HostImplementation(h, impl) for impl, i in impls.items() if isinstance(i, HostImplementation)}
+    return dataclasses.replace(fn, **replaced)

@@ -1,14 +1,36 @@
 """The host side of `dx.host`: what to submit for a request (a forward solve, adjoints, a
-batch from `vmap`), submitting it, and checking and assembling what comes back.
+batch from `vmap`), submitting it, checking and assembling what comes back, and timing it
+for the choice of schedule.
 
 Runs outside JAX (inside a `jax.pure_callback`, or directly on concrete arrays): NumPy in,
 NumPy out.
+
+Each job is timed where it runs (the time inside the host function, not its wait in the
+executor's queue), and a request's timings feed `_cost.observe` under the site's name and
+input shapes, once per request (the least of its jobs of each kind, so that a request's `k`
+adjoints count as one sample):
+
+| job | what its time `t` gives |
+| --- | --- |
+| `fwd` | `fwd = t` (with any setup of its own) |
+| `adjoint`, `bwd` | `bwd = t` (likewise) |
+| `fused` | `fwd = bwd = t / 2` |
+| `fused_batch` of `k` cotangents | `fwd = bwd = t / (k + 1)` |
+| `jvp`, `jvp_batch` | nothing (no estimate uses them) |
+
+A `fused` job's time is `fwd + bwd` and a `fused_batch`'s `fwd + k * bwd`: one job cannot
+tell the forward's share from the adjoints', so it is split as the equal-cost defaults
+would (each schedule's estimate is exact for the job that was timed, the other schedule's
+assumes that split). Under `vectorized=True`, a call's time is shared equally by the
+examples it holds. Host functions that time their own parts, finer (`dx.sparse_solve`), are
+not timed here (`timed=False`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +42,8 @@ from jaxtyping import PyTree
 
 from .._checks import _messages
 from .._misc import stacked
-from . import _executor
+from .._plan import _cost
+from . import _executor, _timing
 
 _ARRAY_LIKE = (np.ndarray, np.generic, jax.Array, int, float, complex)
 
@@ -103,6 +126,7 @@ class Runner:
     and assembles the results. Holds no JAX values, so it can run inside a callback."""
 
     call: str
+    name: str  # the site's name, by which its timings are kept
     fwd: Callable[..., Any] | None
     adjoint: Callable[..., Any] | None
     bwd: Callable[..., Any] | None
@@ -116,24 +140,35 @@ class Runner:
     jvp_batch: Callable[..., Any] | None = None
     thread_safe: bool = True
     fused_batch: Callable[..., Any] | None = None
+    timed: bool = True  # whether its jobs are timed for the estimates (see the module's docstring)
 
-    def __call__(self, kind: str, result: PyTree, arg_structs: PyTree, *args: PyTree) -> PyTree:
+    def __post_init__(self):
+        if self.timed and self.executor is not None and _executor.is_dask(self.executor):
+            import cloudpickle  # shipped with distributed
+
+            # the timing wrapper travels by value: the workers need not import deferax
+            cloudpickle.register_pickle_by_value(_timing)
+
+    def __call__(self, kind: str, result: PyTree, arg_structs: PyTree, shapes: tuple, *args: PyTree) -> PyTree:
         """Run `kind` on NumPy `args`; with leading batch axes (from `vmap`) once per element,
-        all elements' jobs submitted together."""
+        all elements' jobs submitted together. `shapes`: those of one element's input `x`
+        (its leaves), by which the timings are kept."""
         args = jtu.tree_map(np.asarray, args)  # a callback receives `jax.Array`s
         first, first_struct = jtu.tree_leaves(args)[0], jtu.tree_leaves(arg_structs)[0]
         batch = tuple(np.shape(first)[: np.ndim(first) - len(first_struct.shape)])
         if not batch:
-            return self._run_all([args], kind, result)[0]
+            return self._run_all([args], kind, result, shapes)[0]
         elements = [jtu.tree_map(lambda a, i=i: a[i], args) for i in np.ndindex(batch)]
-        outs = self._run_all(elements, kind, result)
+        outs = self._run_all(elements, kind, result, shapes)
         stacked = _stack(outs, result)
         return jtu.tree_map(lambda a, s: np.reshape(a, (*batch, *s.shape)), stacked, result)
 
-    def _run_all(self, elements: list, kind: str, result: PyTree) -> list:
+    def _run_all(self, elements: list, kind: str, result: PyTree, shapes: tuple) -> list:
         plans = [self._plan(kind, result, args) for args in elements]
         calls = [c for cs, _ in plans for c in cs]
-        results = self._execute(calls)
+        results, seconds = self._execute(calls)
+        if self.timed:
+            self._observe(shapes, calls, seconds)
         outs, start = [], 0
         for cs, assemble in plans:
             outs.append(assemble(results[start : start + len(cs)]))
@@ -195,14 +230,23 @@ class Runner:
 
         return calls, assemble
 
-    def _execute(self, calls: list[_Call]) -> list:
+    def _job(self, c: _Call) -> _executor.Job:
+        return _executor.Job(c.impl, _timing.Timed(c.fn) if self.timed else c.fn, c.args)
+
+    def _untimed(self, r: Any) -> tuple[Any, float]:
+        """A job's result and the seconds it ran (nan when not timed)."""
+        return r if self.timed else (r, math.nan)
+
+    def _execute(self, calls: list[_Call]) -> tuple[list, list[float]]:
+        """The checked results of `calls`, and the seconds each ran."""
         if not self.vectorized:
-            jobs = [_executor.Job(c.impl, c.fn, c.args) for c in calls]
-            check = lambda i, r: self._check(calls[i], r)  # noqa: E731
-            results = _executor.run(
+            jobs = [self._job(c) for c in calls]
+            check = lambda i, r: self._check(calls[i], self._untimed(r)[0])  # noqa: E731
+            timed = _executor.run(
                 self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe, check=check
             )
-            return [self._check(c, r) for c, r in zip(calls, results, strict=True)]
+            results, seconds = zip(*map(self._untimed, timed), strict=True) if timed else ((), ())
+            return [self._check(c, r) for c, r in zip(calls, results, strict=True)], list(seconds)
         # One call per host function, with the arguments of all its calls stacked on a leading axis.
         groups: dict[str, list[int]] = {}
         for i, c in enumerate(calls):
@@ -215,14 +259,34 @@ class Runner:
             expected = stacked(head.expected, size)
             why = f"{head.why}, with a leading batch axis of length {len(members)} (`vectorized=True`)"
             grouped.append(_Call(impl, head.fn, args, expected, why))
-        jobs = [_executor.Job(c.impl, c.fn, c.args) for c in grouped]
+        jobs = [self._job(c) for c in grouped]
         results = _executor.run(self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe)
         out: list = [None] * len(calls)
-        for (_, members), c, r in zip(groups.items(), grouped, results, strict=True):
+        seconds = [math.nan] * len(calls)
+        for (_, members), c, timed in zip(groups.items(), grouped, results, strict=True):
+            r, t = self._untimed(timed)
             r = self._check(c, r)
             for n, i in enumerate(members):
                 out[i] = jtu.tree_map(lambda a, n=n: a[n], r)
-        return out
+                seconds[i] = t / len(members)  # (the examples of one call share its time)
+        return out, seconds
+
+    def _observe(self, shapes: tuple, calls: list[_Call], seconds: list[float]) -> None:
+        """Feed the estimates one sample of each kind from this request's jobs (see the
+        module's docstring)."""
+        least: dict[str, float] = {}
+        for c, t in zip(calls, seconds, strict=True):
+            if c.impl in ("fwd", "adjoint", "bwd"):
+                shares = {"bwd" if c.impl != "fwd" else "fwd": t}
+            elif c.impl in ("fused", "fused_batch"):
+                k = jtu.tree_leaves(c.args[1])[0].shape[0] if c.impl == "fused_batch" else 1
+                shares = {"fwd": t / (k + 1), "bwd": t / (k + 1)}
+            else:
+                continue
+            for what, share in shares.items():
+                least[what] = min(share, least.get(what, math.inf))
+        if least:
+            _cost.observe(self.name, shapes, **least)
 
     def _check(self, c: _Call, r: Any) -> PyTree:
         if isinstance(c.expected, tuple) and isinstance(r, list | tuple) and len(r) == len(c.expected):

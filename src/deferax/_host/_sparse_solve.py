@@ -34,7 +34,7 @@ from .._implementation._expensive import ExpensiveFn
 from .._plan import _cost
 from .._plan._cost import Cost
 from . import _affinity
-from ._host import host
+from ._host import host, timing_its_own
 from ._runner import _multiples
 from ._sparse_solver import AbstractSparseSolver, SuperLU
 
@@ -314,7 +314,7 @@ def _solve_site(
     # this process (not in a process pool's or Dask's workers: there the backward factors again)
     keeps = executor is None or isinstance(executor, cf.ThreadPoolExecutor)
     cost = Cost(fwd=c.fwd, bwd=c.bwd, setup=c.setup, keeps_setup=keeps, linear=True, workers=c.workers, stage=c.stage)
-    return host(
+    fn = host(
         solve.fwd,
         bwd=solve.bwd,
         fused=solve.fused,
@@ -330,6 +330,7 @@ def _solve_site(
         max_tangents=0,
         cost=cost,
     )
+    return timing_its_own(fn)  # (`_Solve` times its factorisations and solves)
 
 
 # `pattern` and `solver` typed `Any` so that a wrong value reaches the checks below, whose

@@ -47,6 +47,12 @@ class AbstractImplementation(eqx.Module):
         """Whether a batch of cotangents (the deferred-basis schedule) runs as one job with
         the forward (a `fused_batch` of its own), rather than one job per cotangent."""
 
+    @property
+    @abc.abstractmethod
+    def jobs_at_once(self) -> int:
+        """How many of its separate jobs run at the same time where it runs (read for the
+        estimates when `batch_in_one_job` is false)."""
+
 
 class AbstractFused(AbstractImplementation):
     """`fused(x, ct_y) -> (y, ct_x)` built from `fwd(x) -> y` and `adjoint(x, ct_y)`, with
@@ -64,6 +70,10 @@ class AbstractFused(AbstractImplementation):
     @property
     def batch_in_one_job(self) -> bool:
         return True  # (the forward once, the adjoint batched: both halves at once)
+
+    @property
+    def jobs_at_once(self) -> int:
+        return 2  # (its two halves, on two threads)
 
     @abc.abstractmethod
     def half_names(self) -> tuple[str, str]:

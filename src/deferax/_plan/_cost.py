@@ -19,11 +19,18 @@ output (a complex overlap's basis cotangents `m` and `1j * m` are one solve).
 The numbers come from the site's `cost=` hint, else from timings of its earlier calls
 (`observe`, kept by site name and input shapes), else from equal-cost defaults (`fwd = bwd = 1`, no setup,
 and a stage worth a hundredth of a forward: a tie goes to the schedule with fewer stages).
-A decision must not flip-flop between eager calls (timings on a loaded machine vary
-tenfold), so the timings used are the least of the first `SAMPLES` seen for each site (a
-first call also pays for imports and warm-up), and they are kept until
+Timings are used once both `fwd` and `bwd` are known (seconds are not mixed with the
+defaults' units). A decision must not flip-flop between eager calls (timings on a loaded
+machine vary tenfold), so the timings used are the least of the first `SAMPLES` seen for
+each site (a first call also pays for imports and warm-up), and they are kept until
 the user asks for new ones (`forget_timings`); `version()` (part of the key of eager
 calls' compiled stages) changes when they do.
+
+Who times what: `dx.sparse_solve` times its factorisation (`setup`) apart from each
+right-hand side (`fwd`, `bwd`); any other `dx.host` site's runner times each whole job
+where it runs (`_runner`), so its `fwd` and `bwd` include any setup of their own.
+`workers` is the hint's, else the number of jobs the site's executor runs at once
+(`_executor.jobs_at_once`).
 """
 
 from __future__ import annotations
@@ -60,9 +67,14 @@ class Cost(eqx.Module):
       factorisation kept on the host between the passes); otherwise it pays it again.
     - `linear`: the adjoint is linear over complex numbers in the cotangent, so a complex
       output's `k` real basis cotangents need `ceil(k / 2)` adjoints.
-    - `workers`: how many jobs of one site run at once where it runs (pool workers or
-      cores left to it), for an implementation whose forward and adjoints are separate
-      jobs (`fwd` with `adjoint`). Default 1: no spare core is assumed.
+    - `workers`: how many jobs of one site run at once where it runs, for an
+      implementation whose forward and adjoints are separate jobs (`dx.host` with `fwd`
+      and `adjoint`, or `fused` without `fused_batch`). Default: taken from the site's
+      executor: a `ThreadPoolExecutor`'s `max_workers` (deferax's own pool when none is
+      given), at most the cores this process may use; a `ProcessPoolExecutor`'s
+      `max_workers`; a Dask cluster's worker threads, all workers together (asked of the
+      scheduler); 1 for any other executor, and for a site with `thread_safe=False`
+      (its jobs run one at a time).
     - `stage`: the overhead of one stage (a host round trip). Default: 1 ms when any
       number is known, a hundredth of a forward with the equal-cost defaults.
 
@@ -80,7 +92,7 @@ class Cost(eqx.Module):
     setup: float | None = eqx.field(default=None, static=True)
     keeps_setup: bool = eqx.field(default=False, static=True)
     linear: bool = eqx.field(default=False, static=True)
-    workers: int = eqx.field(default=1, static=True)
+    workers: int | None = eqx.field(default=None, static=True)
     stage: float | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
@@ -91,8 +103,9 @@ class Cost(eqx.Module):
                         field=field, expected="a non-negative, finite number or None", found=value
                     )
                 )
-        if self.workers < 1:
-            raise ValueError(_messages.BAD_COST.format(field="workers", expected="a positive int", found=self.workers))
+        if self.workers is not None and self.workers < 1:
+            expected = "a positive int or None (taken from the executor)"
+            raise ValueError(_messages.BAD_COST.format(field="workers", expected=expected, found=self.workers))
 
     def _seconds(self) -> dict[str, float | None]:
         return {"fwd": self.fwd, "bwd": self.bwd, "setup": self.setup, "stage": self.stage}
@@ -160,17 +173,28 @@ def forget_timings() -> None:
 
 
 def estimate(
-    name: str, shapes: tuple, hint: Cost | None, k: int, complex_out: bool, one_job: bool, fused_only: bool
+    name: str,
+    shapes: tuple,
+    hint: Cost | None,
+    k: int,
+    complex_out: bool,
+    one_job: bool,
+    fused_only: bool,
+    workers: int,
 ) -> Estimates:
     """The estimates for a site on `k` basis cotangents (`k = 1`: the plain deferred
     schedule). `one_job`: the forward and the adjoints run in one job (`fused_batch`, or a
-    traced `fused` batched over the cotangents); otherwise they are separate jobs.
+    traced `fused` batched over the cotangents); otherwise they are separate jobs, of which
+    `workers` run at once (unless the hint says how many).
     `fused_only`: `fused` is the site's only implementation, so each of its jobs computes
     the forward too, and the standard schedule calls it twice."""
     hint = Cost() if hint is None else hint
+    workers = workers if hint.workers is None else hint.workers
     with _LOCK:
         measured = dict(_DECIDED.get((name, shapes), {}))
     given = {f: value for f, value in hint._seconds().items() if f != "stage" and value is not None}
+    if not {"fwd", "bwd"} <= set(measured) | set(given):  # (seconds are not mixed with the defaults' units)
+        measured = {}
     numbers = {"fwd": 1.0, "bwd": 1.0, "setup": 0.0} | measured | given
     source = "measured" if set(measured) - set(given) else "hint" if given else "defaults"
     stage = hint.stage if hint.stage is not None else DEFAULT_STAGE if source == "defaults" else STAGE_SECONDS
@@ -184,5 +208,5 @@ def estimate(
         deferred = setup + fwd + m * bwd + stage
     else:
         jobs = [setup + fwd + bwd] * m if fused_only else [setup + fwd] + [setup + bwd] * m
-        deferred = max(max(jobs), sum(jobs) / hint.workers) + stage
+        deferred = max(max(jobs), sum(jobs) / workers) + stage
     return Estimates(standard=standard, deferred=deferred, source=source)
