@@ -142,13 +142,6 @@ class Runner:
     fused_batch: Callable[..., Any] | None = None
     timed: bool = True  # whether its jobs are timed for the estimates (see the module's docstring)
 
-    def __post_init__(self):
-        if self.timed and self.executor is not None and _executor.is_dask(self.executor):
-            import cloudpickle  # shipped with distributed
-
-            # the timing wrapper travels by value: the workers need not import deferax
-            cloudpickle.register_pickle_by_value(_timing)
-
     def __call__(self, kind: str, result: PyTree, arg_structs: PyTree, shapes: tuple, *args: PyTree) -> PyTree:
         """Run `kind` on NumPy `args`; with leading batch axes (from `vmap`) once per element,
         all elements' jobs submitted together. `shapes`: those of one element's input `x`
@@ -231,7 +224,10 @@ class Runner:
         return calls, assemble
 
     def _job(self, c: _Call) -> _executor.Job:
-        return _executor.Job(c.impl, _timing.Timed(c.fn) if self.timed else c.fn, c.args)
+        if not self.timed:
+            return _executor.Job(c.impl, c.fn, c.args)
+        dask = self.executor is not None and _executor.is_dask(self.executor)
+        return _executor.Job(c.impl, _timing.closure(c.fn) if dask else _timing.Timed(c.fn), c.args)
 
     def _untimed(self, r: Any) -> tuple[Any, float]:
         """A job's result and the seconds it ran (nan when not timed)."""

@@ -1,19 +1,27 @@
 """A host function timed where it runs (a thread, a process, a Dask worker): the time spent
-inside it, not its wait in the executor's queue. It imports nothing of JAX or deferax, and
-travels to Dask workers by value (`_runner` registers this module with cloudpickle), so
-that they still need neither."""
+inside it, not its wait in the executor's queue."""
 
 import time
 
 
+def closure(fn):
+    """`fn` returning `(result, seconds)`, as a closure: what cloudpickle (Dask) sends by
+    value, so that Dask workers need not import deferax (nor JAX)."""
+
+    def timed(*args):
+        start = time.perf_counter()
+        result = fn(*args)
+        return result, time.perf_counter() - start
+
+    return timed
+
+
 class Timed:
-    """`fn(*args)`, returned with the seconds it took: `(result, seconds)`. Picklable when
-    `fn` is."""
+    """`closure(fn)` as an object that `pickle` sends by reference (a process pool, whose
+    workers run this Python and its packages), with `fn`."""
 
     def __init__(self, fn):
         self.fn = fn
 
     def __call__(self, *args):
-        start = time.perf_counter()
-        result = self.fn(*args)
-        return result, time.perf_counter() - start
+        return closure(self.fn)(*args)
