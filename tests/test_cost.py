@@ -6,7 +6,10 @@ import concurrent.futures as cf
 import math
 import multiprocessing
 import os
+import pickle
 import re
+import subprocess
+import sys
 import time
 
 import jax
@@ -15,6 +18,7 @@ import numpy as np
 import pytest
 
 import deferax as dx
+from deferax._host import _timing
 from deferax._plan import _cost
 
 from .helpers import assert_tree_allclose
@@ -228,6 +232,19 @@ def test_a_process_pool_sites_jobs_are_timed_in_the_workers():
     assert [s[:2] for s in seen] == [("standard", "defaults")] * _cost.SAMPLES + [("deferred-basis", "measured")]
     measured = _cost._DECIDED[SLEEPY]
     assert measured["fwd"] >= SLEEP_FWD and measured["bwd"] >= SLEEP_ADJOINT
+
+
+def test_a_timed_job_reaches_a_dask_worker_without_deferax():
+    """For Dask, the timing wrapper pickles by value: a fresh Python loads and runs the job
+    without importing deferax or JAX (a cluster's workers need only the solver's packages)."""
+    pytest.importorskip("cloudpickle")
+    data = pickle.dumps({"job": _timing.Timed(np.sin, by_value=True)})
+    code = (
+        "import pickle, sys; job = pickle.loads(sys.stdin.buffer.read())['job']; y, t = job(0.5); "
+        "print(y, t >= 0, 'deferax' in sys.modules, 'jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, timeout=120)
+    assert out.stdout.decode().split() == [str(np.sin(0.5)), "True", "False", "False"], out.stderr.decode()
 
 
 def test_workers_are_taken_from_the_executor():

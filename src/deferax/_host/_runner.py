@@ -227,7 +227,7 @@ class Runner:
         if not self.timed:
             return _executor.Job(c.impl, c.fn, c.args)
         dask = self.executor is not None and _executor.is_dask(self.executor)
-        return _executor.Job(c.impl, _timing.closure(c.fn) if dask else _timing.Timed(c.fn), c.args)
+        return _executor.Job(c.impl, _timing.Timed(c.fn, by_value=dask), c.args)
 
     def _untimed(self, r: Any) -> tuple[Any, float]:
         """A job's result and the seconds it ran (nan when not timed)."""

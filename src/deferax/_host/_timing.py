@@ -1,12 +1,14 @@
 """A host function timed where it runs (a thread, a process, a Dask worker): the time spent
 inside it, not its wait in the executor's queue."""
 
+import pickle
 import time
+import typing
 
 
+@typing.no_type_check  # (a run-time type checker's wrapper, as the tests' jaxtyping hook adds, does not pickle)
 def closure(fn):
-    """`fn` returning `(result, seconds)`, as a closure: what cloudpickle (Dask) sends by
-    value, so that Dask workers need not import deferax (nor JAX)."""
+    """`fn` returning `(result, seconds)`."""
 
     def timed(*args):
         start = time.perf_counter()
@@ -17,11 +19,21 @@ def closure(fn):
 
 
 class Timed:
-    """`closure(fn)` as an object that `pickle` sends by reference (a process pool, whose
-    workers run this Python and its packages), with `fn`."""
+    """`closure(fn)` as an object that pickles: by reference to this class (a process pool,
+    whose workers run this Python and its packages), or, `by_value`, as cloudpickle's bytes
+    of the closure, which `pickle.loads` rebuilds (a Dask worker, which then needs neither
+    deferax nor JAX)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, by_value=False):
         self.fn = fn
+        self.by_value = by_value
 
     def __call__(self, *args):
         return closure(self.fn)(*args)
+
+    def __reduce__(self):
+        if not self.by_value:
+            return Timed, (self.fn,)
+        import cloudpickle  # shipped with distributed
+
+        return pickle.loads, (cloudpickle.dumps(closure(self.fn)),)
