@@ -389,8 +389,10 @@ def test_fused_host_function_alone():
             assert_tree_allclose(got, eqx.filter_value_and_grad(make_loss(reference))(X0), rtol=1e-12, atol=1e-12)
             assert runs["fused"] == expected
     dx.forget_timings()  # (the calls above were timed)
-    site = dx.explain(overlap_loss(f), X0).sites[0]  # two calls in one stage against two in two
-    assert site.estimates == dx.Estimates(standard=4.02, deferred=4.01, source="defaults")
+    # two calls in one stage against two in two: at once on deferax's pool with 2 cores or more
+    site = dx.explain(overlap_loss(f), X0).sites[0]
+    deferred = 2.01 if len(os.sched_getaffinity(0)) >= 2 else 4.01
+    assert site.estimates == dx.Estimates(standard=4.02, deferred=deferred, source="defaults")
 
 
 def test_fused_batch_host_function_runs_once_for_all_basis_cotangents():
