@@ -229,7 +229,7 @@ class Runner:
         dask = self.executor is not None and _executor.is_dask(self.executor)
         return _executor.Job(c.impl, _timing.Timed(c.fn, by_value=dask), c.args)
 
-    def _untimed(self, r: Any) -> tuple[Any, float]:
+    def _split(self, r: Any) -> tuple[Any, float]:
         """A job's result and the seconds it ran (nan when not timed)."""
         return r if self.timed else (r, math.nan)
 
@@ -237,11 +237,11 @@ class Runner:
         """The checked results of `calls`, and the seconds each ran."""
         if not self.vectorized:
             jobs = [self._job(c) for c in calls]
-            check = lambda i, r: self._check(calls[i], self._untimed(r)[0])  # noqa: E731
+            check = lambda i, r: self._check(calls[i], self._split(r)[0])  # noqa: E731
             timed = _executor.run(
                 self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe, check=check
             )
-            results, seconds = zip(*map(self._untimed, timed), strict=True) if timed else ((), ())
+            results, seconds = zip(*map(self._split, timed), strict=True) if timed else ((), ())
             return [self._check(c, r) for c, r in zip(calls, results, strict=True)], list(seconds)
         # One call per host function, with the arguments of all its calls stacked on a leading axis.
         groups: dict[str, list[int]] = {}
@@ -260,7 +260,7 @@ class Runner:
         out: list = [None] * len(calls)
         seconds = [math.nan] * len(calls)
         for (_, members), c, timed in zip(groups.items(), grouped, results, strict=True):
-            r, t = self._untimed(timed)
+            r, t = self._split(timed)
             r = self._check(c, r)
             for n, i in enumerate(members):
                 out[i] = jtu.tree_map(lambda a, n=n: a[n], r)
