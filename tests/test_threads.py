@@ -140,3 +140,61 @@ def test_the_programs_own_limits_work_after_jobs_from_a_pool_thread(monkeypatch)
         with threadpool_limits(limits=1):
             assert blas_threads() == {1}
         assert blas_threads() == outer
+
+
+def test_superlu_factors_and_solves_on_one_thread_and_gives_the_setting_back(cores, monkeypatch):
+    """SciPy's SuperLU gains nothing from BLAS threads: `dx.sparse_solve`'s default solver
+    runs with one, even in a job that runs alone (the standard schedule's forward)."""
+    import scipy.sparse.linalg as spl
+
+    seen, original = [], spl.splu
+
+    class Noting:
+        def __init__(self, lu):
+            self.lu = lu
+
+        def solve(self, rhs, trans):
+            seen.append(("solve", blas_threads()))
+            return self.lu.solve(rhs, trans=trans)
+
+    def splu(matrix, permc_spec):
+        seen.append(("factor", blas_threads()))
+        return Noting(original(matrix, permc_spec=permc_spec))
+
+    monkeypatch.setattr(spl, "splu", splu)
+    m = 4
+    rows, cols = np.nonzero(np.eye(m * m) + np.eye(m * m, k=1) + np.eye(m * m, k=-1))
+    pattern = dx.SparsePattern(rows, cols, m * m)
+    values = jnp.asarray(np.where(rows == cols, 4.0, -1.0) * (1.0 + 0.01 * np.arange(len(rows))))
+    b = jnp.linspace(1.0, 2.0, m * m)
+
+    def loss(v, solve):
+        return jnp.sum(jnp.sin(solve(v, b)))  # nonlinear in x: standard, each job alone
+
+    def dense(v, b):
+        return jnp.linalg.solve(pattern.todense(v), b)
+
+    got = dx.filter_value_and_grad(lambda v: loss(v, lambda v, b: dx.sparse_solve(v, pattern, b)))(values)
+    assert_tree_allclose(got, jax.value_and_grad(lambda v: loss(v, dense))(values), rtol=1e-10, atol=1e-12)
+    assert seen == [("factor", {1}), ("solve", {1}), ("solve", {1})]  # forward, then the adjoint on its factors
+    assert blas_threads() == {OUTER}
+
+
+def test_a_cap_and_jobs_at_once_compose(monkeypatch):
+    monkeypatch.setattr(_threads, "cores", lambda: 8)
+    with threadpool_limits(limits=6):
+        with _threads.capped(3):
+            assert blas_threads() == {3}
+            with _threads.shared(2):
+                assert blas_threads() == {3}  # 8 // 2 = 4, and the cap is lower
+                with _threads.capped(1):
+                    assert blas_threads() == {1}
+                assert blas_threads() == {1}  # never raised while a limit holds
+        assert blas_threads() == {6}
+        with _threads.shared(1):
+            assert blas_threads() == {6}  # a job alone, no cap
+        with pytest.raises(RuntimeError, match="inside"):
+            with _threads.capped(2):
+                assert blas_threads() == {2}
+                raise RuntimeError("inside")
+        assert blas_threads() == {6}

@@ -6,7 +6,8 @@ fight over them (measured with SciPy's `splu`: the pair slower than the two solv
 after the other). So while host jobs run at once in this process, each library is
 limited to `cores // jobs` threads (at least one), and given back its own setting when
 the last of them ends. A job that runs alone keeps the library's setting: it may use
-every core.
+every core, unless it runs inside `capped` (SciPy's SuperLU, which gains nothing from
+BLAS threads: `_host/_sparse_solver.py`).
 
 The limit is set around the whole batch by the thread that submits the jobs, not inside the
 jobs: a library's thread count is one setting for the whole process (OpenBLAS's
@@ -36,7 +37,8 @@ from typing import Any
 
 _LOCK = threading.Lock()
 _running = 0  # host jobs running at once on threads of this process, over all batches
-# (a library's setter, its setting before deferax limited it, its setting now)
+_caps: list[int] = []  # the caps of the code running inside `capped` now, in any thread
+# (a library's path, its setter, its setting before deferax limited it, its setting now)
 _saved: list[list[Any]] = []
 _found: tuple[int, list] | None = None  # (how many modules were imported, the libraries loaded then)
 
@@ -51,38 +53,54 @@ def shared(jobs: int) -> Iterator[None]:
     """Around `jobs` host jobs that run at once on threads of this process: while they (and
     the jobs of other batches) run, each native thread pool has at most `cores // running`
     threads."""
-    _enter(jobs)
-    try:
-        yield
-    finally:
-        _leave(jobs)
-
-
-def _enter(jobs: int) -> None:
     global _running
     with _LOCK:
         _running += jobs
-        if _running < 2:
-            return
-        if not _saved:
-            _saved.extend([_setter(c), c.num_threads, c.num_threads] for c in _libraries())
-        share = max(1, cores() // _running)
-        for saved in _saved:
-            setter, before, now = saved
-            if min(before, share) < now:
-                saved[2] = min(before, share)
-                setter(saved[2])
+        _update()
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _running -= jobs
+            _update()
 
 
-def _leave(jobs: int) -> None:
-    global _running
+@contextlib.contextmanager
+def capped(threads: int) -> Iterator[None]:
+    """Inside, native thread pools have at most `threads` threads (for code known to gain
+    nothing from more: SuperLU, whose calls into BLAS are too small to share). The setting
+    is the process's: other code running at the same time gets the cap too."""
     with _LOCK:
-        _running -= jobs
-        if _running == 0:
-            for setter, before, now in _saved:
-                if now != before:
-                    setter(before)
-            _saved.clear()
+        _caps.append(threads)
+        _update()
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _caps.remove(threads)
+            _update()
+
+
+def _update() -> None:
+    """Set the libraries to what the jobs and caps running now allow (under `_LOCK`): while
+    any limit holds, the setting only goes down; when none is left, each library gets back
+    its setting from before the first."""
+    limits = list(_caps) + ([max(1, cores() // _running)] if _running >= 2 else [])
+    if not limits:
+        for _, setter, before, now in _saved:
+            if now != before:
+                setter(before)
+        _saved.clear()
+        return
+    known = {saved[0] for saved in _saved}  # (a library loaded while limited joins them)
+    for c in _libraries():
+        if c.filepath not in known:
+            _saved.append([c.filepath, _setter(c), c.num_threads, c.num_threads])
+    for saved in _saved:
+        _, setter, before, now = saved
+        if min(before, *limits) < now:
+            saved[3] = min(before, *limits)
+            setter(saved[3])
 
 
 def _libraries() -> list:
