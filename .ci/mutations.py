@@ -215,6 +215,11 @@ spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
         ],
         ["tests/test_basis.py"],
     ),
+    (
+        "OpenBLAS limited through threadpoolctl's setter (which ignores threads that do not control it)",
+        [("_concurrency/_native_threads.py", 'if controller.internal_api == "openblas" and', "if False and")],
+        ["tests/test_threads.py"],
+    ),
 ]
 
 
