@@ -4,13 +4,14 @@ For every mutation, `src/deferax` is copied to a temporary folder, one or more t
 replacements are applied (each must match, or the mutation no longer describes the code and
 this script fails), and the relevant test files run against the copy (first on the path).
 A mutation that no test catches fails the run. Prints one line per mutation with the
-number of failing tests.
+number of failing tests (pytest stops at the first: one is enough), two mutations at a time.
 
     python .ci/mutations.py
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import pathlib
 import re
@@ -214,6 +215,11 @@ spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
         ],
         ["tests/test_basis.py"],
     ),
+    (
+        "OpenBLAS limited through threadpoolctl's setter (which ignores threads that do not control it)",
+        [("_concurrency/_native_threads.py", 'if controller.internal_api == "openblas" and', "if False and")],
+        ["tests/test_threads.py"],
+    ),
 ]
 
 
@@ -238,7 +244,8 @@ def run(name, replacements, tests) -> tuple[bool, str]:
         if not probe.stdout.startswith(str(src)):
             return False, f"the mutated copy is not the one imported: {probe.stdout.strip()} {probe.stderr.strip()}"
         out = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests],
+            # -x: the first failing test is enough to call the bug caught
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=", *tests],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -249,13 +256,18 @@ def run(name, replacements, tests) -> tuple[bool, str]:
         return out.returncode == 1 and failed is not None, f"{failed.group(1) if failed else 0} failing ({tail})"
 
 
+def timed(mutation) -> tuple[bool, str, float]:
+    t0 = time.perf_counter()
+    return *run(*mutation), time.perf_counter() - t0
+
+
 def main() -> int:
     survived = 0
-    for name, replacements, tests in MUTATIONS:
-        t0 = time.perf_counter()
-        caught, detail = run(name, replacements, tests)
-        survived += not caught
-        print(f"{'caught  ' if caught else 'SURVIVED'} {name}: {detail} [{time.perf_counter() - t0:.0f} s]", flush=True)
+    # two mutations at a time (each its own copy and pytest process), printed in order
+    with cf.ThreadPoolExecutor(2) as pool:
+        for (name, _, _), (caught, detail, seconds) in zip(MUTATIONS, pool.map(timed, MUTATIONS), strict=True):
+            survived += not caught
+            print(f"{'caught  ' if caught else 'SURVIVED'} {name}: {detail} [{seconds:.0f} s]", flush=True)
     print(f"mutation check: {len(MUTATIONS) - survived} of {len(MUTATIONS)} planted bugs caught")
     return 1 if survived else 0
 

@@ -159,8 +159,11 @@ def time_once(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved(sides: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Time each side `repeats` times, alternating sides (and their order) every round."""
+def interleaved(
+    sides: dict[str, Callable[[], object]], repeats: int, warmup: int = 1, settle: float = 0.0
+) -> dict[str, list[float]]:
+    """Time each side `repeats` times, alternating sides (and their order) every round,
+    `settle` seconds apart (untimed)."""
     names = list(sides)
     for _ in range(warmup):
         for name in names:
@@ -169,6 +172,7 @@ def interleaved(sides: dict[str, Callable[[], object]], repeats: int, warmup: in
     for r in range(repeats):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
+            time.sleep(settle)
             times[name].append(time_once(sides[name]))
     return times
 

@@ -155,7 +155,10 @@ def main():
     ct = np.ones((1, floor[0].pattern.n), complex)
     sides["floor"] = lambda: [w.factored.fused_batch(v, ct) for w, v in zip(floor, values, strict=True)]
 
-    times = interleaved(sides, repeats)
+    # OpenBLAS's threads spin for about 0.1 s after a call that used them (its
+    # OPENBLAS_THREAD_TIMEOUT) before they sleep: the reference's solves, on default threads,
+    # would slow down whichever side runs next. Sides start 0.3 s apart.
+    times = interleaved(sides, repeats, settle=0.3)
     print(f"timings ({repeats} interleaved repeats):")
     for name, ts in times.items():
         print(f"  {name:30s}: {describe(ts)}")

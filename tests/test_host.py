@@ -415,6 +415,49 @@ def test_fused_batch_host_function_runs_once_for_all_basis_cotangents():
         assert runs.shapes["fused_batch"] == [(2, 3)]
 
 
+@pytest.mark.parametrize("loss_name, rows", [("linear", None), ("product", 6), ("power", 6)])
+@pytest.mark.parametrize("hinted", [False, True], ids=["equal-costs", "setup-hint"])
+def test_a_fused_only_site_with_a_fused_batch(loss_name, rows, hinted):
+    """No `max_basis`: a linear loss runs `fused` once. A loss that needs the output's
+    k = 6 real basis cotangents runs `fused_batch` once with all of them when a
+    factorisation dominates (`cost=dx.Cost(setup=10)`: 10 + 1 + 6 + stage against
+    2 * 12 + 2 stages for `fused` twice), but `fused` twice on the standard schedule with
+    equal costs (1 + 1 + 6 against 2 * 2), as `explain` says: never `fused` once per
+    cotangent."""
+    runs = Runs()
+
+    def fused_batch(x, cts):
+        runs.tick("fused_batch", cts)
+        a = A0 + np.diag(x)
+        e = np.linalg.solve(a, SOURCE)
+        return e, -np.real(e * np.linalg.solve(a.T, cts.T).T)
+
+    losses = {
+        "linear": lambda f: lambda x: jnp.real(jnp.vdot(W, f(x))),
+        "product": lambda f: lambda x: jnp.real(jnp.prod(f(x))),  # needs all three entries: k = 6 real
+        "power": lambda f: lambda x: jnp.sum(jnp.abs(f(x)) ** 4),
+    }
+    cost = dx.Cost(setup=10.0) if hinted else None
+    f = dx.host(fused=counted_fused(runs), fused_batch=fused_batch, out=FIELD, name="both", cost=cost)
+    site = dx.explain(losses[loss_name](f), X0).sites[0]
+    if rows is None:
+        expected, schedule = {"fused": 1, "fused_batch": 0}, "deferred"
+    elif hinted:
+        expected, schedule = {"fused": 0, "fused_batch": 1}, "deferred-basis"
+        assert site.estimates == dx.Estimates(standard=24.002, deferred=17.001, source="hint")
+    else:
+        expected, schedule = {"fused": 2, "fused_batch": 0}, "standard"
+        assert site.estimates == dx.Estimates(standard=4.02, deferred=7.01, source="defaults")
+    assert (site.schedule, site.k) == (schedule, rows)
+    for jit in (False, True):
+        runs.counts.clear()
+        runs.shapes.clear()
+        got = run(losses[loss_name](f), X0, jit=jit)
+        assert_tree_allclose(got, jax.value_and_grad(losses[loss_name](reference))(X0), rtol=1e-12, atol=1e-12)
+        assert runs.as_dict("fused", "fused_batch") == expected
+        assert runs.shapes["fused_batch"] == ([(rows, 3)] if expected["fused_batch"] else [])
+
+
 def test_fused_batch_without_fused():
     with pytest.raises(
         TypeError, match=re.escape("`ExpensiveFn(name='both')`: `fused_batch` was given without `fused`.")

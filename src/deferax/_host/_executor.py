@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import _record
 from .._checks import _messages
+from .._concurrency import _native_threads
 from .._concurrency._serial import SERIAL_LOCK, concurrency_enabled
 
 _DEFAULT: cf.Executor | None = None
@@ -179,7 +180,15 @@ def _run(
     call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], check: Any = None
 ) -> list[Any]:
     executor = executor if executor is not None else default_executor()
-    return _submit(call, executor, timeout, jobs, check)
+    with _native_threads.shared(_at_once(executor, len(jobs))):
+        return _submit(call, executor, timeout, jobs, check)
+
+
+def _at_once(executor: cf.Executor, jobs: int) -> int:
+    """How many of `jobs` run at once on threads of this process (none on other processes)."""
+    if not isinstance(executor, cf.ThreadPoolExecutor):
+        return 0
+    return min(jobs, getattr(executor, "_max_workers", jobs))
 
 
 def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[Job], check: Any = None) -> list[Any]:
