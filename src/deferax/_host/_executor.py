@@ -241,14 +241,11 @@ def jobs_at_once(executor: cf.Executor | None) -> int:
     thread pool's `max_workers`, at most the cores this process may use; a process pool's
     `max_workers`; a Dask cluster's worker threads, all workers together (one question to
     the scheduler; 1 if it cannot answer); 1 for an executor deferax does not know."""
-    import os  # (here, so that this function stays one hunk at the end of the file)
-
     executor = default_executor() if executor is None else executor
     if isinstance(executor, WrappingExecutor):
         executor = executor.wrapped
     if isinstance(executor, cf.ThreadPoolExecutor):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, min(executor._max_workers, cores))
+        return max(1, min(executor._max_workers, _native_threads.cores()))
     if isinstance(executor, cf.ProcessPoolExecutor):
         return max(1, executor._max_workers)
     if is_dask(executor):
