@@ -133,7 +133,8 @@ class HostImplementation(AbstractImplementation):
 
     @property
     def batch_in_one_job(self) -> bool:
-        return self.host.runner.fused_batch is not None
+        runner = self.host.runner
+        return (runner.jvp_batch if self.impl == "jvp_batch" else runner.fused_batch) is not None
 
     def __call__(self, *args: Any) -> Any:
         return _METHODS[self.impl](self.host, *args)
