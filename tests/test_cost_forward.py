@@ -71,13 +71,17 @@ def xs(n):
 
 
 def check_run(f, x, expected_calls, calls, jit=False):
-    fn = dx.filter_value_and_grad(loss(f))
-    fn = jax.jit(fn) if jit else fn
-    calls.clear()
-    got = fn(x)
-    jax.effects_barrier()
-    assert sorted(calls) == sorted(expected_calls)
-    assert_tree_allclose(got, jax.value_and_grad(loss(jnp.sin))(x), rtol=1e-12, atol=1e-14)
+    """One value and gradient, through deferax and through `jax.value_and_grad` (the site's
+    own rule, which chooses the same way): the host functions that ran, and the result
+    against plain JAX."""
+    for transform in (dx.filter_value_and_grad, jax.value_and_grad):
+        fn = transform(loss(f))
+        fn = jax.jit(fn) if jit else fn
+        calls.clear()
+        got = fn(x)
+        jax.effects_barrier()
+        assert sorted(calls) == sorted(expected_calls)
+        assert_tree_allclose(got, jax.value_and_grad(loss(jnp.sin))(x), rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize(
