@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from .. import _jaxpr
 from .._checks import _messages
 from .._forward_basis import _primitive as _forward_basis
+from .._forward_basis import _tangents
 from .._implementation._abstract import AbstractImplementation
 from .._misc import struct_of, structs
 from .._plan import _cost
@@ -153,13 +154,8 @@ class _Check:
                     Decision("standard", once[k]) if once[k] else self._decide(k, ct_deps[k], backward, labels)
                 )
         for k in range(n):
-            spec = self.specs[k]
-            if decisions[k].schedule == "standard" and _forward_basis.strategy(spec) == "forward-basis":
-                reason = decisions[k].reason + _forward_basis_why(spec)
-                tangents = _forward_basis.n_inputs(spec)
-                decisions[k] = Decision(
-                    "forward-basis", reason, decisions[k].location, n=tangents, estimates=decisions[k].estimates
-                )
+            if decisions[k].schedule == "standard":
+                decisions[k] = _with_forward_basis(decisions[k], self.specs[k])
         deferred = tuple(k for k in range(n) if decisions[k].deferred)
         basis = {k: decisions[k].basis for k in deferred if decisions[k].basis is not None}
         early = tuple(
@@ -423,19 +419,40 @@ call, with the value"
 
 def _nested_decision(spec: _site.Spec, kind: str) -> Decision:
     """The decision for a site called inside `kind` (a `lax.scan`, ...): standard, or forward-basis."""
-    reason = f"called inside {kind}; sites there stay standard"
+    return _with_forward_basis(Decision("standard", f"called inside {kind}; sites there stay standard"), spec)
+
+
+def _with_forward_basis(decision: Decision, spec: _site.Spec) -> Decision:
+    """A site's standard `decision`, on the forward-basis strategy where `strategy` chooses
+    it. Where the estimates choose (`by_estimate`), the forward-basis estimate is put beside
+    the others and the reason says which was estimated faster."""
+    estimates = _forward_basis.estimates(spec)
+    decided = _tangents.by_estimate(spec.static, estimates)
+    if decided and decision.estimates is not None:  # (the standard estimate is the same)
+        estimates = _cost.Estimates(
+            estimates.standard, decision.estimates.deferred, estimates.source, estimates.forward_basis
+        )
+    shown = estimates if decided else decision.estimates
+    n = _forward_basis.n_inputs(spec)
     if _forward_basis.strategy(spec) == "forward-basis":
-        return Decision("forward-basis", reason + _forward_basis_why(spec), n=_forward_basis.n_inputs(spec))
-    return Decision("standard", reason)
+        reason = decision.reason + _forward_basis_why(spec, decided)
+        return Decision("forward-basis", reason, decision.location, n=n, estimates=shown)
+    if not decided:
+        return decision
+    reason = decision.reason + f"; the forward-basis strategy with its n={n} tangents is estimated slower: {estimates}"
+    return Decision("standard", reason, decision.location, k=decision.k, estimates=shown)
 
 
-def _forward_basis_why(spec) -> str:
-    """Why a site not deferred is differentiated on the forward-basis strategy."""
+def _forward_basis_why(spec, decided: bool) -> str:
+    """Why a site not deferred is differentiated on the forward-basis strategy (`decided`:
+    by the estimates)."""
     static, n = spec.static, _forward_basis.n_inputs(spec)
     if static.prefer == "forward-basis":
         return ""
     if not static.has_vjp:
         return f"; reverse mode from its forward-mode implementation: the output and n={n} tangents in one call"
+    if decided:
+        return f"; forward-basis: the output and n={n} tangents in one call, estimated faster than `fwd` then `bwd`"
     return f"; forward-basis: the output and n={n} tangents in one call, one stage where `fwd` then `bwd` take two"
 
 

@@ -28,9 +28,14 @@ def n_inputs(spec: Spec) -> int:
     return _tangents.n_inputs(spec.x(spec.x_structs))
 
 
+def estimates(spec: Spec):
+    """The standard and forward-basis estimates of one example's call (`_tangents.estimates`)."""
+    return _tangents.estimates(spec.static, tuple(s.shape for s in spec.x_structs), n_inputs(spec))
+
+
 def strategy(spec: Spec) -> str:
     """How reverse mode differentiates this site: `"standard"` or `"forward-basis"`."""
-    return _tangents.strategy(spec.static, n_inputs(spec))
+    return _tangents.strategy(spec.static, n_inputs(spec), estimates(spec))
 
 
 def _basis_avals(spec: Spec) -> list:

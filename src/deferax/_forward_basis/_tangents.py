@@ -18,11 +18,13 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._checks import _checks, _messages
-from .._implementation._abstract import AbstractExpensiveFn
+from .._implementation._abstract import AbstractExpensiveFn, AbstractImplementation
 from .._misc import stacked, zero_like
+from .._plan import _cost
 
 # The most tangents the forward-basis strategy takes by default, when the function also has
-# a reverse-mode implementation (`bwd` or `fused`); `ExpensiveFn(max_tangents=...)` changes it.
+# a reverse-mode implementation (`bwd` or `fused`) and its costs are not known (a `cost=`
+# hint or timings of earlier calls decide instead); `ExpensiveFn(max_tangents=...)` sets it.
 DEFAULT_MAX_TANGENTS = 8
 
 STRATEGIES = ("standard", "forward-basis")
@@ -168,13 +170,45 @@ def output(fn: AbstractExpensiveFn, x: Any) -> Any:
     return y
 
 
-def strategy(fn: AbstractExpensiveFn, n: int) -> str:
-    """The reverse-mode strategy of a site whose input has `n` numbers, by the default rule:
-    fewest sequential expensive stages, then fewest expensive calls.
+def estimates(fn: AbstractExpensiveFn, shapes: tuple, n: int) -> _cost.Estimates | None:
+    """The estimates of the standard schedule and the forward-basis strategy for `fn` on an
+    input of leaves of `shapes` with `n` numbers (`_cost.forward_basis`); None without `jvp`
+    or `jvp_batch`. One job computes the output and all `n` tangents, unless a host
+    function's `jvp` runs once per tangent."""
+    if fn.jvp is None and fn.jvp_batch is None:
+        return None
+    batch = fn.jvp_batch
+    one_job = not isinstance(batch, AbstractImplementation) or batch.batch_in_one_job
+    fused_only = fn.fwd is None and fn.bwd is None and fn.adjoint is None
+    workers = 1 if one_job else batch.jobs_at_once
+    return _cost.forward_basis(fn.name, shapes, fn.cost, n, one_job, fused_only, workers)
+
+
+def by_estimate(fn: AbstractExpensiveFn, estimates: _cost.Estimates | None) -> bool:
+    """Whether the estimates choose between the standard schedule and the forward-basis
+    strategy: both are possible (`jvp` or `jvp_batch`, and `bwd` or `fused`), the user set
+    neither `prefer` nor `max_tangents`, and the costs are known (a `cost=` hint or timings
+    of earlier calls, not the equal-cost defaults)."""
+    return (
+        estimates is not None
+        and estimates.source != "defaults"
+        and fn.has_vjp
+        and fn.prefer is None
+        and fn.max_tangents is None
+    )
+
+
+def strategy(fn: AbstractExpensiveFn, n: int, estimates: _cost.Estimates | None = None) -> str:
+    """The reverse-mode strategy of a site whose input has `n` numbers, given its
+    `estimates` (what `estimates` returned):
 
     - `"forward-basis"`: the primal and `n` tangents in one batched call during the forward
-      pass (one stage), `ct_x = J^T ct_y` after; chosen when the function has `jvp` or
-      `jvp_batch` and `n <= max_tangents` (or has nothing else for reverse mode);
+      pass (one stage), `ct_x = J^T ct_y` after; possible when the function has `jvp` or
+      `jvp_batch`. Chosen when the function has nothing else for reverse mode (within
+      `max_tangents` if given); else when `n <= max_tangents` if given; else, where costs
+      are known (`by_estimate`), when its estimate is below the standard schedule's; else,
+      with the equal-cost defaults, by the fixed rule `n <= DEFAULT_MAX_TANGENTS` (fewest
+      sequential expensive stages, then fewest expensive calls);
     - `"standard"`: `fwd` on the forward pass, `bwd` on the backward pass (two stages).
 
     `ExpensiveFn(prefer=...)` forces either.
@@ -190,4 +224,6 @@ def strategy(fn: AbstractExpensiveFn, n: int) -> str:
         if fn.max_tangents is None or n <= limit:
             return "forward-basis"
         return "standard"  # reverse mode then fails with TOO_MANY_TANGENTS, forward mode works
+    if by_estimate(fn, estimates):
+        return "forward-basis" if estimates.forward_basis < estimates.standard else "standard"
     return "forward-basis" if n <= limit else "standard"

@@ -135,7 +135,8 @@ class HostImplementation(AbstractImplementation):
 
     @property
     def batch_in_one_job(self) -> bool:
-        return self.host.runner.fused_batch is not None
+        runner = self.host.runner
+        return (runner.jvp_batch if self.impl == "jvp_batch" else runner.fused_batch) is not None
 
     @property
     def jobs_at_once(self) -> int:

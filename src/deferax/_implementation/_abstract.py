@@ -44,8 +44,9 @@ class AbstractImplementation(eqx.Module):
     @property
     @abc.abstractmethod
     def batch_in_one_job(self) -> bool:
-        """Whether a batch of cotangents (the deferred-basis schedule) runs as one job with
-        the forward (a `fused_batch` of its own), rather than one job per cotangent."""
+        """Whether a batch of cotangents (the deferred-basis schedule), or of tangents (the
+        forward-basis strategy, for a `jvp_batch`), runs as one job with the forward (a
+        `fused_batch` or `jvp_batch` of its own), rather than one job each."""
 
     @property
     @abc.abstractmethod

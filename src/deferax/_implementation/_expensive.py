@@ -59,7 +59,7 @@ the primal |
     | `fwd`, `fused` | `fwd` | `fused(x, ct)[1]`: recomputes the primal |
     | `fused`, `bwd` | `fused(x, 0)[0]` | `bwd` |
     | `jvp` or `jvp_batch` (with any of the above) | `fwd`, else `jvp(x, 0)[0]` | forward-basis when `n <= \
-max_tangents`, else as above |
+max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else as above |
 
     **Arguments:**
 
@@ -89,8 +89,9 @@ max_tangents`, else as above |
       (nor pass it to `jax.debug.callback`), and it calls no host callback or other
       function whose body deferax cannot read, which might reuse what `fwd` stored.
     - `max_tangents`: the most input numbers `n` for which reverse mode uses the
-      forward-basis strategy (default 8 when `bwd` or `fused` is given too; no limit for a
-      function with forward-mode implementations only).
+      forward-basis strategy. Default: when `bwd` or `fused` is given too, chosen by the
+      estimates where the costs are known (a `cost=` hint or timings of earlier calls),
+      else 8; no limit for a function with forward-mode implementations only.
     - `thread_safe`: `False` for implementations that must not run twice at once (one
       shared workspace): deferax then runs no two calls of it, nor of any other such
       function, at the same time, not even the forward and the adjoint of one deferred

@@ -14,7 +14,9 @@ one forward when nothing is known):
                       (`fused` alone: m jobs of setup + fwd + bwd)
 
 with `m = k`, or `ceil(k / 2)` for an adjoint linear over complex numbers on a complex
-output (a complex overlap's basis cotangents `m` and `1j * m` are one solve).
+output (a complex overlap's basis cotangents `m` and `1j * m` are one solve). For a site
+with `jvp` or `jvp_batch`, the forward-basis strategy's estimate is these with `n` tangents
+in place of `k` cotangents (see `forward_basis`).
 
 The numbers come from the site's `cost=` hint, else from timings of its earlier calls
 (`observe`, kept by site name and input shapes), else from equal-cost defaults (`fwd = bwd = 1`, no setup,
@@ -117,19 +119,25 @@ class Estimates(eqx.Module):
     **Fields:**
 
     - `standard`: the standard schedule's.
-    - `deferred`: the deferred (`k = 1` or no dependence) or deferred-basis schedule's.
+    - `deferred`: the deferred (`k = 1` or no dependence) or deferred-basis schedule's;
+      None for a site that cannot be deferred.
     - `source`: where the numbers come from: `"hint"` (the `cost=` given), `"measured"`
       (earlier calls) or `"defaults"` (equal costs, in units of one forward).
+    - `forward_basis`: the forward-basis strategy's (`forward_basis` below), for a site
+      with `jvp` or `jvp_batch` whose costs are known; None otherwise.
     """
 
     standard: float
-    deferred: float
+    deferred: float | None
     source: str
+    forward_basis: float | None = None
 
     def __str__(self) -> str:
         unit = "" if self.source == "defaults" else " s"
         source = {"defaults": "equal costs assumed", "hint": "from cost="}.get(self.source, self.source)
-        return f"standard {self.standard:.4g}{unit}, deferred {self.deferred:.4g}{unit} ({source})"
+        named = {"standard": self.standard, "deferred": self.deferred, "forward-basis": self.forward_basis}
+        shown = ", ".join(f"{name} {value:.4g}{unit}" for name, value in named.items() if value is not None)
+        return f"{shown} ({source})"
 
 
 # ----------------------------------------------------------------------------- timings of earlier calls
@@ -210,3 +218,28 @@ def estimate(
         jobs = [setup + fwd + bwd] * m if fused_only else [setup + fwd] + [setup + bwd] * m
         deferred = max(max(jobs), sum(jobs) / workers) + stage
     return Estimates(standard=standard, deferred=deferred, source=source)
+
+
+def forward_basis(
+    name: str, shapes: tuple, hint: Cost | None, n: int, one_job: bool, fused_only: bool, workers: int
+) -> Estimates:
+    """The estimates of the standard schedule and of the forward-basis strategy (the output
+    and `n` unit tangents on the forward pass, one stage; `ct_x = J^T ct_y` after) for a
+    site with `jvp` or `jvp_batch`, from the same numbers as `estimate`'s:
+
+        forward-basis   = one job:  setup + fwd + n * tangent + stage
+                          (`jvp_batch`, or a traced `jvp` batched with `vmap`)
+                          or n jobs:  max(one job, all jobs / workers) + stage
+                          (`dx.host`'s `jvp` without `jvp_batch`: setup + fwd + tangent each)
+
+    A tangent costs what an adjoint does (`bwd`'s number): a tangent solve and an adjoint
+    solve share the forward's factorisation alike. These are the deferred-basis estimates
+    with `k = n` tangents in place of cotangents (`fused_only`'s separate jobs for `jvp`'s,
+    which compute the output each), so they are `estimate`'s. `deferred` is None.
+    With the equal-cost defaults the fixed rule decides, not this estimate (`strategy` in
+    `_forward_basis._tangents`): `n` unit tangents estimated as `n` adjoints would never
+    be chosen, yet a tangent solve beside the forward is often nearly free."""
+    one_job = one_job or n == 0  # (no tangent: the output alone)
+    standard = estimate(name, shapes, hint, 1, False, True, fused_only, workers)
+    tangents = estimate(name, shapes, hint, n, False, one_job, not one_job, workers)
+    return Estimates(standard=standard.standard, deferred=None, source=standard.source, forward_basis=tangents.deferred)

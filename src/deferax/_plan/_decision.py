@@ -39,7 +39,8 @@ class Decision(eqx.Module):
     - `n`: for the forward-basis strategy, the number of tangents.
     - `basis`: for the deferred-basis schedule, the frontier that stage 1 evaluates.
     - `estimates`: for a site that could be deferred, the estimated wall time of the
-      standard and the deferred (or deferred-basis) schedule.
+      standard and the deferred (or deferred-basis) schedule; the forward-basis strategy's
+      beside them where it was chosen by estimate.
     """
 
     schedule: Schedule

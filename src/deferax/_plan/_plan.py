@@ -34,7 +34,8 @@ class Site(eqx.Module):
     - `n`: for a forward-basis site, the number of tangents (the input's real numbers).
     - `estimates`: for a site that could be deferred, the estimated wall time of the
       standard and the deferred (or deferred-basis) schedule, a [`deferax.Estimates`][];
-      `None` otherwise.
+      for a site with `jvp` or `jvp_batch` whose costs are known, the forward-basis
+      strategy's beside them; `None` otherwise.
     - `batch`: the sizes of the `jax.vmap` levels the call is made under, outermost first
       (`()` for a call on one example). A deferred site under `vmap` runs one `fused` call
       for the whole batch; `in_shapes` and `out_shapes` are those of one example.
@@ -121,8 +122,11 @@ deferred"
         out.extend(line(r) for r in rows)
         for i, note in enumerate(notes, 1):
             out.extend(_wrap(note, f"[{i}] "))
-        chosen = [s for s in self.sites if s.schedule == "deferred-basis" and s.estimates is not None]
-        if chosen:  # (a standard site's note gives them already)
+        chosen = [  # (a standard site's note gives them already; a forward-basis site's when chosen by them)
+            s for s in self.sites if s.estimates is not None and s.schedule != "standard"
+            and (s.schedule == "deferred-basis" or s.estimates.forward_basis is not None)
+        ]
+        if chosen:
             out.append("estimated wall time:")
             for s in chosen:
                 out.extend(_wrap(str(s.estimates), f"  #{s.index} "))
