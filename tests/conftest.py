@@ -30,3 +30,13 @@ def no_timings():
     dx.forget_timings()
     yield
     dx.forget_timings()
+
+
+@pytest.fixture(autouse=True)
+def two_cores(monkeypatch):
+    """The suite's expected plans are those of a 2-core machine, whatever this one has: the
+    estimates count the jobs a thread pool runs at once, at most the cores (`_executor.
+    jobs_at_once`), and the native thread limits share the cores among jobs."""
+    from deferax._concurrency import _native_threads
+
+    monkeypatch.setattr(_native_threads, "cores", lambda: 2)

@@ -1,8 +1,10 @@
 """Running host jobs on a `concurrent.futures.Executor`: submission, waiting, faults, timeouts.
 
 Every job of a host `ExpensiveFn` (a forward solve, an adjoint solve, a `bwd` or `fused`
-call) is the user's own function submitted as it is, with NumPy arguments: a worker needs
-neither JAX nor deferax. What comes back (a result, an exception, a lost worker, nothing
+call) is the user's own function with NumPy arguments, wrapped to time it where it runs
+(`_timing.Timed`). A Dask worker gets the wrapper as cloudpickle's bytes and needs neither
+JAX nor deferax; a process pool's worker (the same machine and environment) imports deferax
+once to unpickle it. What comes back (a result, an exception, a lost worker, nothing
 before the timeout) is turned into a result or a `HostError` here.
 """
 
