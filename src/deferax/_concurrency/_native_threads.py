@@ -22,7 +22,9 @@ thread", cleared when its `threadpool_limits` block ends) and silently ignores t
 Through it, a limit set from a job's thread was ignored once the main thread had set one,
 and a pool thread that had set one kept control for good, so that the main thread's
 `threadpool_limits` did nothing afterwards. Setting the C function does not take that
-control: the program's own `threadpool_limits` keeps working.
+control: the program's own `threadpool_limits` keeps working. OpenMP's setting (and that of
+an OpenBLAS built on OpenMP) belongs to each thread: a limit set by the thread that submits
+the jobs does not reach the threads that run them; only `capped`, entered inside a job, does.
 """
 
 from __future__ import annotations
