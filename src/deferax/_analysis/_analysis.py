@@ -434,7 +434,7 @@ def _with_forward_basis(decision: Decision, spec: _site.Spec) -> Decision:
         )
     shown = estimates if decided else decision.estimates
     n = _forward_basis.n_inputs(spec)
-    if _forward_basis.strategy(spec) == "forward-basis":
+    if _tangents.strategy(spec.static, n, estimates) == "forward-basis":
         reason = decision.reason + _forward_basis_why(spec, decided)
         return Decision("forward-basis", reason, decision.location, n=n, estimates=shown)
     if not decided:

@@ -122,10 +122,7 @@ deferred"
         out.extend(line(r) for r in rows)
         for i, note in enumerate(notes, 1):
             out.extend(_wrap(note, f"[{i}] "))
-        chosen = [  # (a standard site's note gives them already; a forward-basis site's when chosen by them)
-            s for s in self.sites if s.estimates is not None and s.schedule != "standard"
-            and (s.schedule == "deferred-basis" or s.estimates.forward_basis is not None)
-        ]
+        chosen = [s for s in self.sites if _estimates_listed(s)]
         if chosen:
             out.append("estimated wall time:")
             for s in chosen:
@@ -152,3 +149,13 @@ def _wrap(text: str, first: str) -> list[str]:
     return textwrap.wrap(
         text, _WIDTH, initial_indent=first, subsequent_indent=" " * len(first), break_on_hyphens=False
     )
+
+
+
+def _estimates_listed(site: Site) -> bool:
+    """Whether `explain` lists `site`'s estimates under the table: a standard site's note
+    gives them already, and a forward-basis site has them only when they chose it."""
+    if site.estimates is None:
+        return False
+    by_estimate = site.schedule == "forward-basis" and site.estimates.forward_basis is not None
+    return site.schedule == "deferred-basis" or by_estimate
