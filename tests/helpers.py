@@ -1,6 +1,8 @@
 """Shared test helpers: tolerant tree comparison, finite differences, execution counters."""
 
 import collections
+import importlib.util
+import pathlib
 
 import equinox as eqx
 import jax
@@ -173,3 +175,11 @@ def check_one_fused(loss, reference, p, counter):
         assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}, use_jit
         assert_tree_allclose(got, want_fn(p))
 
+
+def load_example(name: str, module_name: str | None = None):
+    """`examples/<name>.py`, imported as a module named `module_name` (default `name`)."""
+    path = pathlib.Path(__file__).parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(module_name or name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

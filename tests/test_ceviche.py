@@ -5,8 +5,6 @@ challenge's own path: ceviche's `simulate` and the same loss, differentiated by 
 Counts the factorisations and solves of each step."""
 
 import collections
-import importlib.util
-import pathlib
 import threading
 
 import autograd  # with ceviche-challenges, in the tests extra
@@ -18,18 +16,9 @@ import pytest
 import deferax as dx
 from deferax._host import _sparse_solve
 
-from .helpers import assert_tree_allclose
+from .helpers import assert_tree_allclose, load_example
 
-
-def load_example():
-    path = pathlib.Path(__file__).parent.parent / "examples" / "inverse_design_ceviche.py"
-    spec = importlib.util.spec_from_file_location("inverse_design_ceviche", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-EXAMPLE = load_example()
+EXAMPLE = load_example("inverse_design_ceviche")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -4,7 +4,6 @@ Each host function records every run as a file in a shared directory (name: what
 the worker's process id), so the counts are of real executions on the workers.
 """
 
-import importlib.util
 import os
 import pathlib
 import re
@@ -21,7 +20,7 @@ import pytest
 
 import deferax as dx
 
-from .helpers import assert_tree_allclose, plain_fdfd_design
+from .helpers import assert_tree_allclose, load_example, plain_fdfd_design
 
 distributed = pytest.importorskip("distributed")
 dask = pytest.importorskip("dask")
@@ -230,10 +229,7 @@ must be picklable"
 
 
 def test_fdfd_example_on_dask(executor):
-    path = pathlib.Path(__file__).parent.parent / "examples" / "fdfd_inverse_design.py"
-    spec = importlib.util.spec_from_file_location("fdfd_inverse_design_dask", path)
-    fdfd = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fdfd)
+    fdfd = load_example("fdfd_inverse_design", "fdfd_inverse_design_dask")
     problem = fdfd.Helmholtz(20)
     on_dask, _ = fdfd.design(problem, steps=2, executor=executor, verbose=False)
     on_threads, _ = fdfd.design(problem, steps=2, verbose=False)

@@ -2,7 +2,6 @@
 
 import collections
 import concurrent.futures as cf
-import importlib.util
 import multiprocessing
 import os
 import pathlib
@@ -18,7 +17,7 @@ import pytest
 
 import deferax as dx
 
-from .helpers import assert_tree_allclose, finite_difference_grad, plain_fdfd_design, plain_fdfd_objective
+from .helpers import assert_tree_allclose, finite_difference_grad, load_example, plain_fdfd_design, plain_fdfd_objective
 
 A0 = np.array([[4.0 + 1.0j, 1.0, 0.5j], [0.3, 3.0 - 0.5j, 1.0], [0.2j, -0.7, 5.0 + 0.2j]])  # not symmetric
 SOURCE = np.array([1.0, -0.5j, 2.0])
@@ -885,17 +884,9 @@ def test_name_defaults_to_the_forward_function():
 # ----------------------------------------------------------------------------- the FDFD example
 
 
-def load_example():
-    path = pathlib.Path(__file__).parent.parent / "examples" / "fdfd_inverse_design.py"
-    spec = importlib.util.spec_from_file_location("fdfd_inverse_design", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def fdfd():
-    return load_example()
+    return load_example("fdfd_inverse_design")
 
 
 def test_fdfd_gradient_matches_finite_differences(fdfd):
@@ -982,7 +973,6 @@ def test_fdfd_example_with_dask_but_without_distributed_says_which_extra():
     """`examples/fdfd_inverse_design.py --dask 2` where Dask's `distributed` is missing (here
     hidden from the import system): a message naming the extra, not a bare
     ModuleNotFoundError."""
-    import pathlib
     import subprocess
     import sys
 
