@@ -73,29 +73,44 @@ def _multiples(rows: list, partial_struct: PyTree) -> tuple[list[tuple[int | Non
     complex_ok = all(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in jtu.tree_leaves(partial_struct))
     recipe: list[tuple[int | None, Any]] = []
     unique: list[int] = []
-    norms: list[float] = []  # the squared norm of each unique row
+    norms: list[float] = []  # the squared norm of each unique row, scaled (below)
     if not rows:
         return recipe, unique
     leaves = [jtu.tree_leaves(row) for row in rows]
     flat = np.stack([np.concatenate([np.ravel(leaf) for leaf in ls]) for ls in leaves]).astype(np.complex128)
+    # Each row is compared scaled by its largest entry, so that neither squares of tiny
+    # entries underflow (weights near 1e-170 would make a row count as zero) nor squares of
+    # huge ones overflow: the tests below are all invariant to each row's scale.
+    scales = np.max(np.abs(flat), axis=1) if flat.shape[1] else np.zeros(len(rows))
+    finite = np.isfinite(scales) & np.all(np.isfinite(flat), axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        flat = np.where((finite & (scales > 0))[:, None], flat / np.where(scales > 0, scales, 1.0)[:, None], flat)
     conj = flat.conj()
     for j, ls in enumerate(leaves):
+        if not finite[j]:  # (NaN or inf: solved as it is, never taken for a multiple)
+            recipe.append((len(unique), 1.0))
+            unique.append(j)
+            norms.append(math.nan)
+            continue
         tol = 100 * np.finfo(np.result_type(*[leaf.dtype for leaf in ls])).eps
         # `<w, v>` for this row `v` and every unique row `w` so far, summed by NumPy: not BLAS
         # (`np.vdot`, `@`), whose threads wait for cores on a loaded machine (0.8 s for 6 rows
         # of 22,500 entries with one `np.vdot` a pair, at a load of 8 on 2 cores).
         dots = np.sum(conj[[j, *unique]] * flat[j], axis=1)
         norm2 = dots[0].real
-        if norm2 == 0.0:
+        if scales[j] == 0.0:
             recipe.append((None, 0.0))
             continue
         for u, (i, w2, d) in enumerate(zip(unique, norms, dots[1:], strict=True)):
-            if abs(d) ** 2 < 0.5 * w2 * norm2:  # far from parallel (a multiple has `|<w, v>| = |w| |v|`)
+            if not abs(d) ** 2 >= 0.5 * w2 * norm2:  # far from parallel (a multiple has `|<w, v>| = |w| |v|`)
                 continue
             c = d / w2
             real = abs(c.imag) <= tol * abs(c)
+            if abs(c.real) <= tol * abs(c):  # (purely imaginary, up to the rounding of the scaling)
+                c = 1j * c.imag
             residual = flat[j] - c * flat[i]
             if (complex_ok or real) and np.sum(residual.conj() * residual).real <= tol**2 * norm2:
+                c = c * (scales[j] / scales[i])  # (back to the rows' own scales)
                 recipe.append((u, c if complex_ok and not real else c.real))
                 break
         else:
