@@ -266,3 +266,56 @@ def test_calls_from_other_threads_are_recorded():
     with dx.record() as timeline, concurrent.futures.ThreadPoolExecutor(3) as pool:
         list(pool.map(lambda _: step(X), range(3)))
     assert timeline.counts() == {"fwd": 3, "bwd": 3}
+
+
+# ----------------------------------------------------------------------------- a sparse solve's steps
+
+
+def counting_solver():
+    from .test_sparse_solve import CountingSolver, Tally
+
+    tally = Tally()
+    return tally, CountingSolver(tally)
+
+
+PATTERN = dx.SparsePattern(np.array([0, 0, 1, 1, 2, 2]), np.array([0, 1, 1, 2, 2, 0]), 3)
+VALUES = jnp.array([4.0, 1.0, 3.0, -1.0, 5.0, 0.5])
+LOADS = [jnp.array([1.0, 2.0, 0.0]), jnp.array([0.0, 1.0, -1.0])]
+
+
+def two_load_cases(solver):
+    return lambda v: sum(jnp.sum(dx.sparse_solve(v, PATTERN, b, solver=solver)) for b in LOADS)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("how", ["deferred", "jax.grad"])
+def test_sparse_solve_factorisations_and_solves_are_recorded_as_steps(how, jit):
+    """Two load cases on one matrix: the jobs as before, and beside them the factorisations
+    and solve calls that really ran, as the solver itself counted them."""
+    tally, solver = counting_solver()
+    loss = two_load_cases(solver)
+    fn = dx.filter_value_and_grad(loss) if how == "deferred" else jax.value_and_grad(loss)
+    fn = jax.jit(fn) if jit else fn
+    fn(VALUES)  # (compiled, and SciPy imported)
+    tally.clear()
+    with dx.record() as timeline:
+        got = fn(VALUES)
+    assert_tree_allclose(got, jax.value_and_grad(two_load_cases(None))(VALUES))
+    jobs = {"fused": 2} if how == "deferred" else {"fwd": 2, "bwd": 2}
+    assert timeline.counts() == jobs
+    assert timeline.counts(steps=True) == {"factor": tally.counts["factor"], "solve": tally.counts["solve"]}
+    # a solve call a forward and one an adjoint each; the backward passes reuse the forwards'
+    # factorisation (one matrix: the second forward may find the first's)
+    assert timeline.counts(steps=True)["solve"] == 4 and timeline.counts(steps=True)["factor"] <= 2
+    assert timeline.counts("sparse_solve", steps=True) == timeline.counts(steps=True)
+    assert timeline.counts("other", steps=True) == {}
+    steps = [c for c in timeline.calls if c.step]
+    assert all(c.start is not None and c.end >= c.start and c.site == "sparse_solve" for c in steps)
+    for c in steps:  # each step inside one of the jobs, in time
+        assert any(j.start <= c.start and c.end <= j.end for j in timeline.calls if not j.step), c
+    assert "- factor" in str(timeline) and "- solve" in str(timeline)
+    fig = timeline.plot()
+    assert len(fig.axes[0].patches) == len(timeline.calls)  # a bar a job and a thin one a step
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

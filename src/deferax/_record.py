@@ -40,6 +40,8 @@ _ACTIVE: list[Timeline] = []
 _LOCK = threading.Lock()
 # (site name, schedule) of the calls made here; set by the stages and by `ExpensiveFn`
 _SITE: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("deferax_site", default=None)
+# Where the job running here was submitted to (for its steps' rows)
+_WHERE: contextvars.ContextVar[str | None] = contextvars.ContextVar("deferax_where", default=None)
 # Inside the halves of a `Fused`, which are timed around their compiled calls.
 _TIMED_OUTSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_timed_outside", default=False)
 
@@ -57,7 +59,11 @@ class Call:
     - `start`, `end`: seconds since the recording began; `None` for a call inside a
       compiled program, which is counted but cannot be timed;
     - `thread`: the thread it ran on (for a host job: the executor);
-    - `device`: the JAX device its results were on (`None` on the host or untimed).
+    - `device`: the JAX device its results were on (`None` on the host or untimed);
+    - `step`: True for a step inside an implementation's job rather than a call of an
+      implementation: [`deferax.sparse_solve`][]'s factorisations (`impl="factor"`) and
+      solve calls (`impl="solve"`, any number of right-hand sides in one call), recorded
+      when its jobs run on threads of this process.
     """
 
     site: str
@@ -67,6 +73,7 @@ class Call:
     end: float | None
     thread: str
     device: str | None = None
+    step: bool = False
 
     @property
     def duration(self) -> float | None:
@@ -76,8 +83,9 @@ class Call:
 class Timeline:
     """The calls recorded by [`deferax.record`][], in the order they ended.
 
-    `print(timeline)` shows a table; `timeline.counts()` the runs per implementation;
-    `timeline.plot()` a Gantt chart (needs matplotlib).
+    `print(timeline)` shows a table; `timeline.counts()` the runs per implementation, and
+    `timeline.counts(steps=True)` the steps inside them (a sparse solve's factorisations and
+    solves); `timeline.plot()` a Gantt chart (needs matplotlib).
     """
 
     def __init__(self):
@@ -87,9 +95,13 @@ class Timeline:
     def _add(self, call: Call) -> None:
         self.calls.append(call)
 
-    def counts(self, site: str | None = None) -> dict[str, int]:
-        """How many times each implementation ran (of the site named `site`, or of all)."""
-        return dict(collections.Counter(c.impl for c in self.calls if site is None or c.site == site))
+    def counts(self, site: str | None = None, *, steps: bool = False) -> dict[str, int]:
+        """How many times each implementation ran (of the site named `site`, or of all).
+        With `steps=True`, how many times each step ran inside them instead: for
+        [`deferax.sparse_solve`][], `"factor"` (factorisations) and `"solve"` (solve calls)."""
+        return dict(
+            collections.Counter(c.impl for c in self.calls if c.step == steps and (site is None or c.site == site))
+        )
 
     def timed(self) -> list[Call]:
         """The calls that have a start and an end."""
@@ -105,7 +117,8 @@ class Timeline:
                 times = ("-", "-", "not timed")
             else:
                 times = (f"{1e3 * c.start:.2f}", f"{1e3 * c.end:.2f}", f"{1e3 * c.duration:.2f}")
-            rows.append((c.site, c.impl, c.schedule, *times, c.thread, c.device or "-"))
+            impl = f"- {c.impl}" if c.step else c.impl  # (a step, inside the job before it)
+            rows.append((c.site, impl, c.schedule, *times, c.thread, c.device or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"deferax timeline: {len(self.calls)} call(s), times in ms from the start of the recording"]
         for i, r in enumerate(rows):
@@ -137,7 +150,11 @@ def plot_timelines(timelines: Mapping[str, Timeline], width: float = 8.0) -> Any
         raise ImportError("`Timeline.plot` needs matplotlib: `pip install matplotlib` (or `deferax[plot]`).") from e
     rows = [max(1, len({c.thread for c in t.timed()})) for t in timelines.values()]
     fig, axes = plt.subplots(
-        len(timelines), 1, figsize=(width, 0.9 + 0.5 * sum(rows) + 0.6 * len(rows)), sharex=True, squeeze=False,
+        len(timelines),
+        1,
+        figsize=(width, 0.9 + 0.5 * sum(rows) + 0.6 * len(rows)),
+        sharex=True,
+        squeeze=False,
         gridspec_kw={"height_ratios": rows},
     )
     for ax, (title, timeline) in zip(axes[:, 0], timelines.items(), strict=True):
@@ -148,26 +165,37 @@ def plot_timelines(timelines: Mapping[str, Timeline], width: float = 8.0) -> Any
 
 
 _COLOURS = {
-    "fwd": "#4C72B0", "bwd": "#DD8452", "adjoint": "#DD8452", "combine": "#937860", "fused": "#55A868",
-    "fused_batch": "#55A868", "jvp": "#8172B3", "jvp_batch": "#8172B3",
+    "fwd": "#4C72B0",
+    "bwd": "#DD8452",
+    "adjoint": "#DD8452",
+    "combine": "#937860",
+    "fused": "#55A868",
+    "fused_batch": "#55A868",
+    "jvp": "#8172B3",
+    "jvp_batch": "#8172B3",
+    "factor": "#222222",
+    "solve": "#BBBBBB",
 }
 
 
 def _draw(ax, timeline: Timeline, title: str | None) -> None:
     calls = timeline.timed()
+    jobs = [c for c in calls if not c.step]
     threads = sorted({c.thread for c in calls}, key=lambda t: min(c.start for c in calls if c.thread == t))
     t0 = min((c.start for c in calls), default=0.0)
     for c in calls:
         row = threads.index(c.thread)
         ax.barh(
-            row,
+            row + (0.2 if c.step else 0.0),  # (a step: a thin bar along the bottom of its job's)
             1e3 * c.duration,
             left=1e3 * (c.start - t0),
-            height=0.6,
+            height=0.2 if c.step else 0.6,
             color=_COLOURS.get(c.impl, "#999999"),
             edgecolor="black",
             linewidth=0.5,
         )
+        if c.step:
+            continue
         ax.text(
             1e3 * (c.start - t0 + c.duration / 2),
             row,
@@ -179,7 +207,7 @@ def _draw(ax, timeline: Timeline, title: str | None) -> None:
         )
     ax.set_yticks(range(len(threads)), threads, fontsize=8)
     ax.invert_yaxis()
-    untimed = len(timeline.calls) - len(calls)
+    untimed = sum(not c.step for c in timeline.calls) - len(jobs)
     label = title or ""
     if untimed:
         label += f"{' ' if label else ''}(+{untimed} call(s) inside compiled programs, not timed)"
@@ -227,7 +255,16 @@ def wanted() -> bool:
     return bool(_ACTIVE) or log.isEnabledFor(logging.DEBUG)
 
 
-def _add(site: str, impl: str, schedule: str, start: float | None, end: float | None, thread: str, device: str | None):
+def _add(
+    site: str,
+    impl: str,
+    schedule: str,
+    start: float | None,
+    end: float | None,
+    thread: str,
+    device: str | None,
+    step: bool = False,
+):
     with _LOCK:
         timelines = list(_ACTIVE)
     for timeline in timelines:
@@ -240,6 +277,7 @@ def _add(site: str, impl: str, schedule: str, start: float | None, end: float | 
                 None if end is None else end - timeline.origin,
                 thread,
                 device,
+                step,
             )
         )
     if log.isEnabledFor(logging.DEBUG):
@@ -261,6 +299,27 @@ def current(impl: str) -> tuple[str, str]:
     if impl in ("jvp", "jvp_batch") and schedule == "standard":
         schedule = "forward"
     return name, schedule
+
+
+def carrying(fn: Callable[..., Any], where: str) -> Callable[..., Any]:
+    """`fn`, to run on another thread of this process as a job of the site and schedule
+    current here, shown as running on `where` (so that the steps it records are that
+    site's, on its job's row)."""
+    here = _SITE.get()
+
+    def run(*args: Any) -> Any:
+        with _jaxpr.setting(_SITE, here), _jaxpr.setting(_WHERE, where):
+            return fn(*args)
+
+    return run
+
+
+def step(impl: str, start: float, end: float) -> None:
+    """A step inside a job that ran from `start` to `end` (`time.perf_counter()`): recorded
+    if wanted, as a step of the site whose job this is."""
+    if wanted():
+        site_name, schedule = current(impl)
+        _add(site_name, impl, schedule, start, end, _WHERE.get() or threading.current_thread().name, None, step=True)
 
 
 def timed_outside():

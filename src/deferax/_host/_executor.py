@@ -25,6 +25,7 @@ from .._concurrency._serial import SERIAL_LOCK, concurrency_enabled
 _DEFAULT: cf.Executor | None = None
 _DEFAULT_LOCK = threading.Lock()
 
+
 def default_executor() -> cf.Executor:
     """The thread pool that host jobs run on when no `executor=` is given (created on first use)."""
     global _DEFAULT
@@ -198,8 +199,10 @@ def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[
     where = name(executor)
     for job in jobs:
         done = _record.job(job.impl, where)
+        # a job on a thread of this process records its steps as the site's (a sparse solve's factorisations)
+        fn = _record.carrying(job.fn, where) if done is not None and _in_this_process(executor) else job.fn
         try:
-            futures.append(executor.submit(job.fn, *job.args))
+            futures.append(executor.submit(fn, *job.args))
             if done is not None:
                 futures[-1].add_done_callback(done)
         except Exception as e:
@@ -227,6 +230,12 @@ def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[
             _messages.HOST_TIMEOUT.format(call=call, impl=job.impl, timeout=timeout, where=describe(executor))
         )
     return [f.result() for f in futures]
+
+
+def _in_this_process(executor: cf.Executor) -> bool:
+    while isinstance(executor, WrappingExecutor):
+        executor = executor.wrapped
+    return isinstance(executor, cf.ThreadPoolExecutor)
 
 
 def _check_others(futures: list[cf.Future], failed: cf.Future, check: Any) -> None:

@@ -49,15 +49,19 @@ class AbstractSparseSolver(eqx.Module):
 
     @abc.abstractmethod
     def factor(self, matrix: Any) -> Any:
-        """Factor `matrix`, a square `scipy.sparse.csc_matrix` (real or complex, with the
-        dtype of the solution), and return the factorisation (any object). Raise
-        `numpy.linalg.LinAlgError` for a singular matrix."""
+        """Factor `matrix`, a square `scipy.sparse.csc_matrix`, and return the factorisation
+        (any object). Raise `numpy.linalg.LinAlgError` for a singular matrix.
+
+        `matrix` is float64 or complex128 whatever the dtype of the program's values, unless
+        the solve asked for `precision="input"` (then float32 or complex64 for single-precision
+        inputs): a solver must factor in the dtype it is given, not lower. Its entries are
+        finite (`dx.sparse_solve` rejects NaN and infinity before it calls `factor`)."""
 
     @abc.abstractmethod
     def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
         """Solve `A x = rhs` (or `A^T x = rhs` with `transpose`: the plain transpose, not the
-        conjugate one) for `rhs` of shape `(n,)` or `(n, k)` (`k` right-hand sides), and
-        return `x` with `rhs`'s shape and the matrix's dtype."""
+        conjugate one) for `rhs` of shape `(n,)` or `(n, k)` (`k` right-hand sides, in the
+        matrix's dtype), and return `x` with `rhs`'s shape and the matrix's dtype."""
 
 
 class SuperLU(AbstractSparseSolver):
