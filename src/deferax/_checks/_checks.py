@@ -9,9 +9,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
-from .._misc import is_inexact, struct_of, structs, zero_like
+from .._misc import is_inexact, stacked, struct_of, structs, zero_like
 from . import _messages
 
 _WIDE = ("float64", "complex128", "int64", "uint64")  # (by name: an extended dtype has no NumPy one)
@@ -117,6 +118,22 @@ def checked_ct_x(call: str, impl: str, ct_x: PyTree, x: PyTree) -> PyTree:
         )
     check_tree(call, impl, "a cotangent", ct_x, expected, "the input `x`")
     return jtu.tree_map(lambda c, a: c if is_inexact(a) else zero_like(a), ct_x, x)
+
+
+def checked_ct_xs(call: str, impl: str, ct_xs: PyTree, x: PyTree, k: int) -> PyTree:
+    """A returned batch of `k` input cotangents (stacked on a leading axis), checked as
+    `checked_ct_x` checks one: float0 zeros for the inputs that are not differentiable,
+    whatever was returned there (integers; typed PRNG keys, whose cotangents a host
+    function returns shaped like the keys' `uint32` data)."""
+    expected = stacked(structs(x), k)
+    if jtu.tree_structure(ct_xs) == jtu.tree_structure(x):
+        ct_xs = jtu.tree_map(lambda c, a: c if is_inexact(a) else jnp.zeros((k, *jnp.shape(a))), ct_xs, x)
+        expected = jtu.tree_map(
+            lambda s: s if is_inexact(s) else jax.ShapeDtypeStruct(s.shape, jnp.result_type(float)), expected
+        )
+    against = "the input `x` with a leading axis of one cotangent each"
+    check_tree(call, impl, "a batch of cotangents", ct_xs, expected, against)
+    return jtu.tree_map(lambda c, a: c if is_inexact(a) else np.zeros((k, *jnp.shape(a)), jax.dtypes.float0), ct_xs, x)
 
 
 def checked_pair(call: str, impl: str, result: Any) -> tuple[Any, Any]:

@@ -110,8 +110,11 @@ class _Host(eqx.Module):
         return self._run(kind, (x, t_xs), (self._out(x), stacked(self._out(x), k)))
 
     def fused_batch(self, x: PyTree, cts: PyTree) -> tuple[PyTree, PyTree]:
+        """The forward and `k` adjoints: the user's `fused_batch` in one job when given (as
+        the estimates assume: `batch_in_one_job`), else `fwd` and `k` `adjoint` jobs, else
+        `fused` once per cotangent."""
         k = jtu.tree_leaves(cts)[0].shape[0]
-        if self.runner.fwd is not None and self.runner.adjoint is not None:
+        if self.runner.fused_batch is None and self.runner.fwd is not None and self.runner.adjoint is not None:
             y, partials = self._run("fwd+adjoints", (x, cts), (self._out(x), stacked(self._adjoint_out(x), k)))
             return y, jax.vmap(ft.partial(self._combine, x, y))(partials)
         kind = "fused_batch" if self.runner.fused_batch is not None else "fused*k"
@@ -199,8 +202,10 @@ def host(
     - `fused_batch`: `fused_batch(x, cts) -> (y, ct_xs)`, optional, with `fused`: the
       forward and `k` adjoints in one job (`cts` and `ct_xs` stack the `k` cotangents on a
       leading axis), for the deferred-basis schedule: one factorisation for the forward
-      and all the adjoint right-hand sides. Without it, that schedule submits `fused` once
-      per cotangent.
+      and all the adjoint right-hand sides. It takes the place of `fwd` and the `k`
+      adjoints there, even where those are given too. Without it, that schedule submits
+      `fwd` and the `k` adjoints together, or, with no `adjoint`, `fused` once per
+      cotangent.
     - `jvp`: `jvp(x, t_x) -> (y, t_y)`, optional: the forward-mode derivative with the
       primal (a tangent solve). `jvp_batch`: `jvp_batch(x, t_xs) -> (y, t_ys)` for `k`
       tangents stacked on a leading axis (one factorisation for all); without it, the `k`
@@ -240,7 +245,8 @@ def host(
 
     An [`deferax.ExpensiveFn`][]. With `fwd` and `adjoint` it has `fwd`, `bwd`
     (`combine(x, y, adjoint(x, ct_y))`), `fused` (forward and adjoint submitted together)
-    and `fused_batch` (the forward once and `k` adjoints, all submitted together).
+    and `fused_batch` (the forward once and `k` adjoints, all submitted together; a
+    `fused_batch` given is one job instead).
 
     !!! Example
 

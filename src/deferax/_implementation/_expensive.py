@@ -15,7 +15,7 @@ from jaxtyping import PyTree
 from .. import _record, _typed
 from .._checks import _checks, _messages
 from .._forward_basis import _tangents
-from .._misc import is_concrete, stacked, structs, zeros
+from .._misc import is_concrete, structs, zeros
 from .._plan._cost import Cost
 from .._site import _primitive as _site
 from ._abstract import AbstractExpensiveFn, AbstractFused, AbstractImplementation, Implementation
@@ -327,9 +327,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         if self.fused_batch is not None:
             y, ct_xs = _checks.checked_pair(self.title, "fused_batch", self.invoke("fused_batch", x, cts))
             self.check_result("fused_batch", "an output `y`", y, self.out_struct(x), "the output structure")
-            against = "the input `x` with a leading axis of one cotangent each"
-            self.check_result("fused_batch", "a batch of cotangents", ct_xs, stacked(structs(x), k), against)
-            return y, ct_xs
+            return y, _checks.checked_ct_xs(self.title, "fused_batch", ct_xs, x, k)
         if isinstance(self.fused, AbstractFused):
             return self.fused.batched(x, cts)
 

@@ -70,8 +70,8 @@ class Cost(eqx.Module):
     - `linear`: the adjoint is linear over complex numbers in the cotangent, so a complex
       output's `k` real basis cotangents need `ceil(k / 2)` adjoints.
     - `workers`: how many jobs of one site run at once where it runs, for an
-      implementation whose forward and adjoints are separate jobs (`dx.host` with `fwd`
-      and `adjoint`, or `fused` without `fused_batch`). Default: taken from the site's
+      implementation whose forward and adjoints are separate jobs (a `dx.host` site
+      without `fused_batch`: `fwd` and `adjoint`, or `fused` once per cotangent). Default: taken from the site's
       executor: a `ThreadPoolExecutor`'s `max_workers` (deferax's own pool when none is
       given), at most the cores this process may use; a `ProcessPoolExecutor`'s
       `max_workers`; a Dask cluster's worker threads, all workers together (asked of the
