@@ -125,7 +125,9 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
     bwd: Implementation | None = None
     fused: Implementation | None = None
     name: str | None = eqx.field(default=None, static=True)
-    out: Any = None  # a pytree of `jax.ShapeDtypeStruct`, or a function returning one
+    # A pytree of `jax.ShapeDtypeStruct`, or a function returning one: configuration, static
+    # (as a leaf, `eqx.tree_deserialise_leaves` would read an array for it that was never saved).
+    out: Any = eqx.field(default=None, static=True)
     fused_batch: Implementation | None = None
     max_basis: int | None = eqx.field(default=None, static=True)
     jvp: Implementation | None = None
