@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+import pytest
 
 import deferax as dx
 
@@ -30,6 +31,71 @@ class Scale(eqx.Module):
 
 def sin_fn():
     return dx.ExpensiveFn(fwd=jnp.sin, bwd=lambda x, y, ct: ct * jnp.cos(x), name="sin")
+
+
+# ----------------------------------------------------------------------------- a layer that does not fit its input
+
+
+def test_failing_trace_is_shown_first():
+    """A solver built for n = 6 fed 8 numbers: the broadcasting error itself, naming the
+    site, not a request to declare `out=`."""
+    f = dx.ExpensiveFn(fwd=Scale(jnp.ones(6)), bwd=lambda x, y, ct: ct, name="solver")
+    x = jnp.ones(8)
+    error = "mul got incompatible shapes for broadcasting: (6,), (8,)"
+    note = (
+        "`ExpensiveFn(name='solver')`: raised by `fwd`, traced (with `jax.eval_shape`) on the input float64[8] to "
+        "infer the output's shape. Check that its configuration (the sizes of the arrays it holds) fits this input."
+    )
+    calls = {
+        "filter_value_and_grad": dx.filter_value_and_grad(lambda x: jnp.sum(f(x))),
+        "filter_jit": eqx.filter_jit(lambda x: f(x)),
+        "grad": jax.grad(lambda x: jnp.sum(f(x))),
+        "explain": lambda x: dx.explain(lambda x: jnp.sum(f(x)), x),
+    }
+    for call in calls.values():
+        with pytest.raises(TypeError, match="^" + match(error)) as info:
+            call(x)
+        assert "out=" not in str(info.value)
+        assert getattr(info.value, "__notes__", []).count(note) == 1, info.value.__notes__
+    # the right input works
+    assert_tree_allclose(calls["grad"](jnp.ones(6)), jnp.ones(6))
+
+
+def test_failing_trace_of_jvp_is_shown_first():
+    f = dx.ExpensiveFn(jvp=lambda x, t: (Scale(jnp.ones(6))(x), t), name="solver")
+    with pytest.raises(TypeError, match="^" + match("mul got incompatible shapes")) as info:
+        jax.jit(f)(jnp.ones(8))
+    assert any("raised by `jvp`, traced (with `jax.eval_shape`)" in n for n in info.value.__notes__)
+
+
+@pytest.mark.parametrize(
+    "fwd, error",
+    [
+        (lambda x: np.sin(np.asarray(x)), "TracerArrayConversionError"),
+        (lambda x: np.zeros(int(x[0])), "ConcretizationTypeError"),
+        (lambda x: x * [1.0, 2.0, 3.0][x.shape[0] - 3 + jnp.argmax(x)], "TracerIntegerConversionError"),
+    ],
+)
+def test_untraceable_fwd_still_asks_for_out(fwd, error):
+    """A host (NumPy) function that JAX cannot trace: then, and only then, `out=`."""
+    f = dx.ExpensiveFn(fwd=fwd, bwd=lambda x, y, ct: ct, name="host")
+    text = f"`ExpensiveFn(name='host')`: the output shape is unknown. With nothing to infer it from (`fwd` is not \
+JAX-traceable: {error}), declare it with `out=`"
+    with pytest.raises(TypeError, match=match(text)):
+        jax.jit(f)(jnp.ones(3))
+
+
+def test_compiled_host_function_rejecting_a_tracer_asks_for_out():
+    """A compiled extension that rejects a tracer with a plain `TypeError` (SciPy's `splu`
+    solve: "argument 1 must be numpy.ndarray, not DynamicJaxprTracer") cannot be traced either."""
+    scipy_sparse = pytest.importorskip("scipy.sparse")
+    linalg = pytest.importorskip("scipy.sparse.linalg")
+    lu = linalg.splu(scipy_sparse.csc_matrix(np.diag([2.0, 3.0, 4.0])))
+    f = dx.ExpensiveFn(fwd=lu.solve, bwd=lambda x, y, ct: ct, name="splu")
+    text = "`ExpensiveFn(name='splu')`: the output shape is unknown. With nothing to infer it from (`fwd` is not \
+JAX-traceable: TypeError), declare it with `out=`"
+    with pytest.raises(TypeError, match=match(text)):
+        jax.jit(f)(jnp.ones(3))
 
 
 # ----------------------------------------------------------------------------- saving and loading

@@ -39,6 +39,9 @@ pytree of
 
     {example}"""
 
+TRACE_FAILED = """{call}: raised by `{impl}`, traced (with `jax.eval_shape`) on the input {x} to infer the \
+output's shape. Check that its configuration (the sizes of the arrays it holds) fits this input."""
+
 
 def out_example(make: str, impls: dict[str, Any]) -> str:
     """How to declare `out=` beside the implementations given (by their names; `...` for a
