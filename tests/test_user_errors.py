@@ -33,6 +33,81 @@ def sin_fn():
     return dx.ExpensiveFn(fwd=jnp.sin, bwd=lambda x, y, ct: ct * jnp.cos(x), name="sin")
 
 
+# ----------------------------------------------------------------------------- `dx.explain` of a jitted step
+
+
+def test_explain_sees_through_jit():
+    """`dx.explain(jax.jit(dx.filter_value_and_grad(loss)), x)`, as written after the
+    inverse-design tutorial, explains the wrapped function: with its own settings."""
+    f = sin_fn()
+
+    def loss(x):
+        return jnp.sum(jnp.cos(x) * f(x))
+
+    x = jnp.arange(3.0)
+    for schedule, expected in (("auto", "deferred"), ("standard", "standard")):
+        step = dx.filter_value_and_grad(loss, schedule=schedule)
+        want = str(dx.explain(step, x))
+        assert f"schedule={schedule!r}" in want
+        for wrapped in (
+            jax.jit(step),
+            eqx.filter_jit(step),
+            jax.jit(eqx.filter_jit(step)),
+            eqx.filter_jit(dx.filter_grad(loss, schedule=schedule)),
+            jax.jit(dx.filter_grad(loss, schedule=schedule)),
+        ):
+            plan = dx.explain(wrapped, x)
+            assert str(plan) == want
+            assert [site.schedule for site in plan.sites] == [expected]
+    # a jitted loss is the loss
+    assert str(dx.explain(jax.jit(loss), x)) == str(dx.explain(loss, x))
+    assert str(dx.explain(eqx.filter_jit(loss), x)) == str(dx.explain(loss, x))
+
+
+def test_explain_sees_through_jit_with_aux():
+    f = sin_fn()
+
+    def loss(x):
+        y = f(x)
+        return jnp.sum(jnp.cos(x) * y), y
+
+    step = dx.filter_value_and_grad(loss, has_aux=True)
+    x = jnp.arange(3.0)
+    assert str(dx.explain(jax.jit(step), x)) == str(dx.explain(step, x))
+    assert dx.explain(eqx.filter_jit(step), x).sites[0].schedule == "deferred"
+
+
+def test_explain_of_a_function_returning_gradients_says_what_to_pass():
+    """A function that is neither the loss nor a deferax wrapper (one that calls the
+    jitted step, a `vmap` of it) returns `(value, grads)`: the message says what to pass."""
+    f = sin_fn()
+    step = jax.jit(dx.filter_value_and_grad(lambda x: jnp.sum(f(x))))
+    text = (
+        "`deferax.explain`: `fun` returned (float64[], float64[3]), where a real scalar (a loss) was expected. Pass "
+        "the loss function itself, or the function made from it by `dx.filter_value_and_grad` or `dx.filter_grad` "
+        "(also under `jax.jit` or `eqx.filter_jit`), with the loss's arguments:\n\n"
+        "    dx.explain(loss, x)                                # or\n"
+        "    dx.explain(jax.jit(dx.filter_value_and_grad(loss)), x)"
+    )
+    with pytest.raises(TypeError, match=match(text)):
+        dx.explain(lambda x: step(x), jnp.arange(3.0))
+    batched = "`deferax.explain`: `fun` returned (float64[2], float64[2, 3]), where a real scalar"
+    with pytest.raises(TypeError, match=match(batched)):
+        dx.explain(jax.vmap(step), jnp.ones((2, 3)))
+
+
+def test_value_and_grad_of_a_pair_without_has_aux():
+    """A loss returning a pair without `has_aux=True`: the message, not a raw JAX error."""
+    f = sin_fn()
+    step = dx.filter_value_and_grad(lambda x: (jnp.sum(f(x)), x))
+    text = (
+        "`deferax.filter_value_and_grad`: the differentiated function must return a real scalar, but it returned "
+        "(float64[], float64[3]). Return one number (`jnp.sum(...)`, say), or `(value, aux)` with `has_aux=True`."
+    )
+    with pytest.raises(TypeError, match=match(text)):
+        step(jnp.arange(3.0))
+
+
 # ----------------------------------------------------------------------------- a layer that does not fit its input
 
 
