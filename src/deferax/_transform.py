@@ -72,10 +72,10 @@ def _is_traced(leaf) -> bool:
     return isinstance(leaf, jax.Array)  # a tracer is one too
 
 
-def _trace(fun, x, args, kwargs, has_aux) -> _Traced:
+def _trace(fun, x, args, kwargs, has_aux, explaining: bool = False) -> _Traced:
     """Run `fun` once, on abstract values for the differentiable leaves of `x` and the
     arguments themselves for everything else (which stays concrete: `int(n)`, `if flag:`
-    and NumPy work as in Equinox)."""
+    and NumPy work as in Equinox). `explaining`: `fun` was given to `explain` as the loss."""
     diff, nondiff = eqx.partition(x, eqx.is_inexact_array)
     leaves, diff_tree = jtu.tree_flatten(diff)
     box: dict = {}
@@ -88,7 +88,7 @@ def _trace(fun, x, args, kwargs, has_aux) -> _Traced:
             value, aux = out
         else:
             value, aux = out, None
-        _check_value(value)
+        _check_value(value, explaining)
         aux_leaves, aux_tree = jtu.tree_flatten(aux)
         box["aux"] = (aux_tree, [_TRACED if _is_traced(a) else a for a in aux_leaves])
         return [jnp.asarray(value), *[a for a in aux_leaves if _is_traced(a)]]
@@ -101,12 +101,17 @@ def _trace(fun, x, args, kwargs, has_aux) -> _Traced:
     return _Traced(program, consts, list(leaves), diff_tree, box["aux"] if has_aux else None)
 
 
-def _check_value(value):
-    shape, dtype = jnp.shape(value), jnp.result_type(value)
-    if shape != () or not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            _messages.NOT_SCALAR.format(where=_WHERE, found=_messages.shape_text(jax.ShapeDtypeStruct(shape, dtype)))
-        )
+def _check_value(value, explaining: bool = False):
+    if eqx.is_array_like(value):
+        shape, dtype = jnp.shape(value), jnp.result_type(value)
+        if shape == () and jnp.issubdtype(dtype, jnp.floating):
+            return
+        found = _messages.shape_text(jax.ShapeDtypeStruct(shape, dtype))
+    else:  # a pytree: `(value, grads)` from a function that differentiates itself, say
+        found = _messages.tree_text(value)
+    if explaining:
+        raise TypeError(_messages.EXPLAIN_NOT_LOSS.format(found=found))
+    raise TypeError(_messages.NOT_SCALAR.format(where=_WHERE, found=found))
 
 
 class _Compiled:
@@ -203,11 +208,11 @@ def _stage(name: str):
         yield
 
 
-def _plan(fun, has_aux, schedule, max_basis, args, kwargs) -> Plan:
+def _plan(fun, has_aux, schedule, max_basis, args, kwargs, explaining: bool = False) -> Plan:
     if not args:
         raise TypeError(_messages.NO_ARGS.format(where=_WHERE))
     x, *rest = args
-    traced = _trace(fun, x, tuple(rest), kwargs, has_aux)
+    traced = _trace(fun, x, tuple(rest), kwargs, has_aux, explaining)
     return analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE).plan
 
 
@@ -347,8 +352,9 @@ def explain(fun, *args, **kwargs) -> Plan:
 
     `fun` is a function made by [`deferax.filter_value_and_grad`][] or
     [`deferax.filter_grad`][] (its `has_aux` and `schedule` are used), or a plain loss
-    function (analysed as `filter_value_and_grad(fun)` would). Nothing expensive runs: the
-    program is only traced.
+    function (analysed as `filter_value_and_grad(fun)` would), either of them also under
+    `jax.jit` or `eqx.filter_jit` (the function they compile is explained). Nothing
+    expensive runs: the program is only traced.
 
     **Returns:**
 
@@ -362,6 +368,24 @@ def explain(fun, *args, **kwargs) -> Plan:
         assert plan.sites[0].schedule == "deferred"
         ```
     """
+    fun = _compiled_function(fun)
     if isinstance(fun, _ValueAndGradWrapper | _GradWrapper):
         return fun.plan(*args, **kwargs)
-    return _ValueAndGradWrapper(fun, False, "auto", DEFAULT_MAX_BASIS).plan(*args, **kwargs)
+    return _plan(fun, False, "auto", DEFAULT_MAX_BASIS, args, kwargs, explaining=True)
+
+
+def _identity(x):
+    return x
+
+
+# What `jax.jit` and `eqx.filter_jit` make: each keeps the function it compiles as `__wrapped__`.
+_JITTED = (type(jax.jit(_identity)), type(eqx.filter_jit(_identity)))
+
+
+def _compiled_function(fun):
+    """The function that `fun` compiles, through any `jax.jit` and `eqx.filter_jit`
+    (`fun` itself if it is neither). It traces what `fun` would: compiling changes where
+    the program runs, not the program."""
+    while isinstance(fun, _JITTED) and getattr(fun, "__wrapped__", None) is not None:
+        fun = fun.__wrapped__
+    return fun

@@ -39,6 +39,9 @@ pytree of
 
     {example}"""
 
+TRACE_FAILED = """{call}: raised by `{impl}`, traced (with `jax.eval_shape`) on the input {x} to infer the \
+output's shape. Check that its configuration (the sizes of the arrays it holds) fits this input."""
+
 
 def out_example(make: str, impls: dict[str, Any]) -> str:
     """How to declare `out=` beside the implementations given (by their names; `...` for a
@@ -129,7 +132,15 @@ NOT_SEPARABLE_JVP = """{call}: `jvp` could not be batched over the tangent with 
 depends on the batch under `jax.vmap`, as a host callback's does), so the primal runs {k} times, once per tangent.
 Give `jvp_batch(x, t_xs) -> (y, t_ys)` to compute it once."""
 
-NOT_SCALAR = "{where}: the differentiated function must return a real scalar, but it returned {found}."
+NOT_SCALAR = "{where}: the differentiated function must return a real scalar, but it returned {found}. Return \
+one number (`jnp.sum(...)`, say), or `(value, aux)` with `has_aux=True`."
+
+EXPLAIN_NOT_LOSS = """`deferax.explain`: `fun` returned {found}, where a real scalar (a loss) was expected. Pass the \
+loss function itself, or the function made from it by `dx.filter_value_and_grad` or `dx.filter_grad` (also under \
+`jax.jit` or `eqx.filter_jit`), with the loss's arguments:
+
+    dx.explain(loss, x)                                # or
+    dx.explain(jax.jit(dx.filter_value_and_grad(loss)), x)"""
 
 DEFERRED_UNDER_DIFFERENTIATION = """{where}: schedule='deferred' was requested inside an enclosing differentiation \
 (`jax.grad`,

@@ -56,8 +56,8 @@ class _Host(eqx.Module):
 
     runner: Runner = eqx.field(static=True)
     combine: Callable[..., Any]
-    out: Any
-    adjoint_out: Any
+    out: Any = eqx.field(static=True)  # (declared structures: configuration, as `ExpensiveFn.out`)
+    adjoint_out: Any = eqx.field(static=True)
 
     def _out(self, x: PyTree) -> PyTree:
         declared = self.out(structs(x)) if callable(self.out) else self.out

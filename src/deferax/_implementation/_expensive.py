@@ -125,7 +125,9 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
     bwd: Implementation | None = None
     fused: Implementation | None = None
     name: str | None = eqx.field(default=None, static=True)
-    out: Any = None  # a pytree of `jax.ShapeDtypeStruct`, or a function returning one
+    # A pytree of `jax.ShapeDtypeStruct`, or a function returning one: configuration, static
+    # (as a leaf, `eqx.tree_deserialise_leaves` would read an array for it that was never saved).
+    out: Any = eqx.field(default=None, static=True)
     fused_batch: Implementation | None = None
     max_basis: int | None = eqx.field(default=None, static=True)
     jvp: Implementation | None = None
@@ -215,8 +217,15 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
             return jax.eval_shape(fwd, x)
         except _typed.AnnotationError:
             raise
-        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError) as e:
-            raise TypeError(self._no_out(f"`{impl}` is not JAX-traceable: {type(e).__name__}")) from e
+        except Exception as e:
+            if _untraceable(e):  # a host (NumPy) function: nothing to infer the shape from
+                raise TypeError(self._no_out(f"`{impl}` is not JAX-traceable: {type(e).__name__}")) from e
+            # The implementation's own failure (a configuration that does not fit this input):
+            # it stands, first, with the site named.
+            note = _messages.TRACE_FAILED.format(call=self.title, impl=impl, x=_messages.tree_text(x))
+            if not str(e).startswith(self.title) and note not in getattr(e, "__notes__", ()):
+                e.add_note(note)
+            raise
 
     def _no_out(self, why: str) -> str:
         example = _messages.out_example("dx.ExpensiveFn", self._impls())
@@ -270,8 +279,8 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         if self.fwd is not None:
             try:
                 y = self.invoke("fwd", x)
-            except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError) as e:
-                if self.out is not None:
+            except TypeError as e:
+                if self.out is not None or not _untraceable(e):
                     raise
                 raise TypeError(self._no_out(f"`fwd` is not JAX-traceable: {type(e).__name__}")) from e
             if self.out is not None:  # otherwise the output structure *is* fwd's: nothing to check
@@ -348,6 +357,23 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         x = jtu.tree_map(jnp.asarray, x)
         return _site.bind_site(self, x)
 
+
+
+def _untraceable(error: Exception) -> bool:
+    """Whether `error`, raised by an implementation traced on abstract values, says that JAX
+    cannot trace it (a NumPy or host function), rather than that it failed on this input."""
+    if isinstance(error, _UNTRACEABLE):
+        return True
+    # a compiled extension rejecting the tracer itself: SciPy's "argument 1 must be
+    # numpy.ndarray, not DynamicJaxprTracer"
+    return type(error) is TypeError and "Tracer" in str(error)
+
+
+_UNTRACEABLE = (
+    jax.errors.TracerArrayConversionError,  # `np.asarray(x)`, a NumPy or SciPy function
+    jax.errors.ConcretizationTypeError,  # `float(x)`, `int(x)`, `if x > 0:`, `x.item()`
+    jax.errors.TracerIntegerConversionError,  # `x` as an index: `items[x]`, `range(x)`
+)
 
 
 def _checked_function(fn: Any) -> Any:
