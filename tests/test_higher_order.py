@@ -130,3 +130,63 @@ def test_vmap_over_b_then_jacrev_factors_once():
     np.testing.assert_allclose(got, jax.jacrev(lambda v: jax.vmap(lambda b: dense(v, b))(bs))(VALUES), rtol=1e-11)
     assert tally.factor == 1
     assert kept() == 0
+
+
+# ----------------------------------------------------------------------------- second order
+
+
+SECOND_ORDER = {
+    "hessian": jax.hessian,
+    "jacfwd(grad)": lambda f: jax.jacfwd(jax.grad(f)),
+    "grad(grad)": lambda f: jax.grad(lambda v: jnp.sum(jax.grad(f)(v) ** 2)),
+}
+
+
+def host_solve():
+    a = np.array([[2.0, 1.0], [1.0, 3.0]])
+    return dx.host(
+        lambda b: np.linalg.solve(a, b),
+        adjoint=lambda b, ct: np.linalg.solve(a.T, ct),
+        jvp=lambda b, t: (np.linalg.solve(a, b), np.linalg.solve(a, t)),
+        out=jax.ShapeDtypeStruct((2,), jnp.float64),
+        name="my_solve",
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("order", list(SECOND_ORDER))
+def test_second_order_through_sparse_solve_names_the_site(order, jit):
+    loss = lambda v: jnp.sum(dx.sparse_solve(v, PATTERN, B, name="my_sparse") ** 2)  # noqa: E731
+    fn = SECOND_ORDER[order](loss)
+    fn = jax.jit(fn) if jit else fn
+    match = r"ExpensiveFn\(name='my_sparse'\)`: its host function `bwd` is being differentiated(.|\n)*first-order"
+    with pytest.raises(TypeError, match=match) as info:
+        fn(VALUES)
+    assert "jnp.linalg.solve(pattern.todense(values), b)" in str(info.value)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("order", list(SECOND_ORDER))
+def test_second_order_through_a_host_site_names_the_site(order, jit):
+    solve = host_solve()
+    fn = SECOND_ORDER[order](lambda b: jnp.sum(solve(b) ** 3))
+    fn = jax.jit(fn) if jit else fn
+    match = r"name='my_solve'\)`: its host function `(adjoint|jvp)` is being differentiated(.|\n)*traceable"
+    with pytest.raises(TypeError, match=match):
+        fn(jnp.array([0.3, 0.7]))
+
+
+@pytest.mark.parametrize("order", list(SECOND_ORDER))
+def test_second_order_through_a_traceable_site_matches_plain_jax(order):
+    """What the message recommends works: an `ExpensiveFn` with JAX implementations."""
+    ref = lambda b: jnp.sin(b) * b  # noqa: E731
+    fn = dx.ExpensiveFn(
+        fwd=ref,
+        bwd=lambda b, y, ct: ct * (jnp.cos(b) * b + jnp.sin(b)),
+        jvp=lambda b, t: jax.jvp(ref, (b,), (t,)),
+        name="traceable",
+    )
+    x = jnp.array([0.3, 0.7])
+    got = SECOND_ORDER[order](lambda b: jnp.sum(fn(b) ** 3))(x)
+    want = SECOND_ORDER[order](lambda b: jnp.sum(ref(b) ** 3))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-12)

@@ -82,7 +82,14 @@ class _Host(eqx.Module):
             return out
         # (with the caller's context: the site's name and schedule, for the recording)
         callback = _jaxpr.carry_context(ft.partial(runner, kind, result, arg_structs, shapes))
-        return jax.pure_callback(callback, result, *args, vmap_method="broadcast_all")
+        try:
+            return jax.pure_callback(callback, result, *args, vmap_method="broadcast_all")
+        except ValueError as e:  # (JAX's own message names neither the site nor what is supported)
+            if "do not support JVP" not in str(e):
+                raise
+            impl = {"jvp*k": "jvp", "fused*k": "fused", "fwd+adjoint": "adjoint", "fwd+adjoints": "adjoint"}
+            impl = impl.get(kind, kind)
+            raise TypeError(_messages.HOST_SECOND_ORDER.format(call=runner.call, impl=impl)) from e
 
     def _combine(self, x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
         """`combine(x, y, partial)`; a wrong result is reported as `combine`'s (it would
@@ -123,7 +130,11 @@ class _Host(eqx.Module):
 
 
 _METHODS = {
-    "fwd": _Host.fwd, "bwd": _Host.bwd, "fused": _Host.fused, "fused_batch": _Host.fused_batch, "jvp": _Host.jvp,
+    "fwd": _Host.fwd,
+    "bwd": _Host.bwd,
+    "fused": _Host.fused,
+    "fused_batch": _Host.fused_batch,
+    "jvp": _Host.jvp,
     "jvp_batch": _Host.jvp_batch,
 }
 
