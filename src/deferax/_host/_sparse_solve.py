@@ -253,8 +253,9 @@ class _Solve:
     solver: AbstractSparseSolver
     dtype: np.dtype
     name: str = "sparse_solve"
-    # factorisations are kept for backward passes: the jobs run in this process (see `request`)
-    keeps: bool = True
+    # the jobs run in this process, where `request` counts the users of their factorisations
+    # (in a process pool's or Dask's workers, a forward adds a user and its backward removes two)
+    in_process: bool = True
 
     def _factor(self, values: np.ndarray) -> Any:
         import scipy.sparse
@@ -307,15 +308,13 @@ class _Solve:
 
     def fwd(self, x: tuple) -> np.ndarray:
         values, b = x
-        if not self.keeps:
-            with self._factorised(values, uses=1) as lu:
-                return self._solve(lu, b, False)
-        lu = FACTORISATIONS.acquire(self._key(values), lambda: self._factor(values))  # a user until `request` ends
+        # a user until `request` ends (in a worker process, for `bwd` to remove)
+        lu = FACTORISATIONS.acquire(self._key(values), lambda: self._factor(values))
         return self._solve(lu, b, False)
 
     def bwd(self, x: tuple, y: np.ndarray, ct_y: np.ndarray) -> tuple:
-        if not self.keeps:
-            with self._factorised(x[0], uses=1) as lu:
+        if not self.in_process:  # (a worker's store: this use, and the forward's)
+            with self._factorised(x[0], uses=2) as lu:
                 return self._cotangents(x, y, self._solve(lu, ct_y, True))
         lu = FACTORISATIONS.acquire(self._key(x[0]), lambda: self._factor(x[0]))  # a user until `request` ends
         return self._cotangents(x, y, self._solve(lu, ct_y, True))
@@ -326,7 +325,7 @@ class _Solve:
         `(x,)` or `(x, y, ct_y)`): its rows' uses of each matrix become, after a forward,
         one hold for the backward passes; after a backward, nothing (with the forward's
         hold, if it has one: the rows of one request are all of one backward pass). See `Store`."""
-        if not self.keeps or kind not in ("fwd", "bwd"):
+        if not self.in_process or kind not in ("fwd", "bwd"):
             yield
             return
         rows = collections.Counter(self._key(args[0][0]) for args in elements)
@@ -344,7 +343,7 @@ class _Solve:
 
     def adopt(self, kind: str, args: tuple, out: Any) -> None:
         """An eager forward's hold becomes a lease on its output `out` (see `Store`)."""
-        if self.keeps and kind == "fwd":
+        if self.in_process and kind == "fwd":
             FACTORISATIONS.lease(self._key(args[0][0]), out)
 
     def fused(self, x: tuple, ct_y: np.ndarray) -> tuple:
@@ -387,7 +386,7 @@ def _solve_site(
     c = Cost() if cost is None else cost
     # one factorisation answers every right-hand side; it waits for the backward pass in
     # this process (not in a process pool's or Dask's workers: there the backward factors again)
-    keeps = solve.keeps
+    keeps = solve.in_process
     cost = Cost(fwd=c.fwd, bwd=c.bwd, setup=c.setup, keeps_setup=keeps, linear=True, workers=c.workers, stage=c.stage)
     fn = host(
         solve.fwd,
