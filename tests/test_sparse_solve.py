@@ -180,12 +180,14 @@ def test_a_dropped_factorisation_is_made_again():
     solve = sparse(pattern, tally)
     x, vjp = jax.vjp(solve, values, b)
     limit = _sparse_solve.FACTORISATIONS.limit
-    for i in range(limit):  # forward passes with no backward pass push the first one out
-        solve(values + i + 1.0, b)
+    # forward passes with no backward pass yet (their outputs alive) push the first one out
+    kept = [solve(values + i + 1.0, b) for i in range(limit)]
     assert len(_sparse_solve.FACTORISATIONS) == limit
     got = vjp(MODE)
     assert_tree_allclose(got, jax.vjp(dense(pattern), values, b)[1](MODE), rtol=1e-11, atol=1e-12)
     assert tally.counts["factor"] == 1 + limit + 1
+    del kept, x, vjp
+    assert len(_sparse_solve.FACTORISATIONS) == 0  # each released with the output that could still be differentiated
 
 
 @pytest.mark.parametrize("kind", ["real", "complex", "real matrix, complex b"])

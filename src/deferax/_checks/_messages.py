@@ -27,6 +27,7 @@ def tree_text(value: Any) -> str:
         return f"{type(value).__name__} (a pytree of {len(leaves)} leaves)"
     return text
 
+
 NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, `fused(x, ct_y) -> (y, ct_x)` or `jvp(x, \
 t_x) -> (y, t_y)`:
 
@@ -224,6 +225,13 @@ hold one (nor can `jax.pure_callback` return one). Declare the key's raw data, a
 
     data = sim(x)                       # out=jax.ShapeDtypeStruct((2,), jnp.uint32)
     key = jax.random.wrap_key_data(data)"""
+
+HOST_SECOND_ORDER = """{call}: its host function `{impl}` is being differentiated: a derivative of a derivative \
+(`jax.hessian`, `jax.jacfwd(jax.grad(f))`, `jax.grad(jax.grad(f))`) through a host site, whose host functions JAX
+cannot differentiate. A host site has first-order derivatives: reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`,
+`dx.filter_value_and_grad`) and, with `jvp`, forward mode (`jax.jvp`, `jax.jacfwd`). For second order, make the site
+traceable: `dx.ExpensiveFn` with JAX implementations (`fwd`, `bwd` written with `jax.numpy`; for a sparse solve, a
+dense `jnp.linalg.solve(pattern.todense(values), b)` on a small system), or take finite differences of the gradient."""
 
 HOST_MISMATCH = """{call}: the host function `{impl}` returned {found}, where {expected} was expected ({why}).
 A host function must return NumPy arrays with exactly the declared shapes and dtypes (convert with

@@ -75,10 +75,21 @@ class _Host(eqx.Module):
         args = _raw(args)
         arg_structs = structs(args)
         if is_concrete(args):
-            return jtu.tree_map(jnp.asarray, runner(kind, result, arg_structs, shapes, *jtu.tree_map(np.asarray, args)))
+            args = jtu.tree_map(np.asarray, args)
+            out = jtu.tree_map(jnp.asarray, runner(kind, result, arg_structs, shapes, *args))
+            if runner.adopt is not None:
+                runner.adopt(kind, args, out)
+            return out
         # (with the caller's context: the site's name and schedule, for the recording)
         callback = _jaxpr.carry_context(ft.partial(runner, kind, result, arg_structs, shapes))
-        return jax.pure_callback(callback, result, *args, vmap_method="broadcast_all")
+        try:
+            return jax.pure_callback(callback, result, *args, vmap_method="broadcast_all")
+        except ValueError as e:  # (JAX's own message names neither the site nor what is supported)
+            if "do not support JVP" not in str(e):
+                raise
+            impl = {"jvp*k": "jvp", "fused*k": "fused", "fwd+adjoint": "adjoint", "fwd+adjoints": "adjoint"}
+            impl = impl.get(kind, kind)
+            raise TypeError(_messages.HOST_SECOND_ORDER.format(call=runner.call, impl=impl)) from e
 
     def _combine(self, x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
         """`combine(x, y, partial)`; a wrong result is reported as `combine`'s (it would
@@ -122,7 +133,11 @@ class _Host(eqx.Module):
 
 
 _METHODS = {
-    "fwd": _Host.fwd, "bwd": _Host.bwd, "fused": _Host.fused, "fused_batch": _Host.fused_batch, "jvp": _Host.jvp,
+    "fwd": _Host.fwd,
+    "bwd": _Host.bwd,
+    "fused": _Host.fused,
+    "fused_batch": _Host.fused_batch,
+    "jvp": _Host.jvp,
     "jvp_batch": _Host.jvp_batch,
 }
 
@@ -333,12 +348,13 @@ def host(
     )
 
 
-def timing_its_own(fn: ExpensiveFn) -> ExpensiveFn:
+def timing_its_own(fn: ExpensiveFn, **hooks: Any) -> ExpensiveFn:
     """`fn`, made by `host`, with its jobs not timed by the runner: for host functions that
     time their own parts, finer, under the same name and input shapes (`dx.sparse_solve`:
-    a factorisation apart from each right-hand side)."""
+    a factorisation apart from each right-hand side). `hooks`: the runner's `scope` and
+    `adopt` (see `Runner`)."""
     impls = {impl: getattr(fn, impl) for impl in _METHODS}
     h = next(i.host for i in impls.values() if isinstance(i, HostImplementation))
-    h = dataclasses.replace(h, runner=dataclasses.replace(h.runner, timed=False))
+    h = dataclasses.replace(h, runner=dataclasses.replace(h.runner, timed=False, **hooks))
     replaced = {impl: HostImplementation(h, impl) for impl, i in impls.items() if isinstance(i, HostImplementation)}
     return dataclasses.replace(fn, **replaced)

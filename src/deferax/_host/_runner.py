@@ -29,6 +29,7 @@ not timed here (`timed=False`).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -156,6 +157,12 @@ class Runner:
     thread_safe: bool = True
     fused_batch: Callable[..., Any] | None = None
     timed: bool = True  # whether its jobs are timed for the estimates (see the module's docstring)
+    # Optional hooks of host functions that keep state between requests (`dx.sparse_solve`'s
+    # factorisations): `scope(kind, elements)`, a context manager around each request (all
+    # the rows of a `vmap` batch: `elements`, each one's NumPy arguments); and
+    # `adopt(kind, args, out)`, called with the JAX arrays that an eager request returns.
+    scope: Callable[[str, list], Any] | None = None
+    adopt: Callable[[str, tuple, PyTree], None] | None = None
 
     def __call__(self, kind: str, result: PyTree, arg_structs: PyTree, shapes: tuple, *args: PyTree) -> PyTree:
         """Run `kind` on NumPy `args`; with leading batch axes (from `vmap`) once per element,
@@ -164,10 +171,11 @@ class Runner:
         args = jtu.tree_map(np.asarray, args)  # a callback receives `jax.Array`s
         first, first_struct = jtu.tree_leaves(args)[0], jtu.tree_leaves(arg_structs)[0]
         batch = tuple(np.shape(first)[: np.ndim(first) - len(first_struct.shape)])
+        elements = [args] if not batch else [jtu.tree_map(lambda a, i=i: a[i], args) for i in np.ndindex(batch)]
+        with self.scope(kind, elements) if self.scope is not None else contextlib.nullcontext():
+            outs = self._run_all(elements, kind, result, shapes)
         if not batch:
-            return self._run_all([args], kind, result, shapes)[0]
-        elements = [jtu.tree_map(lambda a, i=i: a[i], args) for i in np.ndindex(batch)]
-        outs = self._run_all(elements, kind, result, shapes)
+            return outs[0]
         stacked = _stack(outs, result)
         return jtu.tree_map(lambda a, s: np.reshape(a, (*batch, *s.shape)), stacked, result)
 

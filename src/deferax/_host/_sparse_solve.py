@@ -21,6 +21,7 @@ import functools as ft
 import importlib.util
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -132,12 +133,14 @@ class SparsePattern:
 
 
 class _Entry:
-    """A factorisation (a future: the first caller computes it, the others wait) and the
-    number of calls that still need it (forward passes whose backward pass has not come)."""
+    """A factorisation (a future: the first caller computes it, the others wait), the number
+    of users that still need it (calls running, and forward passes whose backward passes
+    may still come) and how many of those are `holds` (see `Store`)."""
 
     def __init__(self):
         self.future: cf.Future = cf.Future()
         self.users = 0
+        self.holds = 0
 
 
 class Store:
@@ -145,11 +148,21 @@ class Store:
 
     The key is the matrix itself (the solve's configuration and the bytes of `values`), so a
     backward pass finds its forward's factorisation without any handle in the program, and a
-    batch of right-hand sides on one matrix (`vmap` over `b`) factors it once. A forward
-    adds a user; its backward pass takes the factorisation and removes two (its own use
-    and the forward's); a factorisation with no users left is dropped. Forward passes whose
-    backward pass never comes are dropped, oldest first, beyond `limit` factorisations. A
-    backward pass that finds nothing factors again: the result is always right.
+    batch of right-hand sides on one matrix (`vmap` over `b`) factors it once. A call that
+    uses a factorisation is a user while it runs; a forward request (one host call, all the
+    rows of a `vmap` batch) leaves one more user per matrix for the backward passes:
+
+    - eagerly (the forward's output a concrete array), a *lease* on that output: the user is
+      removed when the output is garbage collected, as then no backward pass can run (it
+      needs the output as a residual). Backward passes do not remove it: a `jax.vjp`
+      function called several times uses one factorisation.
+    - otherwise (inside `jax.jit`, or from a callback), a *hold*, removed by the first
+      backward request on that matrix once all its rows are done: a `jax.jacrev` (the
+      backward pass vmapped, one request of `n` rows) factors once.
+
+    A factorisation with no users left is dropped. Beyond `limit`, the oldest are dropped
+    whatever their users (forward passes whose backward pass never comes). A backward pass
+    that finds nothing factors again: the result is always right.
     """
 
     def __init__(self, limit: int):
@@ -181,12 +194,40 @@ class Store:
                         del self._entries[key]
         return entry.future.result()
 
-    def release(self, key: Any, n: int = 1) -> None:
-        """`n` users fewer for `key`; the factorisation is dropped when none is left."""
+    def release(self, key: Any, n: int = 1, *, hold: bool = False) -> None:
+        """`n` users fewer for `key`, and with `hold`, one more (a forward request's) if it
+        has one; the factorisation is dropped when none is left."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
+                if hold and entry.holds > 0:
+                    entry.holds -= 1
+                    n += 1
                 entry.users -= n
+                if entry.users <= 0:
+                    del self._entries[key]
+
+    def hold(self, key: Any, n: int) -> None:
+        """A forward request's `n` users of `key` (its rows) become one hold."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.users -= n - 1
+                entry.holds += 1
+
+    def lease(self, key: Any, owner: Any) -> None:
+        """A hold of `key` becomes a lease on `owner`: released when `owner` is collected."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.holds == 0:
+                return
+            entry.holds -= 1
+        weakref.finalize(owner, self._drop_lease, key, entry)
+
+    def _drop_lease(self, key: Any, entry: _Entry) -> None:
+        with self._lock:
+            if self._entries.get(key) is entry:  # (not a later factorisation of the same matrix)
+                entry.users -= 1
                 if entry.users <= 0:
                     del self._entries[key]
 
@@ -224,6 +265,9 @@ class _Solve:
     dtype: np.dtype
     name: str = "sparse_solve"
     precision: str = "double"
+    # the jobs run in this process, where `request` counts the users of their factorisations
+    # (in a process pool's or Dask's workers, a forward adds a user and its backward removes two)
+    in_process: bool = True
 
     @property
     def work(self) -> np.dtype:
@@ -299,13 +343,43 @@ class _Solve:
 
     def fwd(self, x: tuple) -> np.ndarray:
         values, b = x
-        lu = FACTORISATIONS.acquire(self._key(values), lambda: self._factor(values))  # it stays for `bwd`
+        # a user until `request` ends (in a worker process, for `bwd` to remove)
+        lu = FACTORISATIONS.acquire(self._key(values), lambda: self._factor(values))
         return self._solve(lu, b, False).astype(self.dtype)
 
     def bwd(self, x: tuple, y: np.ndarray, ct_y: np.ndarray) -> tuple:
-        with self._factorised(x[0], uses=2) as lu:  # this use, and the forward's
-            lam = self._solve(lu, ct_y, True)
-        return self._cotangents(x, y, lam)
+        if not self.in_process:  # (a worker's store: this use, and the forward's)
+            with self._factorised(x[0], uses=2) as lu:
+                return self._cotangents(x, y, self._solve(lu, ct_y, True))
+        lu = FACTORISATIONS.acquire(self._key(x[0]), lambda: self._factor(x[0]))  # a user until `request` ends
+        return self._cotangents(x, y, self._solve(lu, ct_y, True))
+
+    @contextlib.contextmanager
+    def request(self, kind: str, elements: list) -> Iterator[None]:
+        """Around one host request of `fwd` or `bwd` (each of `elements` a row's arguments,
+        `(x,)` or `(x, y, ct_y)`): its rows' uses of each matrix become, after a forward,
+        one hold for the backward passes; after a backward, nothing (with the forward's
+        hold, if it has one: the rows of one request are all of one backward pass). See `Store`."""
+        if not self.in_process or kind not in ("fwd", "bwd"):
+            yield
+            return
+        rows = collections.Counter(self._key(args[0][0]) for args in elements)
+        try:
+            yield
+        except BaseException:
+            for key, n in rows.items():
+                FACTORISATIONS.release(key, n)
+            raise
+        for key, n in rows.items():
+            if kind == "fwd":
+                FACTORISATIONS.hold(key, n)
+            else:
+                FACTORISATIONS.release(key, n, hold=True)
+
+    def adopt(self, kind: str, args: tuple, out: Any) -> None:
+        """An eager forward's hold becomes a lease on its output `out` (see `Store`)."""
+        if self.in_process and kind == "fwd":
+            FACTORISATIONS.lease(self._key(args[0][0]), out)
 
     def fused(self, x: tuple, ct_y: np.ndarray) -> tuple:
         y, ct_xs = self.fused_batch(x, ct_y[None])
@@ -347,7 +421,7 @@ def _solve_site(
     c = Cost() if cost is None else cost
     # one factorisation answers every right-hand side; it waits for the backward pass in
     # this process (not in a process pool's or Dask's workers: there the backward factors again)
-    keeps = executor is None or isinstance(executor, cf.ThreadPoolExecutor)
+    keeps = solve.in_process
     cost = Cost(fwd=c.fwd, bwd=c.bwd, setup=c.setup, keeps_setup=keeps, linear=True, workers=c.workers, stage=c.stage)
     fn = host(
         solve.fwd,
@@ -365,7 +439,8 @@ def _solve_site(
         max_tangents=0,
         cost=cost,
     )
-    return timing_its_own(fn)  # (`_Solve` times its factorisations and solves)
+    # (`_Solve` times its factorisations and solves, and counts the users of its factorisations)
+    return timing_its_own(fn, scope=solve.request, adopt=solve.adopt)
 
 
 # `pattern` and `solver` typed `Any` so that a wrong value reaches the checks below, whose
@@ -399,11 +474,13 @@ lam = ct_x` with the forward's factorisation |
     | deferred-basis (`k` cotangents) | one job: factor, solve `b`, then the `k` adjoint right-hand sides in one solve |
     | forward mode | one job: factor, solve `b`, then the tangent right-hand sides in one solve |
 
-    On the standard schedule, the factorisation waits on the host for the backward pass
-    and is dropped when it has been used; at most 8 wait at any time (the oldest are
-    dropped when forward passes have no backward pass), and a backward pass that finds its
-    factorisation dropped factors again. Under `vmap` over `b` alone, the right-hand sides
-    share one factorisation.
+    On the standard schedule, the factorisation waits on the host for the backward passes
+    (all of `jax.jacrev`'s rows, or every call of an eager `jax.vjp` function) and is
+    dropped when none can come any more: eagerly, when the forward's output is garbage
+    collected; under `jit`, after the first backward pass. At most 8 wait at any time (the
+    oldest are dropped when forward passes have no backward pass), and a backward pass that
+    finds its factorisation dropped factors again. Under `vmap` over `b` alone, the
+    right-hand sides share one factorisation.
 
     The derivatives (JAX's convention for complex arrays: plain transposes, no conjugates;
     a real input's cotangent is the real part):
@@ -476,8 +553,10 @@ lam = ct_x` with the forward's factorisation |
         raise TypeError(_messages.SPARSE_BAD_COST.format(name=name, found=cost))
     if precision not in ("double", "input"):
         raise ValueError(_BAD_PRECISION.format(name=name, found=precision))
-    solve = _Solve(pattern, solver, dtype, name, precision)
-    fn = _solve_site(solve, _affinity.pinned(executor), timeout, name, max_basis, cost)
+    executor = _affinity.pinned(executor)
+    keeps = executor is None or isinstance(executor, cf.ThreadPoolExecutor)
+    solve = _Solve(pattern, solver, dtype, name, precision, keeps)
+    fn = _solve_site(solve, executor, timeout, name, max_basis, cost)
     return fn((values, b))
 
 

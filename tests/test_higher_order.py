@@ -1,0 +1,192 @@
+"""Several backward passes of one forward pass (`jax.jacrev`, a `jax.vjp` function called
+several times) share `dx.sparse_solve`'s one factorisation, counted through the solver
+hook, and leave nothing kept behind; derivatives of derivatives through a host site raise
+an error that names the site and says what is supported."""
+
+import gc
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deferax as dx
+from deferax._host import _sparse_solve
+
+
+@pytest.fixture(autouse=True)
+def no_factorisations_kept():
+    _sparse_solve.FACTORISATIONS._entries.clear()
+    yield
+    _sparse_solve.FACTORISATIONS._entries.clear()
+
+
+class Tally:
+    def __init__(self):
+        self.factor = 0
+        self.lock = threading.Lock()
+
+
+class CountingSolver(dx.AbstractSparseSolver):
+    """SuperLU, counting its factorisations."""
+
+    tally: Tally = eqx.field(static=True)
+
+    def factor(self, matrix):
+        with self.tally.lock:
+            self.tally.factor += 1
+        return dx.SuperLU().factor(matrix)
+
+    def solve(self, factorisation, rhs, transpose):
+        return dx.SuperLU().solve(factorisation, rhs, transpose)
+
+
+N = 8
+
+
+def system():
+    """A dense, well conditioned, non-symmetric `N x N` system as a sparse pattern."""
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(N, N)) + N * np.eye(N)
+    rows, cols = np.nonzero(a)
+    pattern = dx.SparsePattern(rows, cols, N)
+    return jnp.asarray(a[rows, cols]), pattern, jnp.asarray(rng.normal(size=N))
+
+
+VALUES, PATTERN, B = system()
+
+
+def sparse(tally):
+    return lambda v, b: dx.sparse_solve(v, PATTERN, b, solver=CountingSolver(tally))
+
+
+def dense(v, b):
+    return jnp.linalg.solve(PATTERN.todense(v), b)
+
+
+def kept() -> int:
+    gc.collect()
+    return len(_sparse_solve.FACTORISATIONS)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_jacrev_factors_once_and_keeps_nothing(jit):
+    """`jax.jacrev` runs one forward pass and `N` backward passes (its backward pass
+    vmapped): one factorisation for all, every time, released once the Jacobian is made."""
+    tally = Tally()
+    jac = jax.jacrev(sparse(tally), argnums=(0, 1))
+    jac = jax.jit(jac) if jit else jac
+    want = jax.jacrev(dense, argnums=(0, 1))(VALUES, B)
+    for _ in range(4):
+        tally.factor = 0
+        got = jax.block_until_ready(jac(VALUES, B))
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+        assert tally.factor == 1
+        assert kept() == 0
+
+
+def test_a_vjp_function_called_several_times_factors_once():
+    """The factorisation stays while the `jax.vjp` function (its residual, the forward's
+    output) is alive, and is released when it is garbage collected."""
+    tally = Tally()
+    x, vjp = jax.vjp(sparse(tally), VALUES, B)
+    _, vjp_dense = jax.vjp(dense, VALUES, B)
+    for i in range(3):
+        ct = jnp.eye(N)[i] + 0.5
+        got = vjp(ct)
+        for g, w in zip(got, vjp_dense(ct), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+    assert tally.factor == 1
+    assert kept() == 1
+    del x, vjp
+    assert kept() == 0
+
+
+def test_a_jitted_vjp_function_called_several_times_is_right():
+    """Under `jit`, the forward's factorisation is released by its first backward request;
+    a later one factors again (the result stays right, nothing is kept)."""
+    tally = Tally()
+    _, vjp = jax.jit(lambda v, b: jax.vjp(sparse(tally), v, b))(VALUES, B)
+    _, vjp_dense = jax.vjp(dense, VALUES, B)
+    for i in range(3):
+        ct = jnp.eye(N)[i]
+        for g, w in zip(vjp(ct), vjp_dense(ct), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+    assert 1 <= tally.factor <= 3
+    del vjp
+    assert kept() == 0
+
+
+def test_vmap_over_b_then_jacrev_factors_once():
+    """A forward request of several rows on one matrix (`vmap` over `b`) leaves one user
+    for its backward passes, not one per row."""
+    tally = Tally()
+    bs = jnp.stack([B, 2 * B, B + 1])
+    jac = jax.jit(jax.jacrev(lambda v: jax.vmap(lambda b: sparse(tally)(v, b))(bs)))
+    got = jac(VALUES)
+    np.testing.assert_allclose(got, jax.jacrev(lambda v: jax.vmap(lambda b: dense(v, b))(bs))(VALUES), rtol=1e-11)
+    assert tally.factor == 1
+    assert kept() == 0
+
+
+# ----------------------------------------------------------------------------- second order
+
+
+SECOND_ORDER = {
+    "hessian": jax.hessian,
+    "jacfwd(grad)": lambda f: jax.jacfwd(jax.grad(f)),
+    "grad(grad)": lambda f: jax.grad(lambda v: jnp.sum(jax.grad(f)(v) ** 2)),
+}
+
+
+def host_solve():
+    a = np.array([[2.0, 1.0], [1.0, 3.0]])
+    return dx.host(
+        lambda b: np.linalg.solve(a, b),
+        adjoint=lambda b, ct: np.linalg.solve(a.T, ct),
+        jvp=lambda b, t: (np.linalg.solve(a, b), np.linalg.solve(a, t)),
+        out=jax.ShapeDtypeStruct((2,), jnp.float64),
+        name="my_solve",
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("order", list(SECOND_ORDER))
+def test_second_order_through_sparse_solve_names_the_site(order, jit):
+    loss = lambda v: jnp.sum(dx.sparse_solve(v, PATTERN, B, name="my_sparse") ** 2)  # noqa: E731
+    fn = SECOND_ORDER[order](loss)
+    fn = jax.jit(fn) if jit else fn
+    match = r"ExpensiveFn\(name='my_sparse'\)`: its host function `bwd` is being differentiated(.|\n)*first-order"
+    with pytest.raises(TypeError, match=match) as info:
+        fn(VALUES)
+    assert "jnp.linalg.solve(pattern.todense(values), b)" in str(info.value)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("order", list(SECOND_ORDER))
+def test_second_order_through_a_host_site_names_the_site(order, jit):
+    solve = host_solve()
+    fn = SECOND_ORDER[order](lambda b: jnp.sum(solve(b) ** 3))
+    fn = jax.jit(fn) if jit else fn
+    match = r"name='my_solve'\)`: its host function `(adjoint|jvp)` is being differentiated(.|\n)*traceable"
+    with pytest.raises(TypeError, match=match):
+        fn(jnp.array([0.3, 0.7]))
+
+
+@pytest.mark.parametrize("order", list(SECOND_ORDER))
+def test_second_order_through_a_traceable_site_matches_plain_jax(order):
+    """What the message recommends works: an `ExpensiveFn` with JAX implementations."""
+    ref = lambda b: jnp.sin(b) * b  # noqa: E731
+    fn = dx.ExpensiveFn(
+        fwd=ref,
+        bwd=lambda b, y, ct: ct * (jnp.cos(b) * b + jnp.sin(b)),
+        jvp=lambda b, t: jax.jvp(ref, (b,), (t,)),
+        name="traceable",
+    )
+    x = jnp.array([0.3, 0.7])
+    got = SECOND_ORDER[order](lambda b: jnp.sum(fn(b) ** 3))(x)
+    want = SECOND_ORDER[order](lambda b: jnp.sum(ref(b) ** 3))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
