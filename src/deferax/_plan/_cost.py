@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import Any
 
 import equinox as eqx
+import numpy as np
 
 from .._checks import _messages
 
@@ -69,7 +71,7 @@ class Cost(eqx.Module):
       factorisation kept on the host between the passes); otherwise it pays it again.
     - `linear`: the adjoint is linear over complex numbers in the cotangent, so a complex
       output's `k` real basis cotangents need `ceil(k / 2)` adjoints.
-    - `workers`: how many jobs of one site run at once where it runs, for an
+    - `workers`: how many jobs of one site run at once where it runs (a positive int), for an
       implementation whose forward and adjoints are separate jobs (`dx.host` with `fwd`
       and `adjoint`, or `fused` without `fused_batch`). Default: taken from the site's
       executor: a `ThreadPoolExecutor`'s `max_workers` (deferax's own pool when none is
@@ -94,7 +96,7 @@ class Cost(eqx.Module):
     setup: float | None = eqx.field(default=None, static=True)
     keeps_setup: bool = eqx.field(default=False, static=True)
     linear: bool = eqx.field(default=False, static=True)
-    workers: int | None = eqx.field(default=None, static=True)
+    workers: Any = eqx.field(default=None, static=True)  # (an int; `Any` so that a wrong value reaches the check)
     stage: float | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
@@ -105,7 +107,10 @@ class Cost(eqx.Module):
                         field=field, expected="a non-negative, finite number or None", found=value
                     )
                 )
-        if self.workers is not None and self.workers < 1:
+        workers = self.workers
+        if workers is not None and (
+            isinstance(workers, bool) or not isinstance(workers, int | np.integer) or workers < 1
+        ):
             expected = "a positive int or None (taken from the executor)"
             raise ValueError(_messages.BAD_COST.format(field="workers", expected=expected, found=self.workers))
 
