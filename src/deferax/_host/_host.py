@@ -22,7 +22,7 @@ from .._implementation._abstract import AbstractImplementation, Implementation
 from .._implementation._expensive import ExpensiveFn
 from .._misc import is_concrete, stacked, structs
 from . import _executor
-from ._runner import Runner
+from ._runner import Identity, Runner
 
 
 def _raw(tree: PyTree) -> PyTree:
@@ -142,6 +142,10 @@ class HostImplementation(AbstractImplementation):
     def jobs_at_once(self) -> int:
         runner = self.host.runner
         return _executor.jobs_at_once(runner.executor) if runner.thread_safe else 1
+
+    @property
+    def timings_key(self) -> Any:
+        return self.host.runner.key
 
     def __call__(self, *args: Any) -> Any:
         return _METHODS[self.impl](self.host, *args)
@@ -300,6 +304,7 @@ def host(
         jvp_batch=jvp_batch,
         thread_safe=thread_safe,
         fused_batch=fused_batch,
+        key=Identity(fwd, adjoint, bwd, fused, fused_batch, jvp, jvp_batch),
     )
     h = _Host(runner, combine if combine is not None else _identity, out, adjoint_out)
     deferrable = fused is not None or (fwd is not None and adjoint is not None)
@@ -327,12 +332,13 @@ def host(
     )
 
 
-def timing_its_own(fn: ExpensiveFn) -> ExpensiveFn:
+def timing_its_own(fn: ExpensiveFn, key: Any) -> ExpensiveFn:
     """`fn`, made by `host`, with its jobs not timed by the runner: for host functions that
-    time their own parts, finer, under the same name and input shapes (`dx.sparse_solve`:
-    a factorisation apart from each right-hand side)."""
+    time their own parts, finer, under the identity `key` and the same input shapes
+    (`dx.sparse_solve`: a factorisation apart from each right-hand side). Each job gathers
+    what they observe, and each request feeds it to the estimates as one sample."""
     impls = {impl: getattr(fn, impl) for impl in _METHODS}
     h = next(i.host for i in impls.values() if isinstance(i, HostImplementation))
-    h = dataclasses.replace(h, runner=dataclasses.replace(h.runner, timed=False))
+    h = dataclasses.replace(h, runner=dataclasses.replace(h.runner, timed=False, key=key))
     replaced = {impl: HostImplementation(h, impl) for impl, i in impls.items() if isinstance(i, HostImplementation)}
     return dataclasses.replace(fn, **replaced)

@@ -206,7 +206,7 @@ FACTORISATIONS = Store(limit=8)
 class _Solve:
     """The host functions of one sparse solve (pattern, solver and dtype): NumPy in and out.
     Compares by value, so equal solves share compiled programs and factorisations. The
-    factorisations and solves are timed, for the choice of schedule (`_cost`, by `name`)."""
+    factorisations and solves are timed, for the choice of schedule (`_cost`, under the solve itself)."""
 
     pattern: SparsePattern
     solver: AbstractSparseSolver
@@ -220,7 +220,7 @@ class _Solve:
         matrix = scipy.sparse.csc_matrix((values.astype(self.dtype), (p.rows, p.cols)), shape=(p.n, p.n))
         start = time.perf_counter()
         lu = self.solver.factor(matrix)
-        _cost.observe(self.name, self._shapes, setup=time.perf_counter() - start)
+        _cost.observe(self, self._shapes, setup=time.perf_counter() - start)
         return lu
 
     @property
@@ -246,7 +246,7 @@ class _Solve:
         start = time.perf_counter()
         out = self.solver.solve(lu, rhs.T if rhs.ndim == 2 else rhs, transpose)
         per_rhs = (time.perf_counter() - start) / (rhs.shape[0] if rhs.ndim == 2 else 1)
-        _cost.observe(self.name, self._shapes, **{"bwd" if transpose else "fwd": per_rhs})
+        _cost.observe(self, self._shapes, **{"bwd" if transpose else "fwd": per_rhs})
         return np.asarray(out, self.dtype).T if rhs.ndim == 2 else np.asarray(out, self.dtype)
 
     def _cotangents(self, x: tuple, y: np.ndarray, lam: np.ndarray) -> tuple:
@@ -330,7 +330,7 @@ def _solve_site(
         max_tangents=0,
         cost=cost,
     )
-    return timing_its_own(fn)  # (`_Solve` times its factorisations and solves)
+    return timing_its_own(fn, solve)  # (`_Solve` times its factorisations and solves, kept under itself)
 
 
 # `pattern` and `solver` typed `Any` so that a wrong value reaches the checks below, whose
