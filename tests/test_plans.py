@@ -16,6 +16,7 @@ import deferax as dx
 from deferax._plan import _cost
 
 from .helpers import assert_tree_allclose
+from .test_host import M1, X0, Runs, W, reference, solver
 from .test_sparse_solve import COMPLEX, MODE, dense
 
 SLEEP = 0.030  # seconds: a slow forward beside quick adjoints
@@ -158,6 +159,68 @@ def test_a_host_site_under_vmap_is_one_sample_a_call():
         assert_tree_allclose(got, jax.value_and_grad(loss(jnp.sin))(rows), rtol=1e-12, atol=1e-14)
         source = dx.explain(loss(site), rows).sites[0].estimates.source
         assert source == ("measured" if calls == _cost.SAMPLES else "defaults"), calls
+
+
+# ----------------------------------------------------------------------------- `linear_adjoint` by the cost model
+
+
+def overlaps(f, *modes):
+    """k = 2 per mode: complex overlaps of one call's output, each seen through its squared magnitude."""
+
+    def loss(x):
+        y = f(x)
+        return sum(jnp.abs(jnp.vdot(m, y)) ** 2 for m in modes)
+
+    return loss
+
+
+def test_a_linear_adjoint_site_follows_its_cost_hint_to_the_basis_schedule():
+    """k = 4 of a complex output with a complex-linear adjoint is m = 2 solves: the forward
+    and two adjoints on four workers take one solve's time, the standard schedule two. The
+    hint decides (no hidden `max_basis=2` keeps it standard)."""
+    runs = Runs()
+    f = solver(runs, linear_adjoint=True, max_basis=None, cost=dx.Cost(fwd=1.0, bwd=1.0, workers=4))
+    site = dx.explain(overlaps(f, M1, W), X0).sites[0]
+    assert (site.schedule, site.k) == ("deferred-basis", 4)
+    stage = _cost.STAGE_SECONDS
+    assert site.estimates.source == "hint"
+    assert (site.estimates.standard, site.estimates.deferred) == pytest.approx((2.0 + 2 * stage, 1.0 + stage))
+    got = jax.block_until_ready(dx.filter_value_and_grad(overlaps(f, M1, W))(X0))
+    assert_tree_allclose(got, jax.value_and_grad(overlaps(reference, M1, W))(X0), rtol=1e-12, atol=1e-12)
+    assert runs.as_dict("fwd", "adjoint") == {"fwd": 1, "adjoint": 2}  # (the multiples not solved again)
+
+
+def test_a_linear_adjoint_site_estimated_slower_says_so_not_max_basis():
+    """One worker and an expensive setup in every job: the deferred-basis schedule's four
+    jobs cost twice the standard schedule's two. The reason names the estimates; the user
+    set no `max_basis`, so none is named."""
+    runs = Runs()
+    cost = dx.Cost(setup=10.0, fwd=1.0, bwd=1.0, workers=1)
+    f = solver(runs, linear_adjoint=True, max_basis=None, cost=cost)
+    loss = overlaps(f, M1, W, W + 2 * M1)  # k = 6, m = 3
+    site = dx.explain(loss, X0).sites[0]
+    assert (site.schedule, site.k) == ("standard", 6)
+    assert "max_basis" not in site.reason and "max_basis" not in str(dx.explain(loss, X0))
+    assert site.reason.endswith(
+        "deferring its k=6 fixed cotangents is estimated slower: standard 22 s, deferred 44 s (from cost=)"
+    )
+    plain = overlaps(reference, M1, W, W + 2 * M1)
+    got = jax.block_until_ready(dx.filter_value_and_grad(loss)(X0))
+    assert_tree_allclose(got, jax.value_and_grad(plain)(X0), rtol=1e-12, atol=1e-12)
+    assert runs.as_dict("fwd", "adjoint") == {"fwd": 1, "adjoint": 1}
+
+
+def test_a_linear_adjoint_complex_overlap_is_deferred_by_equal_costs():
+    """Without a hint: k = 2 is one solve (m = 1), so equal costs defer it, as before."""
+    runs = Runs()
+    f = solver(runs, linear_adjoint=True, max_basis=None)
+    loss = overlaps(f, M1)
+    site = dx.explain(loss, X0).sites[0]
+    assert (site.schedule, site.k, site.estimates.source) == ("deferred-basis", 2, "defaults")
+    assert f.cost == dx.Cost(linear=True)
+    got = jax.block_until_ready(dx.filter_value_and_grad(loss)(X0))
+    assert_tree_allclose(got, jax.value_and_grad(overlaps(reference, M1))(X0), rtol=1e-12, atol=1e-12)
+    assert runs.as_dict("fwd", "adjoint") == {"fwd": 1, "adjoint": 1}
 
 
 # ----------------------------------------------------------------------------- `dx.Cost(workers=...)`

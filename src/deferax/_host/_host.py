@@ -21,6 +21,7 @@ from .._checks import _checks, _messages
 from .._implementation._abstract import AbstractImplementation, Implementation
 from .._implementation._expensive import ExpensiveFn
 from .._misc import is_concrete, stacked, structs
+from .._plan._cost import Cost
 from . import _executor
 from ._runner import Identity, Runner
 
@@ -232,7 +233,9 @@ def host(
       numbers, complex ones included: `adjoint(x, c * ct) == c * adjoint(x, ct)` (true for a
       linear solve with the cotangent as right-hand side). Then, on the deferred-basis
       schedule, a basis cotangent that is a multiple of another (an overlap `|<m, E>|^2`
-      gives `m` and `1j * m`) or zero is not solved again.
+      gives `m` and `1j * m`) or zero is not solved again, and the estimates that choose
+      the schedule count such a pair as one adjoint (`linear=True` in the site's
+      [`deferax.Cost`][], added to the `cost` given); the site is planned like any other.
     - `max_basis`, `max_tangents`, `prefer`, `cost`: as for [`deferax.ExpensiveFn`][]
       (`cost`: a [`deferax.Cost`][]; with `fused_batch`, give its `setup`: the work one
       job does once for the forward and every adjoint).
@@ -318,13 +321,15 @@ def host(
         "jvp_batch": jvp is not None or jvp_batch is not None,
     }
     implementations = {impl: HostImplementation(h, impl) if on else None for impl, on in given.items()}
+    if linear_adjoint and (cost is None or isinstance(cost, Cost)):
+        # A complex-linear adjoint answers a complex overlap's two basis cotangents with one
+        # solve: the estimates count `ceil(k / 2)` adjoints (a wrong `cost` reaches the check)
+        cost = dataclasses.replace(Cost() if cost is None else cost, linear=True)
     return ExpensiveFn(
         **implementations,
         name=name,
         out=out,
-        # A complex-linear adjoint answers a complex overlap's two basis cotangents with one
-        # solve, so k = 2 costs what k = 1 does: allow it unless told otherwise.
-        max_basis=max_basis if max_basis is not None or not linear_adjoint else 2,
+        max_basis=max_basis,
         max_tangents=max_tangents,
         prefer=prefer,
         thread_safe=thread_safe,
