@@ -237,4 +237,5 @@ def test_error_cost_workers_not_a_positive_int(workers):
 
 
 def test_cost_workers_takes_a_numpy_int():
-    assert dx.Cost(workers=np.int64(3)).workers == 3
+    cost = dx.Cost(workers=np.int64(3))
+    assert cost.workers == 3 and type(cost.workers) is int

@@ -104,7 +104,8 @@ class Cost(eqx.Module):
     setup: float | None = eqx.field(default=None, static=True)
     keeps_setup: bool = eqx.field(default=False, static=True)
     linear: bool = eqx.field(default=False, static=True)
-    workers: Any = eqx.field(default=None, static=True)  # (an int; `Any` so that a wrong value reaches the check)
+    # (an int, NumPy's made one; `Any` so that a wrong value reaches the check)
+    workers: Any = eqx.field(default=None, static=True, converter=lambda w: int(w) if isinstance(w, np.integer) else w)
     stage: float | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
@@ -116,9 +117,7 @@ class Cost(eqx.Module):
                     )
                 )
         workers = self.workers
-        if workers is not None and (
-            isinstance(workers, bool) or not isinstance(workers, int | np.integer) or workers < 1
-        ):
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             expected = "a positive int or None (taken from the executor)"
             raise ValueError(_messages.BAD_COST.format(field="workers", expected=expected, found=self.workers))
 
