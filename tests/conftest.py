@@ -24,7 +24,8 @@ def counter():
 @pytest.fixture(autouse=True)
 def no_timings():
     """Each test starts with no timings of earlier calls (every host site times its jobs,
-    and a site's timings, kept by name and input shapes, would change another test's plan)."""
+    and a site's timings, kept by its host functions and input shapes, would change another
+    test's plan where the same functions are used)."""
     import deferax as dx
 
     dx.forget_timings()

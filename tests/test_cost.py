@@ -118,17 +118,18 @@ def test_timings_of_earlier_calls_are_used_and_kept_stable():
         run(loss, (values, b))
     estimates = dx.explain(loss, (values, b)).sites[0].estimates
     assert estimates.source == "measured"
-    measured = _cost._DECIDED[("sparse_solve", ((pattern.nnz,), (pattern.n,)))]
+    key = solve_key(pattern)
+    measured = _cost._DECIDED[key]
     assert set(measured) == {"setup", "fwd", "bwd"}
     expected = measured["setup"] + measured["fwd"] + measured["bwd"] + 2 * _cost.STAGE_SECONDS
     assert estimates.standard == pytest.approx(expected)
     # later timings change nothing (no flip-flop), until the user asks for new ones
-    before, first = _cost.version(), dict(measured)
+    first = _cost.decided(*key)
     run(loss, (values, b))
-    _cost.observe("sparse_solve", ((pattern.nnz,), (pattern.n,)), setup=10 * measured["setup"])
-    assert (_cost.version(), measured) == (before, first)
+    _cost.observe(*key, setup=10 * measured["setup"])
+    assert _cost.decided(*key) == first == tuple(sorted(measured.items()))
     dx.forget_timings()
-    assert _cost.version() == before + 1 and dx.explain(loss, (values, b)).sites[0].estimates.source == "defaults"
+    assert _cost.decided(*key) == () and dx.explain(loss, (values, b)).sites[0].estimates.source == "defaults"
     # a hint's numbers take precedence over the timings
     hinted = dx.explain(three_overlaps(sparse(pattern, cost=dx.Cost(setup=1.0, fwd=1.0, bwd=1.0))), (values, b)).sites[
         0
@@ -139,7 +140,6 @@ def test_timings_of_earlier_calls_are_used_and_kept_stable():
 # ----------------------------------------------------------------------------- a `dx.host` site timed
 
 SLEEP_FWD, SLEEP_ADJOINT = 0.030, 0.001  # seconds: a slow forward, a quick adjoint
-SLEEPY = ("sleepy", ((4,),))  # the key of its timings: name and input shapes
 
 
 def slow_sin(x):
@@ -156,6 +156,16 @@ def sleepy(**kwargs):
     """A host site (module-level functions: picklable for a process pool)."""
     out = jax.ShapeDtypeStruct((4,), jnp.float64)
     return dx.host(slow_sin, adjoint=quick_adjoint, out=out, name="sleepy", **kwargs)
+
+
+SLEEPY = (sleepy().timings_key, ((4,),))  # the key of its timings: its host functions and input shapes
+
+
+def solve_key(pattern):
+    """The key of a `dx.sparse_solve`'s timings on `pattern`: the solve itself and its input shapes."""
+    shapes = ((pattern.nnz,), (pattern.n,))
+    (key,) = [key for key in [*_cost._DECIDED, *_cost._SAMPLES] if key[1] == shapes]
+    return key
 
 
 def deferred_seconds(fwd, bwd, k, workers):
@@ -184,13 +194,11 @@ def test_a_host_sites_timings_change_its_schedule_once():
     loss = power(sleepy(cost=dx.Cost(workers=2)))
     standard, basis = {"fwd": 1, "adjoint": 1}, {"fwd": 1, "adjoint": 4}
     expected = [("standard", "defaults", standard)] * _cost.SAMPLES + [("deferred-basis", "measured", basis)] * 2
-    before = _cost.version()
     assert steps(loss, _cost.SAMPLES + 2) == expected
-    assert _cost.version() == before + 2  # (`fwd` and `bwd` decided once each, after the same call)
-    measured = _cost._DECIDED[SLEEPY]
+    measured = _cost._DECIDED[SLEEPY]  # (`fwd` and `bwd` decided together, after the SAMPLES-th call)
     assert set(measured) == {"fwd", "bwd"} and measured["fwd"] >= SLEEP_FWD and measured["bwd"] >= SLEEP_ADJOINT
-    # one sample of each per call (a call's four adjoints are one), and no more once decided
-    assert [len(_cost._SAMPLES[(*SLEEPY, what)]) for what in ("fwd", "bwd")] == [_cost.SAMPLES] * 2
+    # one sample of each per call (a call's four adjoints are one), and none kept once decided
+    assert SLEEPY not in _cost._SAMPLES
     site = dx.explain(loss, X).sites[0]
     assert site.estimates == dx.Estimates(
         standard=measured["fwd"] + measured["bwd"] + 2 * _cost.STAGE_SECONDS,
@@ -209,15 +217,15 @@ def fused_sin(x, ct):
 def test_a_fused_job_is_split_as_equal_costs():
     """A `fused` job's time is the forward's and the adjoint's together: half each."""
     cost = dx.Cost(workers=1)  # (k = 4 calls of `fused` one after the other: slower than two)
-    loss = power(dx.host(fused=fused_sin, out=jax.ShapeDtypeStruct((4,), jnp.float64), name="sleepy", cost=cost))
-    seen = steps(loss, _cost.SAMPLES + 1)
+    site = dx.host(fused=fused_sin, out=jax.ShapeDtypeStruct((4,), jnp.float64), name="sleepy", cost=cost)
+    seen = steps(power(site), _cost.SAMPLES + 1)
     # the standard schedule calls it twice a step: two samples
     timed = math.ceil(_cost.SAMPLES / 2)
     assert [s[:2] for s in seen] == [("standard", "defaults")] * timed + [("standard", "measured")] * (
         _cost.SAMPLES + 1 - timed
     )
     assert [s[2] for s in seen] == [{"fused": 2}] * (_cost.SAMPLES + 1)
-    measured = _cost._DECIDED[SLEEPY]
+    measured = _cost._DECIDED[(site.timings_key, ((4,),))]
     assert measured["fwd"] == measured["bwd"] >= SLEEP_FWD / 2
 
 
@@ -278,9 +286,8 @@ def test_a_sparse_solve_is_timed_once_per_part():
     """`dx.sparse_solve` times its factorisation and each solve itself; its jobs are not
     also timed whole (which would count the forward job as a right-hand side)."""
     values, pattern, b = COMPLEX
-    key = ("sparse_solve", ((pattern.nnz,), (pattern.n,)))
     run(three_overlaps(sparse(pattern)), (values, b))  # standard: factor, solve, solve the adjoint
-    assert {what: len(_cost._SAMPLES[(*key, what)]) for what in ("setup", "fwd", "bwd")} == {
+    assert {what: len(samples) for what, samples in _cost._SAMPLES[solve_key(pattern)].items()} == {
         "setup": 1, "fwd": 1, "bwd": 1
     }
 

@@ -154,7 +154,7 @@ def test_timings_of_earlier_calls_choose_once_known():
     for _ in range(_cost.SAMPLES):
         site = dx.explain(loss(f), x).sites[0]
         assert site.schedule == "standard" and site.estimates is None
-        _cost.observe("sine", shapes, setup=0.010, fwd=0.001, bwd=0.0001)
+        _cost.observe(f.timings_key, shapes, setup=0.010, fwd=0.001, bwd=0.0001)
     site = dx.explain(loss(f), x).sites[0]
     assert site.schedule == "forward-basis" and site.estimates.source == "measured"
     assert site.estimates.forward_basis == pytest.approx(forward_basis_by_hand(0.010, 0.001, 0.0001, 12))

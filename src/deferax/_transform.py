@@ -31,7 +31,7 @@ from ._misc import is_concrete, struct_of
 from ._plan import _cost
 from ._plan._plan import Plan
 from ._site import _primitive as _site
-from ._site._spec import SITE
+from ._site._spec import PRIMITIVES, SITE, spec_of
 from ._stages import _stage1, _stage2, _stage3
 
 _SCHEDULES = ("auto", "standard", "deferred")
@@ -141,7 +141,7 @@ def _analysis(traced: _Traced, schedule, max_basis, eager: bool):
             # which inputs are constants and which are differentiated is not in the equations,
             # nor whether each `bwd` (traced now) lets a `fused` be made from it
             bwds = bwd_decisions(traced.program)
-            key = (key, len(traced.consts), schedule, max_basis, bwds, _cost.version())
+            key = (key, len(traced.consts), schedule, max_basis, bwds, _timings(traced.program))
             with _CACHE_LOCK:
                 compiled = _CACHE.get(key)
                 if compiled is not None:
@@ -161,6 +161,19 @@ def _analysis(traced: _Traced, schedule, max_basis, eager: bool):
         if len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return analysis, compiled
+
+
+def _timings(program) -> tuple:
+    """The timings each site of `program` (nested ones included) is planned from
+    (`_cost.decided`), in order: part of the key of its compiled stages, so that a site's
+    timings, once decided, recompile the programs that contain it and no other."""
+    found = []
+    for eqn in program.jaxpr.eqns:
+        for e in [eqn, *(e for name in PRIMITIVES for e in _jaxpr.nested_in(eqn, name))]:
+            if str(e.primitive) in PRIMITIVES:
+                spec = spec_of(e)
+                found.append(_cost.decided(spec.static.timings_key, tuple(s.shape for s in spec.x_structs)))
+    return tuple(found)
 
 
 def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, x, args, kwargs):

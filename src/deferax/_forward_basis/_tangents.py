@@ -181,7 +181,7 @@ def estimates(fn: AbstractExpensiveFn, shapes: tuple, n: int) -> _cost.Estimates
     one_job = not isinstance(batch, AbstractImplementation) or batch.batch_in_one_job
     fused_only = fn.fwd is None and fn.bwd is None and fn.adjoint is None
     workers = 1 if one_job else batch.jobs_at_once
-    return _cost.forward_basis(fn.name, shapes, fn.cost, n, one_job, fused_only, workers)
+    return _cost.forward_basis(fn.timings_key, shapes, fn.cost, n, one_job, fused_only, workers)
 
 
 def by_estimate(fn: AbstractExpensiveFn, estimates: _cost.Estimates | None) -> bool:

@@ -21,8 +21,9 @@ from .._checks import _checks, _messages
 from .._implementation._abstract import AbstractImplementation, Implementation
 from .._implementation._expensive import ExpensiveFn
 from .._misc import is_concrete, stacked, structs
+from .._plan._cost import Cost
 from . import _executor
-from ._runner import Runner
+from ._runner import Identity, Runner
 
 
 def _raw(tree: PyTree) -> PyTree:
@@ -161,6 +162,10 @@ class HostImplementation(AbstractImplementation):
         runner = self.host.runner
         return _executor.jobs_at_once(runner.executor) if runner.thread_safe else 1
 
+    @property
+    def timings_key(self) -> Any:
+        return self.host.runner.key
+
     def __call__(self, *args: Any) -> Any:
         return _METHODS[self.impl](self.host, *args)
 
@@ -248,7 +253,9 @@ def host(
       numbers, complex ones included: `adjoint(x, c * ct) == c * adjoint(x, ct)` (true for a
       linear solve with the cotangent as right-hand side). Then, on the deferred-basis
       schedule, a basis cotangent that is a multiple of another (an overlap `|<m, E>|^2`
-      gives `m` and `1j * m`) or zero is not solved again.
+      gives `m` and `1j * m`) or zero is not solved again, and the estimates that choose
+      the schedule count such a pair as one adjoint (`linear=True` in the site's
+      [`deferax.Cost`][], added to the `cost` given); the site is planned like any other.
     - `max_basis`, `max_tangents`, `prefer`, `cost`: as for [`deferax.ExpensiveFn`][]
       (`cost`: a [`deferax.Cost`][]; with `fused_batch`, give its `setup`: the work one
       job does once for the forward and every adjoint).
@@ -321,6 +328,7 @@ def host(
         jvp_batch=jvp_batch,
         thread_safe=thread_safe,
         fused_batch=fused_batch,
+        key=Identity(fwd, adjoint, bwd, fused, fused_batch, jvp, jvp_batch),
     )
     h = _Host(runner, combine if combine is not None else _identity, out, adjoint_out)
     deferrable = fused is not None or (fwd is not None and adjoint is not None)
@@ -334,13 +342,15 @@ def host(
         "jvp_batch": jvp is not None or jvp_batch is not None,
     }
     implementations = {impl: HostImplementation(h, impl) if on else None for impl, on in given.items()}
+    if linear_adjoint and (cost is None or isinstance(cost, Cost)):
+        # A complex-linear adjoint answers a complex overlap's two basis cotangents with one
+        # solve: the estimates count `ceil(k / 2)` adjoints (a wrong `cost` reaches the check)
+        cost = dataclasses.replace(Cost() if cost is None else cost, linear=True)
     return ExpensiveFn(
         **implementations,
         name=name,
         out=out,
-        # A complex-linear adjoint answers a complex overlap's two basis cotangents with one
-        # solve, so k = 2 costs what k = 1 does: allow it unless told otherwise.
-        max_basis=max_basis if max_basis is not None or not linear_adjoint else 2,
+        max_basis=max_basis,
         max_tangents=max_tangents,
         prefer=prefer,
         thread_safe=thread_safe,
@@ -348,13 +358,14 @@ def host(
     )
 
 
-def timing_its_own(fn: ExpensiveFn, **hooks: Any) -> ExpensiveFn:
+def timing_its_own(fn: ExpensiveFn, key: Any, **hooks: Any) -> ExpensiveFn:
     """`fn`, made by `host`, with its jobs not timed by the runner: for host functions that
-    time their own parts, finer, under the same name and input shapes (`dx.sparse_solve`:
-    a factorisation apart from each right-hand side). `hooks`: the runner's `scope` and
-    `adopt` (see `Runner`)."""
+    time their own parts, finer, under the identity `key` and the same input shapes
+    (`dx.sparse_solve`: a factorisation apart from each right-hand side). Each job gathers
+    what they observe, and each request feeds it to the estimates as one sample. `hooks`:
+    the runner's `scope` and `adopt` (see `Runner`)."""
     impls = {impl: getattr(fn, impl) for impl in _METHODS}
     h = next(i.host for i in impls.values() if isinstance(i, HostImplementation))
-    h = dataclasses.replace(h, runner=dataclasses.replace(h.runner, timed=False, **hooks))
+    h = dataclasses.replace(h, runner=dataclasses.replace(h.runner, timed=False, key=key, **hooks))
     replaced = {impl: HostImplementation(h, impl) for impl, i in impls.items() if isinstance(i, HostImplementation)}
     return dataclasses.replace(fn, **replaced)

@@ -6,9 +6,9 @@ Runs outside JAX (inside a `jax.pure_callback`, or directly on concrete arrays):
 NumPy out.
 
 Each job is timed where it runs (the time inside the host function, not its wait in the
-executor's queue), and a request's timings feed `_cost.observe` under the site's name and
-input shapes, once per request (the least of its jobs of each kind, so that a request's `k`
-adjoints count as one sample):
+executor's queue), and a request's timings feed `_cost.observe` under the site's identity
+(`Identity`: its host functions) and input shapes, once per request (the least of its jobs
+of each kind, so that a request's `k` adjoints, or a batch's examples, count as one sample):
 
 | job | what its time `t` gives |
 | --- | --- |
@@ -23,7 +23,9 @@ tell the forward's share from the adjoints', so it is split as the equal-cost de
 would (each schedule's estimate is exact for the job that was timed, the other schedule's
 assumes that split). Under `vectorized=True`, a call's time is shared equally by the
 examples it holds. Host functions that time their own parts, finer (`dx.sparse_solve`), are
-not timed here (`timed=False`).
+not timed here (`timed=False`): each job gathers what they observe (`_cost.gathering`,
+where the job runs), and the request feeds the least of each kind to `_cost.observe`, one
+sample per request as above.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -121,6 +124,24 @@ def _multiples(rows: list, partial_struct: PyTree) -> tuple[list[tuple[int | Non
     return recipe, unique
 
 
+class Identity:
+    """A host site's identity, under which the timings of its jobs are kept: its host
+    functions, each by identity (a bound method by its object and function), not its name."""
+
+    def __init__(self, *fns: Any):
+        self._parts = tuple(p for f in fns for p in ((f.__self__, f.__func__) if inspect.ismethod(f) else (f,)))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Identity)
+            and len(other._parts) == len(self._parts)
+            and all(a is b for a, b in zip(self._parts, other._parts, strict=True))
+        )
+
+    def __hash__(self) -> int:
+        return hash(tuple(map(id, self._parts)))
+
+
 def _first(results: list) -> Any:
     return results[0]
 
@@ -142,7 +163,7 @@ class Runner:
     and assembles the results. Holds no JAX values, so it can run inside a callback."""
 
     call: str
-    name: str  # the site's name, by which its timings are kept
+    name: str
     fwd: Callable[..., Any] | None
     adjoint: Callable[..., Any] | None
     bwd: Callable[..., Any] | None
@@ -157,6 +178,7 @@ class Runner:
     thread_safe: bool = True
     fused_batch: Callable[..., Any] | None = None
     timed: bool = True  # whether its jobs are timed for the estimates (see the module's docstring)
+    key: Any = None  # the identity under which its timings are kept (`Identity`, made by `host`)
     # Optional hooks of host functions that keep state between requests (`dx.sparse_solve`'s
     # factorisations): `scope(kind, elements)`, a context manager around each request (all
     # the rows of a `vmap` batch: `elements`, each one's NumPy arguments); and
@@ -183,8 +205,7 @@ class Runner:
         plans = [self._plan(kind, result, args) for args in elements]
         calls = [c for cs, _ in plans for c in cs]
         results, seconds = self._execute(calls)
-        if self.timed:
-            self._observe(shapes, calls, seconds)
+        self._observe(shapes, calls, seconds)
         outs, start = [], 0
         for cs, assemble in plans:
             outs.append(assemble(results[start : start + len(cs)]))
@@ -247,24 +268,22 @@ class Runner:
         return calls, assemble
 
     def _job(self, c: _Call) -> _executor.Job:
+        """The job of `c`, returning `(result, seconds)`, or `(result, timings it gathered)`."""
         if not self.timed:
-            return _executor.Job(c.impl, c.fn, c.args)
+            return _executor.Job(c.impl, _timing.Gathered(c.fn), c.args)
         dask = self.executor is not None and _executor.is_dask(self.executor)
         return _executor.Job(c.impl, _timing.Timed(c.fn, by_value=dask), c.args)
 
-    def _split(self, r: Any) -> tuple[Any, float]:
-        """A job's result and the seconds it ran (nan when not timed)."""
-        return r if self.timed else (r, math.nan)
-
-    def _execute(self, calls: list[_Call]) -> tuple[list, list[float]]:
-        """The checked results of `calls`, and the seconds each ran."""
+    def _execute(self, calls: list[_Call]) -> tuple[list, list]:
+        """The checked results of `calls`, and the seconds each ran (not timed: the timings
+        each gathered)."""
         if not self.vectorized:
             jobs = [self._job(c) for c in calls]
-            check = lambda i, r: self._check(calls[i], self._split(r)[0])  # noqa: E731
+            check = lambda i, r: self._check(calls[i], r[0])  # noqa: E731
             timed = _executor.run(
                 self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe, check=check
             )
-            results, seconds = zip(*map(self._split, timed), strict=True) if timed else ((), ())
+            results, seconds = zip(*timed, strict=True) if timed else ((), ())
             return [self._check(c, r) for c, r in zip(calls, results, strict=True)], list(seconds)
         # One call per host function, with the arguments of all its calls stacked on a leading axis.
         groups: dict[str, list[int]] = {}
@@ -281,18 +300,28 @@ class Runner:
         jobs = [self._job(c) for c in grouped]
         results = _executor.run(self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe)
         out: list = [None] * len(calls)
-        seconds = [math.nan] * len(calls)
+        seconds: list = [math.nan] * len(calls)
         for (_, members), c, timed in zip(groups.items(), grouped, results, strict=True):
-            r, t = self._split(timed)
+            r, t = timed
             r = self._check(c, r)
             for n, i in enumerate(members):
                 out[i] = jtu.tree_map(lambda a, n=n: a[n], r)
-                seconds[i] = t / len(members)  # (the examples of one call share its time)
+                seconds[i] = t / len(members) if self.timed else t  # (the examples of one call share its time)
         return out, seconds
 
-    def _observe(self, shapes: tuple, calls: list[_Call], seconds: list[float]) -> None:
+    def _observe(self, shapes: tuple, calls: list[_Call], seconds: list) -> None:
         """Feed the estimates one sample of each kind from this request's jobs (see the
         module's docstring)."""
+        if not self.timed:  # (what each job gathered, by site and shapes)
+            gathered: dict[tuple, dict[str, float]] = {}
+            for found in seconds:
+                for site, times in found.items():
+                    into = gathered.setdefault(site, {})
+                    for what, t in times.items():
+                        into[what] = min(t, into.get(what, math.inf))
+            for (key, observed_shapes), times in gathered.items():
+                _cost.observe(key, observed_shapes, **times)
+            return
         least: dict[str, float] = {}
         for c, t in zip(calls, seconds, strict=True):
             if c.impl in ("fwd", "adjoint", "bwd"):
@@ -305,7 +334,7 @@ class Runner:
             for what, share in shares.items():
                 least[what] = min(share, least.get(what, math.inf))
         if least:
-            _cost.observe(self.name, shapes, **least)
+            _cost.observe(self.key, shapes, **least)
 
     def _check(self, c: _Call, r: Any) -> PyTree:
         if isinstance(c.expected, tuple) and isinstance(r, list | tuple) and len(r) == len(c.expected):

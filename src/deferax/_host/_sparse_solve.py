@@ -254,7 +254,8 @@ Find where they come from, for example with `jax.config.update("jax_debug_nans",
 class _Solve:
     """The host functions of one sparse solve (pattern, solver, dtype and precision): NumPy in
     and out. Compares by value, so equal solves share compiled programs and factorisations.
-    The factorisations and solves are timed, for the choice of schedule (`_cost`, by `name`).
+    The factorisations and solves are timed, for the choice of schedule (`_cost`, under the
+    solve itself).
 
     `dtype` is the solution's (the inputs' result dtype); the solver factors and solves in
     `work`, at least float64 (complex128) unless `precision="input"`, and the results are
@@ -296,7 +297,7 @@ class _Solve:
         start = time.perf_counter()
         lu = self.solver.factor(matrix)
         end = time.perf_counter()
-        _cost.observe(self.name, self._shapes, setup=end - start)
+        _cost.observe(self, self._shapes, setup=end - start)
         _record.step("factor", start, end)
         return lu
 
@@ -325,7 +326,7 @@ class _Solve:
         end = time.perf_counter()
         _record.step("solve", start, end)
         per_rhs = (end - start) / (rhs.shape[0] if rhs.ndim == 2 else 1)
-        _cost.observe(self.name, self._shapes, **{"bwd" if transpose else "fwd": per_rhs})
+        _cost.observe(self, self._shapes, **{"bwd" if transpose else "fwd": per_rhs})
         return np.asarray(out, self.work).T if rhs.ndim == 2 else np.asarray(out, self.work)
 
     def _cotangents(self, x: tuple, y: np.ndarray, lam: np.ndarray) -> tuple:
@@ -439,8 +440,8 @@ def _solve_site(
         max_tangents=0,
         cost=cost,
     )
-    # (`_Solve` times its factorisations and solves, and counts the users of its factorisations)
-    return timing_its_own(fn, scope=solve.request, adopt=solve.adopt)
+    # (`_Solve` times its factorisations and solves, kept under itself, and counts the users of its factorisations)
+    return timing_its_own(fn, solve, scope=solve.request, adopt=solve.adopt)
 
 
 # `pattern` and `solver` typed `Any` so that a wrong value reaches the checks below, whose

@@ -37,3 +37,20 @@ class Timed:
         import cloudpickle  # shipped with distributed
 
         return pickle.loads, (cloudpickle.dumps(closure(self.fn)),)
+
+
+class Gathered:
+    """`fn` returning `(result, gathered)`: the timings it observed itself while it ran
+    (`_cost.gathering`, on the thread where it runs), for a host function that times its
+    own parts (`dx.sparse_solve`). Pickles by reference to this class (its worker imports
+    deferax, as `fn` itself does)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        from .._plan import _cost
+
+        with _cost.gathering() as gathered:
+            result = self.fn(*args)
+        return result, gathered

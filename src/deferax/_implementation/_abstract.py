@@ -54,6 +54,12 @@ class AbstractImplementation(eqx.Module):
         """How many of its separate jobs run at the same time where it runs (read for the
         estimates when `batch_in_one_job` is false)."""
 
+    @property
+    def timings_key(self) -> Any:
+        """The identity under which the timings of its jobs are kept (`_cost.observe`): None
+        when they are not timed (only host functions are)."""
+        return None
+
 
 class AbstractFused(AbstractImplementation):
     """`fused(x, ct_y) -> (y, ct_x)` built from `fwd(x) -> y` and `adjoint(x, ct_y)`, with
@@ -147,6 +153,17 @@ class AbstractExpensiveFn(eqx.Module):
     @abc.abstractmethod
     def title(self) -> str:
         """How messages name the function: "`ExpensiveFn(name='fdtd')`"."""
+
+    @property
+    def timings_key(self) -> Any:
+        """The identity under which the timings of its calls are kept, with its input shapes
+        (`_cost`): that of the host functions its jobs run, never its name (which another
+        function may share); None when nothing of it is timed."""
+        for impl in (self.fwd, self.fused, self.fused_batch, self.bwd, self.jvp, self.jvp_batch):
+            key = impl.timings_key if isinstance(impl, AbstractImplementation) else None
+            if key is not None:
+                return key
+        return None
 
     @property
     @abc.abstractmethod

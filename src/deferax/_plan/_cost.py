@@ -19,14 +19,19 @@ with `jvp` or `jvp_batch`, the forward-basis strategy's estimate is these with `
 in place of `k` cotangents (see `forward_basis`).
 
 The numbers come from the site's `cost=` hint, else from timings of its earlier calls
-(`observe`, kept by site name and input shapes), else from equal-cost defaults (`fwd = bwd = 1`, no setup,
-and a stage worth a hundredth of a forward: a tie goes to the schedule with fewer stages).
-Timings are used once both `fwd` and `bwd` are known (seconds are not mixed with the
-defaults' units). A decision must not flip-flop between eager calls (timings on a loaded
-machine vary tenfold), so the timings used are the least of the first `SAMPLES` seen for
-each site (a first call also pays for imports and warm-up), and they are kept until
-the user asks for new ones (`forget_timings`); `version()` (part of the key of eager
-calls' compiled stages) changes when they do.
+(`observe`), else from equal-cost defaults (`fwd = bwd = 1`, no setup, and a stage worth a
+hundredth of a forward: a tie goes to the schedule with fewer stages). Timings are kept by
+the site's identity (`AbstractExpensiveFn.timings_key`: its host functions, or a
+`dx.sparse_solve`'s solve) and input shapes, never by name: another site that happens to
+share a name (`solve`, `<lambda>`) has its own. They are used once both `fwd` and `bwd`
+are known (seconds are not mixed with the defaults' units). A decision must not
+flip-flop between eager calls (timings on a loaded machine vary tenfold), so a site's
+plan changes at most once: each call of it gives one sample of each timing (the least of
+its jobs of each kind, `gathering` for host functions that time their own parts), and
+once `SAMPLES` calls have given `fwd` and `bwd`, the least of each is decided, all at
+once (a first call also pays for imports and warm-up), and kept until the user asks for
+new ones (`forget_timings`). `decided(key, shapes)` (part of the key of eager calls'
+compiled stages, for each site of the program) changes only then.
 
 Who times what: `dx.sparse_solve` times its factorisation (`setup`) apart from each
 right-hand side (`fwd`, `bwd`); any other `dx.host` site's runner times each whole job
@@ -37,10 +42,14 @@ where it runs (`_runner`), so its `fwd` and `bwd` include any setup of their own
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+from collections.abc import Hashable, Iterator
+from typing import Any
 
 import equinox as eqx
+import numpy as np
 
 from .._checks import _messages
 
@@ -68,8 +77,9 @@ class Cost(eqx.Module):
     - `keeps_setup`: the standard schedule's backward pass reuses the forward's setup (a
       factorisation kept on the host between the passes); otherwise it pays it again.
     - `linear`: the adjoint is linear over complex numbers in the cotangent, so a complex
-      output's `k` real basis cotangents need `ceil(k / 2)` adjoints.
-    - `workers`: how many jobs of one site run at once where it runs, for an
+      output's `k` real basis cotangents need `ceil(k / 2)` adjoints (set for
+      `dx.host(..., linear_adjoint=True)` and `dx.sparse_solve`).
+    - `workers`: how many jobs of one site run at once where it runs (a positive int), for an
       implementation whose forward and adjoints are separate jobs (a `dx.host` site
       without `fused_batch`: `fwd` and `adjoint`, or `fused` once per cotangent). Default: taken from the site's
       executor: a `ThreadPoolExecutor`'s `max_workers` (deferax's own pool when none is
@@ -94,7 +104,8 @@ class Cost(eqx.Module):
     setup: float | None = eqx.field(default=None, static=True)
     keeps_setup: bool = eqx.field(default=False, static=True)
     linear: bool = eqx.field(default=False, static=True)
-    workers: int | None = eqx.field(default=None, static=True)
+    # (an int, NumPy's made one; `Any` so that a wrong value reaches the check)
+    workers: Any = eqx.field(default=None, static=True, converter=lambda w: int(w) if isinstance(w, np.integer) else w)
     stage: float | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
@@ -105,7 +116,8 @@ class Cost(eqx.Module):
                         field=field, expected="a non-negative, finite number or None", found=value
                     )
                 )
-        if self.workers is not None and self.workers < 1:
+        workers = self.workers
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             expected = "a positive int or None (taken from the executor)"
             raise ValueError(_messages.BAD_COST.format(field="workers", expected=expected, found=self.workers))
 
@@ -143,28 +155,57 @@ class Estimates(eqx.Module):
 # ----------------------------------------------------------------------------- timings of earlier calls
 
 _LOCK = threading.Lock()
-_DECIDED: dict[tuple, dict[str, float]] = {}  # by (site name, input shapes): the timings decisions are made from
-_SAMPLES: dict[tuple, list[float]] = {}  # by (site name, input shapes, what): the timings seen so far
-_VERSION = [0]
+# by (site identity, input shapes): the timings decisions are made from, decided once
+_DECIDED: dict[tuple, dict[str, float]] = {}
+# by (site identity, input shapes): for each of `setup`, `fwd`, `bwd`, one sample a call, until decided
+_SAMPLES: dict[tuple, dict[str, list[float]]] = {}
+_GATHERING = threading.local()  # `gathering`'s timings on this thread
 
 
-def observe(name: str, shapes: tuple, **seconds: float) -> None:
-    """Timings of a call of site `name` on inputs of `shapes` (`setup`, `fwd`, `bwd`:
-    seconds). Once `SAMPLES` are seen, the least is kept: then, and only then, the
-    decisions change (one new plan, one compilation)."""
-    with _LOCK:
+def observe(key: Hashable, shapes: tuple, **seconds: float) -> None:
+    """One call's timings of the site `key` (`AbstractExpensiveFn.timings_key`) on inputs of
+    `shapes` (`setup`, `fwd`, `bwd`: seconds). Inside `gathering` on this thread they are
+    gathered there instead. Once `SAMPLES` calls have given `fwd` and `bwd`, the least of
+    each kind is decided: then, and only then, the site's decisions change (one new plan,
+    one compilation of the programs that contain it)."""
+    gathered = getattr(_GATHERING, "seconds", None)
+    if gathered is not None:
+        into = gathered.setdefault((key, shapes), {})
         for what, t in seconds.items():
-            samples = _SAMPLES.setdefault((name, shapes, what), [])
-            if len(samples) < SAMPLES:
-                samples.append(float(t))
-                if len(samples) == SAMPLES:
-                    _DECIDED.setdefault((name, shapes), {})[what] = min(samples)
-                    _VERSION[0] += 1
+            into[what] = min(float(t), into.get(what, math.inf))
+        return
+    with _LOCK:
+        if (key, shapes) in _DECIDED:
+            return
+        samples = _SAMPLES.setdefault((key, shapes), {})
+        for what, t in seconds.items():
+            kept = samples.setdefault(what, [])
+            if len(kept) < SAMPLES:
+                kept.append(float(t))
+        if all(len(samples.get(what, ())) >= SAMPLES for what in ("fwd", "bwd")):
+            _DECIDED[(key, shapes)] = {what: min(kept) for what, kept in samples.items()}
+            del _SAMPLES[(key, shapes)]
 
 
-def version() -> int:
-    """Changes whenever the timings that decisions are made from change."""
-    return _VERSION[0]
+@contextlib.contextmanager
+def gathering() -> Iterator[dict]:
+    """Inside, the timings that `observe` gets on this thread are gathered, the least of each
+    kind for each site, into the dict yielded (for a host function that times its own
+    parts, several solves in one job: the job's runner feeds them to `observe` as one
+    sample of its call)."""
+    outer = getattr(_GATHERING, "seconds", None)
+    _GATHERING.seconds = gathered = {}
+    try:
+        yield gathered
+    finally:
+        _GATHERING.seconds = outer
+
+
+def decided(key: Hashable, shapes: tuple) -> tuple:
+    """The timings decided for site `key` on inputs of `shapes` (empty before): what its
+    decisions are made from, so part of the key of a program's compiled stages."""
+    with _LOCK:
+        return tuple(sorted(_DECIDED.get((key, shapes), {}).items()))
 
 
 def forget_timings() -> None:
@@ -174,14 +215,13 @@ def forget_timings() -> None:
     with _LOCK:
         _DECIDED.clear()
         _SAMPLES.clear()
-        _VERSION[0] += 1
 
 
 # ----------------------------------------------------------------------------- the estimates
 
 
 def estimate(
-    name: str,
+    key: Hashable,
     shapes: tuple,
     hint: Cost | None,
     k: int,
@@ -199,7 +239,7 @@ def estimate(
     hint = Cost() if hint is None else hint
     workers = workers if hint.workers is None else hint.workers
     with _LOCK:
-        measured = dict(_DECIDED.get((name, shapes), {}))
+        measured = dict(_DECIDED.get((key, shapes), {}))
     given = {f: value for f, value in hint._seconds().items() if f != "stage" and value is not None}
     if not {"fwd", "bwd"} <= set(measured) | set(given):  # (seconds are not mixed with the defaults' units)
         measured = {}
@@ -221,7 +261,7 @@ def estimate(
 
 
 def forward_basis(
-    name: str, shapes: tuple, hint: Cost | None, n: int, one_job: bool, fused_only: bool, workers: int
+    key: Hashable, shapes: tuple, hint: Cost | None, n: int, one_job: bool, fused_only: bool, workers: int
 ) -> Estimates:
     """The estimates of the standard schedule and of the forward-basis strategy (the output
     and `n` unit tangents on the forward pass, one stage; `ct_x = J^T ct_y` after) for a
@@ -240,6 +280,6 @@ def forward_basis(
     `_forward_basis._tangents`): `n` unit tangents estimated as `n` adjoints would never
     be chosen, yet a tangent solve beside the forward is often nearly free."""
     one_job = one_job or n == 0  # (no tangent: the output alone)
-    standard = estimate(name, shapes, hint, 1, False, True, fused_only, workers)
-    tangents = estimate(name, shapes, hint, n, False, one_job, not one_job, workers)
+    standard = estimate(key, shapes, hint, 1, False, True, fused_only, workers)
+    tangents = estimate(key, shapes, hint, n, False, one_job, not one_job, workers)
     return Estimates(standard=standard.standard, deferred=None, source=standard.source, forward_basis=tangents.deferred)
