@@ -178,3 +178,42 @@ def test_a_typed_key_in_the_input_on_the_basis_schedule(k, schedule, impls, jit)
     assert {shape for shapes in runs.shapes.values() for shape in shapes} == {(2,)}  # the key's data
     if schedule == "auto":
         assert set(runs.shapes) == ({"fused_batch"} if impls == "fused_batch" else {"fwd", "adjoint"})
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_fused_once_per_cotangent_is_what_the_estimate_describes(jit):
+    """A site with `fwd`, `bwd` and `fused` (no `adjoint`, no `fused_batch`) runs `fused`
+    once per cotangent on the deferred-basis schedule: `k` jobs, each a set-up, a forward
+    and an adjoint. With `Cost(setup=10, fwd=1, bwd=1)`, k = 2 (one complex overlap) on
+    2 workers (the suite's two cores):
+        standard       = (setup + fwd) + setup + bwd + 2 * stage = 22.002
+        deferred-basis = max(longest job, all jobs / workers) + stage
+                       = max(12, 24 / 2) + 0.001 = 12.001
+    (before, the estimate counted a forward job and 2 adjoint jobs: max(11, 33 / 2) + 0.001 = 16.501)."""
+    runs = Runs()
+
+    def fwd(x):
+        runs.tick("fwd", x)
+        return np.linalg.solve(A0 + np.diag(x), SOURCE)
+
+    def bwd(x, e, ct):
+        runs.tick("bwd", ct)
+        return -np.real(e * np.linalg.solve((A0 + np.diag(x)).T, ct))
+
+    def fused(x, ct):
+        runs.tick("fused", ct)
+        e = np.linalg.solve(A0 + np.diag(x), SOURCE)
+        return e, -np.real(e * np.linalg.solve((A0 + np.diag(x)).T, ct))
+
+    f = dx.host(fwd, bwd=bwd, fused=fused, out=FIELD, name="fwd-bwd-fused", cost=dx.Cost(setup=10.0, fwd=1.0, bwd=1.0))
+    loss = one_overlap(f)
+    site = dx.explain(loss, X0).sites[0]
+    assert (site.schedule, site.k) == ("deferred-basis", 2)
+    assert site.estimates.standard == pytest.approx(22.0 + 2 * _cost.STAGE_SECONDS)
+    assert site.estimates.deferred == pytest.approx(12.0 + _cost.STAGE_SECONDS)
+    if jit:
+        run(loss, X0, jit=True)
+    runs.counts.clear()
+    got = run(loss, X0, jit=jit)
+    assert_tree_allclose(got, eqx.filter_value_and_grad(one_overlap(reference))(X0), rtol=1e-12, atol=1e-12)
+    assert runs.as_dict("fwd", "bwd", "fused") == {"fwd": 0, "bwd": 0, "fused": 2}

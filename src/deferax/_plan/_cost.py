@@ -229,13 +229,18 @@ def estimate(
     one_job: bool,
     fused_only: bool,
     workers: int,
+    *,
+    fused_jobs: bool | None = None,
 ) -> Estimates:
     """The estimates for a site on `k` basis cotangents (`k = 1`: the plain deferred
     schedule). `one_job`: the forward and the adjoints run in one job (`fused_batch`, or a
     traced `fused` batched over the cotangents); otherwise they are separate jobs, of which
     `workers` run at once (unless the hint says how many).
     `fused_only`: `fused` is the site's only implementation, so each of its jobs computes
-    the forward too, and the standard schedule calls it twice."""
+    the forward too, and the standard schedule calls it twice. `fused_jobs`: the separate
+    jobs are `fused` once per cotangent, each computing the forward too (a host site with
+    `fused` but no `adjoint` or no `fwd`, and no `fused_batch`), rather than `fwd` and one
+    `adjoint` a cotangent; default `fused_only`."""
     hint = Cost() if hint is None else hint
     workers = workers if hint.workers is None else hint.workers
     with _LOCK:
@@ -255,7 +260,8 @@ def estimate(
     if one_job:
         deferred = setup + fwd + m * bwd + stage
     else:
-        jobs = [setup + fwd + bwd] * m if fused_only else [setup + fwd] + [setup + bwd] * m
+        fused_jobs = fused_only if fused_jobs is None else fused_jobs
+        jobs = [setup + fwd + bwd] * m if fused_jobs else [setup + fwd] + [setup + bwd] * m
         deferred = max(max(jobs), sum(jobs) / workers) + stage
     return Estimates(standard=standard, deferred=deferred, source=source)
 
