@@ -262,16 +262,11 @@ def test_inside_an_enclosing_derivative_the_standard_schedule_is_used(counter):
     # schedule='deferred' asked for explicitly: a site whose deferred call leaves the program
     # cannot be differentiated, and the error says which and what to do (it was JAX's
     # "Pure callbacks do not support JVP"); a JAX-native `fused` can be, and is
-    expected = (
-        "`deferax.filter_value_and_grad`: schedule='deferred' was requested inside an enclosing differentiation \
-(`jax.grad`,\n"
-        "`jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' \
-deferred calls\n"
-        "run outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from \
-`fwd` and\n"
-        "`bwd` or `adjoint`, or a host function): `fused`. Use schedule='auto': under differentiation it keeps them \
+    expected = "`deferax.filter_value_and_grad`: schedule='deferred' was requested inside an enclosing differentiation \
+(`jax.grad`,\n`jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' \
+deferred calls\nrun outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from \
+`fwd` and\n`bwd` or `adjoint`, or a host function): `fused`. Use schedule='auto': under differentiation it keeps them \
 standard."
-    )
     with pytest.raises(ValueError, match=re.escape(expected)):
         jax.jacrev(dx.filter_grad(loss, schedule="deferred"))(P0)
     native = dx.ExpensiveFn(
@@ -279,3 +274,62 @@ standard."
     )
     native_loss = lambda p: jnp.sum(W * native(p)) + jnp.sum(p**3)  # noqa: E731
     assert_tree_allclose(jax.jacrev(dx.filter_grad(native_loss, schedule="deferred"))(P0), jax.hessian(reference)(P0))
+
+
+@pytest.mark.parametrize("wrap", ["eager", "jax.jit", "eqx.filter_jit"])
+def test_constant_array_aux_is_an_array_as_equinox_returns_it(wrap):
+    """An aux leaf that is a constant of the program (`jnp.array(False)`, `jnp.array(1.0)`)
+    comes back as an array with Equinox's dtype and weak type, under `eqx.filter_jit` too,
+    where a Python scalar would be taken for static (and recompile a step whose state holds it)."""
+    f = make(ref, ("fwd", "bwd", "fused"), name="sim")
+
+    def loss(p):
+        return jnp.sum(W * f(p)), {"flag": jnp.array(False), "f": jnp.array(1.0), "n": 3, "x": jnp.sum(p)}
+
+    transform = {
+        "eager": lambda g: g,
+        "jax.jit": lambda g: jax.jit(lambda p: g(p)),
+        "eqx.filter_jit": eqx.filter_jit,
+    }[wrap]
+    (_, got), _ = transform(dx.filter_value_and_grad(loss, has_aux=True))(P0)
+    (_, want), _ = transform(eqx.filter_value_and_grad(loss, has_aux=True))(P0)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for key in ("flag", "f", "x"):
+        assert isinstance(got[key], jax.Array), (key, got[key])
+        assert (got[key].dtype, got[key].weak_type) == (want[key].dtype, want[key].weak_type)
+    assert got["n"] == 3 and isinstance(got["n"], jax.Array) == (wrap == "jax.jit")
+    assert_tree_allclose(got, want)
+
+
+def test_a_batchnorm_step_in_ema_mode_compiles_as_often_as_with_equinox():
+    """`eqx.nn.BatchNorm`'s default mode keeps a first-time flag (a constant array) in its
+    state: the jitted step must be traced as often as with Equinox (once), not again when
+    the flag comes back as a Python bool."""
+    f = make(ref, ("fwd", "bwd", "fused"), name="sim")
+    xs = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4)))
+
+    def traces_of(value_and_grad):
+        model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, axis_name="batch")
+        traces = []
+
+        def loss(model, state, xs):
+            traces.append(1)
+            ys, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(xs, state)
+            return jnp.sum(W * f(ys[0])), state
+
+        @eqx.filter_jit
+        def step(model, state, xs):
+            (value, state), grads = value_and_grad(loss, has_aux=True)(model, state, xs)
+            return value, state, grads
+
+        results = [step(model, state, xs)]
+        for _ in range(3):
+            results.append(step(model, results[-1][1], xs))
+        return len(traces), results
+
+    got, got_results = traces_of(dx.filter_value_and_grad)
+    want, want_results = traces_of(eqx.filter_value_and_grad)
+    assert got == want == 1
+    assert_tree_allclose(
+        [(v, g) for v, _, g in got_results], [(v, g) for v, _, g in want_results], rtol=1e-6, atol=1e-6
+    )

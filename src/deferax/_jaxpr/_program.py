@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from . import _internals as _core
 from ._dependence import needed_equations
@@ -50,7 +51,9 @@ def interpret(closed, args, handlers=None, wrap=None):
         if wrap:
             outs = [wrap[v](o) if v in wrap else o for v, o in zip(eqn.outvars, outs, strict=True)]
         env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
+    # (an output that is a constant of the program is an array, as `jax.jit` returns it, not
+    # the literal's Python scalar: `eqx.filter_jit` would take that for static)
+    return [jnp.asarray(v.val) if isinstance(v, _core.Literal) else env[v] for v in jaxpr.outvars]
 
 
 def substitute(closed, eqn_indices):
@@ -166,8 +169,12 @@ def kind_of(eqn) -> str:
     """A readable name for the construct an equation is (for explain)."""
     name = str(eqn.primitive)
     return {
-        "scan": "lax.scan", "cond": "lax.cond", "while": "lax.while_loop", "custom_jvp_call": "a custom_jvp rule",
-        "custom_vjp_call": "a custom_vjp rule", "custom_vjp_call_jaxpr": "a custom_vjp rule",
+        "scan": "lax.scan",
+        "cond": "lax.cond",
+        "while": "lax.while_loop",
+        "custom_jvp_call": "a custom_jvp rule",
+        "custom_vjp_call": "a custom_vjp rule",
+        "custom_vjp_call_jaxpr": "a custom_vjp rule",
     }.get(name, f"`{name}`")
 
 
