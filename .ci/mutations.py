@@ -285,9 +285,12 @@ def where_else(files: dict[str, str], regex: re.Pattern) -> list[str]:
 
 
 def closest(text: str, start: int, end: int, old: str) -> list[str]:
-    """The lines of `text[start:end]` most like `old`'s, with their numbers."""
+    """The lines of `text[start:end]` most like `old` (their comments aside), with their numbers."""
     first = line_of(text, start)
-    lines = {f"{first + i}: {line.strip()}": line.strip() for i, line in enumerate(text[start:end].splitlines())}
+    lines = {
+        f"{first + i}: {line.strip()}": re.sub(r"\s+#.*", "", line.strip())
+        for i, line in enumerate(text[start:end].splitlines())
+    }
     wanted = " ".join(old.split())
     scored = sorted(lines, key=lambda key: -difflib.SequenceMatcher(None, lines[key], wanted).ratio())
     return scored[:3]
@@ -310,7 +313,7 @@ def locate(files: dict[str, str], target: str, old: str) -> tuple[str, int, int]
         raise Stale(
             f"no function, method or class {target!r} in src/deferax"
             + (f"; similar names: {', '.join(near)}" if near else "")
-            + (f"; the old snippet is now in: {'; '.join(holders)}" if holders else "; the old snippet is nowhere")
+            + (f"; the old snippet is in: {'; '.join(holders)}" if holders else "; the old snippet is nowhere")
             + ". Point the mutation at the definition that holds the code it breaks."
         )
     hits = []
@@ -325,7 +328,7 @@ def locate(files: dict[str, str], target: str, old: str) -> tuple[str, int, int]
         raise Stale(
             f"{target} ({places}) has no {old!r} (compared ignoring whitespace)"
             + (f"; its closest lines: {' | '.join(closest(files[file], start, end, old))}" if len(hits) == 1 else "")
-            + (f"; the old snippet is now in: {'; '.join(holders)}" if holders else "")
+            + (f"; the old snippet is in: {'; '.join(holders)}" if holders else "")
             + ". Update the mutation's snippets (or its target) to what the code now says, keeping the planted bug."
         )
     if len(found) > 1:
