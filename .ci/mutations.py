@@ -1,17 +1,35 @@
 """Mutation check: plant known bugs in a copy of deferax and make sure the tests catch each.
 
-For every mutation, `src/deferax` is copied to a temporary folder, one or more text
-replacements are applied (each must match, or the mutation no longer describes the code and
-this script fails), and the relevant test files run against the copy (first on the path).
-A mutation that no test catches fails the run. Prints one line per mutation with the
-number of failing tests (pytest stops at the first: one is enough), two mutations at a time.
+Each mutation names where its bug goes by the qualified name of a function, method or class
+(`_Check._decide`, `outputs.one` for a function nested in `outputs`), looked up in every
+module of the package, so that moving code to another place or file keeps it working; and
+what to change there by an old and a new snippet. The old snippet is matched within that
+definition's source only, ignoring whitespace (indentation, line breaks, a trailing comma
+added before a closing bracket: what a reformat changes), and must match exactly once. A
+name defined in several modules is taken where the old snippet is (exactly one must have
+it), or is written `module:qualname` (`_site._primitive:outputs.one`). A new snippet of
+several lines is written dedented; its lines take the indentation of the line it replaces.
 
-    python .ci/mutations.py
+If a name is not found, or its snippet is found never or more than once, or the planted
+copy does not compile, the mutation no longer describes the code and the script fails
+before running any test, naming the mutation, where it looked and what is closest. For
+every mutation, `src/deferax` is copied to a temporary folder, the snippets replaced, and
+the relevant test files run against the copy (first on the path). A mutation that no test
+catches fails the run. Prints one line per mutation with the number of failing tests
+(pytest stops at the first: one is enough), two mutations at a time.
+
+    python .ci/mutations.py               # every mutation
+    python .ci/mutations.py --check       # only find where each applies (a second; no tests)
+    python .ci/mutations.py --only basis  # the mutations whose name contains "basis"
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import concurrent.futures as cf
+import difflib
+import functools as ft
 import os
 import pathlib
 import re
@@ -22,27 +40,22 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "deferax"
 
-# (name, [(file, old, new), ...], [test files])
+# (name, [(qualified name, old, new), ...], [test files])
 MUTATIONS = [
     (
         "a nonlinear site deferred",
-        [
-            (
-                "_analysis/_analysis.py",
-                "        if not sources:  #",
-                "        if True:  #",
-            )
-        ],
+        [("_Check._decide", "if not sources:", "if True:")],
         ["tests/test_deferred.py"],
     ),
     (
         "a replayed cotangent scaled by 1 + 1e-6",
         [
             (
-                "_stages/_stage3.py",
-                "    return ct_operands, jtu.tree_map(zero_like, y)",
-                "    return jtu.tree_map(lambda c: c if c.dtype == jax.dtypes.float0 else c * 1.000001, ct_operands), "
+                "_replayed_cotangents",
+                "return ct_operands, jtu.tree_map(zero_like, y)",
+                "return jtu.tree_map(lambda c: c if c.dtype == jax.dtypes.float0 else c * 1.000001, ct_operands), "
                 "jtu.tree_map(zero_like, y)",
             )
         ],
@@ -50,22 +63,27 @@ MUTATIONS = [
     ),
     (
         "a dropped basis coefficient",
-        [("_stages/_stage3.py", "        c = c[rows]\n", "        c = c[rows].at[0].set(0)\n")],
+        [("_frontier_cotangents.combine", "c = c[rows]", "c = c[rows].at[0].set(0)")],
         ["tests/test_basis.py"],
     ),
     (
         "the zero-entry guard of the basis combination removed",
-        [("_stages/_stage3.py", "jnp.where(c == 0, jnp.zeros((), c.dtype), coefficients * c)", "coefficients * c")],
+        [
+            (
+                "_frontier_cotangents.combine",
+                "jnp.where(c == 0, jnp.zeros((), c.dtype), coefficients * c)",
+                "coefficients * c",
+            )
+        ],
         ["tests/test_basis.py"],
     ),
     (
         "fwd called twice on the standard schedule",
         [
             (
-                "_site/_primitive.py",
-                "        y = spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
-                "        spec.fn(fn_leaves).primal(spec.x(x_leaves))\n        y = \
-spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
+                "outputs.one",
+                "y = spec.fn(fn_leaves).primal(spec.x(x_leaves))",
+                "spec.fn(fn_leaves).primal(spec.x(x_leaves))\ny = spec.fn(fn_leaves).primal(spec.x(x_leaves))",
             )
         ],
         ["tests/test_expensive.py"],
@@ -74,10 +92,9 @@ spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
         "Fused.batched running the forward once per cotangent",
         [
             (
-                "_implementation/_abstract.py",
-                "        y, partials = concurrently(",
-                "        [self.fwd(x) for _ in range(jtu.tree_leaves(cts)[0].shape[0] - 1)]\n"
-                "        y, partials = concurrently(",
+                "AbstractFused.batched",
+                "y, partials = concurrently(",
+                "[self.fwd(x) for _ in range(jtu.tree_leaves(cts)[0].shape[0] - 1)]\ny, partials = concurrently(",
             )
         ],
         ["tests/test_basis.py"],
@@ -85,11 +102,11 @@ spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
     (
         "a cotangent doubled on both the deferred and the standard path",
         [
-            ("_site/_primitive.py", "    return unbatch(spec, out)", "    return unbatch(spec, [2 * o for o in out])"),
+            ("cotangents", "return unbatch(spec, out)", "return unbatch(spec, [2 * o for o in out])"),
             (
-                "_stages/_stage2.py",
-                "    return y, _site.unbatch(spec, ct_x)",
-                "    return y, _site.unbatch(spec, [2 * c for c in ct_x])",
+                "fused_over_levels",
+                "return y, _site.unbatch(spec, ct_x)",
+                "return y, _site.unbatch(spec, [2 * c for c in ct_x])",
             ),
         ],
         ["tests/test_deferred.py", "tests/test_properties.py"],
@@ -98,7 +115,7 @@ spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
         "a forward-basis contraction scaled",
         [
             (
-                "_forward_basis/_primitive.py",
+                "_contract",
                 "else jnp.tensordot(flat.astype(j.dtype), j, axes=1)",
                 "else 2 * jnp.tensordot(flat.astype(j.dtype), j, axes=1)",
             )
@@ -107,22 +124,16 @@ spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
     ),
     (
         "a bwd that reads y taken for one that does not",
-        [
-            (
-                "_analysis/_bwd.py",
-                '    return any("y" in d for d in _jaxpr.dependencies(closed, labels))',
-                "    return False",
-            )
-        ],
+        [("_returns_y", 'return any("y" in d for d in _jaxpr.dependencies(closed, labels))', "return False")],
         ["tests/test_concurrent.py"],
     ),
     (
         "a site under vmap replayed without summing over unbatched levels",
         [
             (
-                "_site/_primitive.py",
-                "        out.append(jnp.sum(c, axis=dropped) if dropped else c)",
-                "        out.append(jnp.take(c, 0, axis=dropped[0]) if dropped else c)",
+                "unbatch",
+                "out.append(jnp.sum(c, axis=dropped) if dropped else c)",
+                "out.append(jnp.take(c, 0, axis=dropped[0]) if dropped else c)",
             )
         ],
         ["tests/test_equinox_semantics.py", "tests/test_vmap_batches.py", "tests/test_forward.py"],
@@ -131,7 +142,7 @@ spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
         "a dx.fuse adjoint half left out of the recording",
         [
             (
-                "_concurrency/_threads.py",
+                "_eager",
                 "ft.partial(_timed_eager, halves.names[1], adjoint_device, home, call_adjoint)",
                 "ft.partial(_ready, call_adjoint)",
             )
@@ -142,29 +153,23 @@ spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
         "the adjoint placed on the forward's device",
         [
             (
-                "_concurrency/_devices.py",
-                "    return devices[first], devices[(first + 1) % len(devices)]",
-                "    return devices[first], devices[first]",
+                "placement",
+                "return devices[first], devices[(first + 1) % len(devices)]",
+                "return devices[first], devices[first]",
             )
         ],
         ["tests/test_devices.py"],
     ),
     (
         "an ExpensiveFn's configuration arrays marked trainable",
-        [
-            (
-                "_implementation/_expensive.py",
-                "jtu.tree_map(lambda _: False, node) if isinstance(node, ExpensiveFn) else ",
-                "",
-            )
-        ],
+        [("trainable", "jtu.tree_map(lambda _: False, node) if isinstance(node, ExpensiveFn) else", "")],
         ["tests/test_training.py"],
     ),
     (
         "a variable on several basis sites' frontiers given only the last site's wrapper",
         [
             (
-                "_stages/_stage3.py",
+                "_replacements",
                 "wraps[v] = wrap if before is None else (lambda z, wrap=wrap, before=before: wrap(before(z)))",
                 "wraps[v] = wrap",
             )
@@ -173,31 +178,19 @@ spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
     ),
     (
         "the halves made from fwd + bwd compiled once per function (stale when what they read changes)",
-        [
-            (
-                "_implementation/_derived.py",
-                "    compiled: ClassVar[bool] = False",
-                "    compiled: ClassVar[bool] = True",
-            )
-        ],
+        [("DerivedFused", "compiled: ClassVar[bool] = False", "compiled: ClassVar[bool] = True")],
         ["tests/test_concurrent.py"],
     ),
     (
         "a bwd that calls a host callback taken for one that shares no state with fwd",
-        [
-            (
-                "_analysis/_bwd.py",
-                "    return None if opaque is None else _OPAQUE_BWD.format(location=opaque)",
-                "    return None",
-            )
-        ],
+        [("bwd_blocks_fused", "return None if opaque is None else _OPAQUE_BWD.format(location=opaque)", "return None")],
         ["tests/test_concurrent.py"],
     ),
     (
         "an io_callback ahead of the expensive calls run twice (value and gradient from two draws)",
         [
             (
-                "_analysis/_analysis.py",
+                "_Check.run",
                 'Decision("standard", once[k]) if once[k] else',
                 'Decision("standard", once[k]) if False else',
             )
@@ -206,33 +199,186 @@ spec.fn(fn_leaves).primal(spec.x(x_leaves))\n",
     ),
     (
         "the same view of the output computed twice counted twice in k",
-        [
-            (
-                "_analysis/_analysis.py",
-                "    program = _jaxpr.merge_duplicates(program, keep=(_site.SITE, _site.LINEAR))\n",
-                "",
-            )
-        ],
+        [("analyse", "program = _jaxpr.merge_duplicates(program, keep=(_site.SITE, _site.LINEAR))", "")],
         ["tests/test_basis.py"],
     ),
     (
         "OpenBLAS limited through threadpoolctl's setter (which ignores threads that do not control it)",
-        [("_concurrency/_native_threads.py", 'if controller.internal_api == "openblas" and', "if False and")],
+        [("_setter", 'if controller.internal_api == "openblas" and', "if False and")],
         ["tests/test_threads.py"],
     ),
 ]
 
 
-def run(name, replacements, tests) -> tuple[bool, str]:
+class Stale(Exception):
+    """A mutation that no longer describes the code; the message says where it looked."""
+
+
+def sources() -> dict[str, str]:
+    """The package's modules' text by path relative to the package (`_site/_primitive.py`)."""
+    return {p.relative_to(PACKAGE).as_posix(): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def module_name(file: str) -> str:
+    """`_site/_primitive.py` as `_site._primitive` (a package's `__init__.py` as the package)."""
+    parts = file.removesuffix(".py").split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@ft.cache
+def definitions(text: str) -> dict[str, list[ast.AST]]:
+    """Every function, method and class of a module by qualified name (`Outer.inner`)."""
+    found: dict[str, list[ast.AST]] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                found.setdefault(prefix + child.name, []).append(child)
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(text), "")
+    return found
+
+
+def pattern(old: str) -> re.Pattern:
+    """`old` as a regular expression blind to whitespace: any amount around punctuation, at
+    least some between two words, none inside a word; a comma allowed before a closing bracket."""
+    parts = []
+    for token in re.findall(r"\w+|\S", old):
+        if parts:
+            parts.append(r"\s+" if re.match(r"\w", token) and re.search(r"\w$", parts[-1]) else r"\s*")
+        parts.append(rf"(?:,\s*)?\{token}" if token in ")]}" else re.escape(token))
+    if not parts:
+        raise Stale("the old snippet is empty")
+    head = r"(?<!\w)" if re.match(r"\w", old.strip()) else ""
+    tail = r"(?!\w)" if re.search(r"\w$", old.strip()) else ""
+    return re.compile(head + "".join(parts) + tail)
+
+
+def span(text: str, node: ast.AST) -> tuple[int, int]:
+    """Where `node` (decorators and all) lies in `text`, as offsets of whole lines."""
+    lines = text.splitlines(keepends=True)
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    return sum(map(len, lines[: first - 1])), sum(map(len, lines[: node.end_lineno]))
+
+
+def line_of(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
+def where_else(files: dict[str, str], regex: re.Pattern) -> list[str]:
+    """The innermost definitions (and lines) anywhere in the package that hold `regex`."""
+    found = []
+    for file, text in files.items():
+        for match in regex.finditer(text):
+            line = line_of(text, match.start())
+            names = [
+                (node.lineno, name)
+                for name, nodes in definitions(text).items()
+                for node in nodes
+                if node.lineno <= line <= node.end_lineno
+            ]
+            found.append(f"{max(names)[1] if names else '<module>'} ({file}:{line})")
+    return found
+
+
+def closest(text: str, start: int, end: int, old: str) -> list[str]:
+    """The lines of `text[start:end]` most like `old` (their comments aside), with their numbers."""
+    first = line_of(text, start)
+    lines = {
+        f"{first + i}: {line.strip()}": re.sub(r"\s+#.*", "", line.strip())
+        for i, line in enumerate(text[start:end].splitlines())
+    }
+    wanted = " ".join(old.split())
+    scored = sorted(lines, key=lambda key: -difflib.SequenceMatcher(None, lines[key], wanted).ratio())
+    return scored[:3]
+
+
+def locate(files: dict[str, str], target: str, old: str) -> tuple[str, int, int]:
+    """The file and offsets of the one match of `old` within the definition `target`."""
+    module, _, qualname = target.rpartition(":")
+    regex = pattern(old)
+    candidates = [
+        (file, node)
+        for file, text in files.items()
+        if not module or module_name(file) == module
+        for node in definitions(text).get(qualname, [])
+    ]
+    if not candidates:
+        names = {name for text in files.values() for name in definitions(text)}
+        near = difflib.get_close_matches(qualname, names, n=3, cutoff=0.6)
+        holders = where_else(files, regex)
+        raise Stale(
+            f"no function, method or class {target!r} in src/deferax"
+            + (f"; similar names: {', '.join(near)}" if near else "")
+            + (f"; the old snippet is in: {'; '.join(holders)}" if holders else "; the old snippet is nowhere")
+            + ". Point the mutation at the definition that holds the code it breaks."
+        )
+    hits = []
+    for file, node in candidates:
+        start, end = span(files[file], node)
+        hits.append((file, node, start, end, list(regex.finditer(files[file], start, end))))
+    found = [hit for hit in hits if hit[4]]
+    places = ", ".join(f"{file}:{node.lineno}" for file, node, *_ in hits)
+    if not found:
+        file, _, start, end, _ = hits[0]
+        holders = where_else(files, regex)
+        raise Stale(
+            f"{target} ({places}) has no {old!r} (compared ignoring whitespace)"
+            + (f"; its closest lines: {' | '.join(closest(files[file], start, end, old))}" if len(hits) == 1 else "")
+            + (f"; the old snippet is in: {'; '.join(holders)}" if holders else "")
+            + ". Update the mutation's snippets (or its target) to what the code now says, keeping the planted bug."
+        )
+    if len(found) > 1:
+        raise Stale(
+            f"{target} is defined in several places that hold {old!r}: "
+            f"{', '.join(f'{module_name(file)}:{target} ({file}:{node.lineno})' for file, node, *_ in found)}. "
+            "Write the target as module:qualname."
+        )
+    file, node, _, _, matches = found[0]
+    if len(matches) > 1:
+        lines = ", ".join(str(line_of(files[file], m.start())) for m in matches)
+        raise Stale(
+            f"{target} ({file}:{node.lineno}) holds {old!r} {len(matches)} times (lines {lines}). "
+            "Lengthen the old snippet (or target the nested function) so it names one place."
+        )
+    return file, matches[0].start(), matches[0].end()
+
+
+def plant(files: dict[str, str], replacements) -> tuple[dict[str, str], list[str]]:
+    """The modules changed by `replacements` (each applied where `locate` finds it, in turn),
+    and where each went (`file:line`)."""
+    files, changed, places = dict(files), set(), []
+    for target, old, new in replacements:
+        file, start, end = locate(files, target, old)
+        text = files[file]
+        line_start = text.rfind("\n", 0, start) + 1
+        indent = re.match(r"[ \t]*", text[line_start:]).group()
+        files[file] = text[:start] + new.replace("\n", "\n" + indent) + text[end:]
+        if new.strip() and pattern(new).fullmatch(text[start:end]):
+            raise Stale(f"{target}: the new snippet {new!r} is the old one: the mutation plants nothing")
+        changed.add(file)
+        places.append(f"{file}:{line_of(text, start)}")
+    for file in changed:
+        try:
+            compile(files[file], file, "exec")
+        except SyntaxError as error:
+            raise Stale(
+                f"the planted copy of {file} does not compile ({error.msg}, line {error.lineno}: "
+                f"{(error.text or '').strip()!r}); a test failing on that would not show the bug caught. "
+                "Fix the new snippet."
+            ) from None
+    return {file: files[file] for file in changed}, places
+
+
+def run(planted: dict[str, str], tests) -> tuple[bool, str]:
     with tempfile.TemporaryDirectory() as tmp:
         src = pathlib.Path(tmp) / "src"
-        shutil.copytree(ROOT / "src" / "deferax", src / "deferax", ignore=shutil.ignore_patterns("__pycache__"))
-        for file, old, new in replacements:
-            path = src / "deferax" / file
-            text = path.read_text()
-            if old not in text:
-                return False, f"the mutation no longer applies: {file} has no {old!r}"
-            path.write_text(text.replace(old, new, 1))
+        shutil.copytree(PACKAGE, src / "deferax", ignore=shutil.ignore_patterns("__pycache__"))
+        for file, text in planted.items():
+            (src / "deferax" / file).write_text(text)
         env = {
             **os.environ,
             "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -256,19 +402,48 @@ def run(name, replacements, tests) -> tuple[bool, str]:
         return out.returncode == 1 and failed is not None, f"{failed.group(1) if failed else 0} failing ({tail})"
 
 
-def timed(mutation) -> tuple[bool, str, float]:
+def timed(job) -> tuple[bool, str, float]:
     t0 = time.perf_counter()
-    return *run(*mutation), time.perf_counter() - t0
+    return *run(*job), time.perf_counter() - t0
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT", help="mutations whose name has TEXT")
+    parser.add_argument("--check", action="store_true", help="only find where each mutation applies; run no test")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or any(o.lower() in m[0].lower() for o in args.only)]
+    if not chosen:
+        print(f"mutation check: no mutation's name contains any of {args.only}", file=sys.stderr)
+        return 2
+    files, jobs, stale = sources(), [], []
+    # every mutation is placed before any test runs: one that no longer describes the code fails at once
+    for name, replacements, tests in chosen:
+        try:
+            planted, places = plant(files, replacements)
+        except Stale as error:
+            stale.append(name)
+            print(f"STALE    {name}: {error}", flush=True)
+            continue
+        jobs.append((name, places, (planted, tests)))
+    if stale:
+        print(
+            f"mutation check: {len(stale)} of {len(chosen)} mutations no longer describe the code "
+            "(fix them in .ci/mutations.py, see above)"
+        )
+        return 1
+    if args.check:
+        for name, places, _ in jobs:
+            print(f"applies  {name}: {', '.join(places)}")
+        print(f"mutation check: all {len(jobs)} mutations apply (no tests run)")
+        return 0
     survived = 0
     # two mutations at a time (each its own copy and pytest process), printed in order
     with cf.ThreadPoolExecutor(2) as pool:
-        for (name, _, _), (caught, detail, seconds) in zip(MUTATIONS, pool.map(timed, MUTATIONS), strict=True):
+        for (name, _, _), (caught, detail, seconds) in zip(jobs, pool.map(timed, [j[2] for j in jobs]), strict=True):
             survived += not caught
             print(f"{'caught  ' if caught else 'SURVIVED'} {name}: {detail} [{seconds:.0f} s]", flush=True)
-    print(f"mutation check: {len(MUTATIONS) - survived} of {len(MUTATIONS)} planted bugs caught")
+    print(f"mutation check: {len(jobs) - survived} of {len(jobs)} planted bugs caught")
     return 1 if survived else 0
 
 
