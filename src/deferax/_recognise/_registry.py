@@ -57,7 +57,8 @@ _LOCK = threading.Lock()
 _BUILTIN_LOADED: set[str] = set()
 
 
-def register_recognition(primitive: Any, rule: Callable, *, name: str) -> None:
+# (`rule` typed `Any` so that a wrong value reaches the check below, whose message names the call)
+def register_recognition(primitive: Any, rule: Any, *, name: str) -> None:
     """Register `rule` for the calls of `primitive`, so that [`deferax.filter_value_and_grad`][],
     [`deferax.filter_grad`][] and [`deferax.explain`][] rewrite them into
     [`deferax.sparse_solve`][] sites where the rule says they can.
