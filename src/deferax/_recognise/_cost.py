@@ -10,8 +10,8 @@ round trips; the rewritten one factors once, and a host site costs a round trip 
 
 and the call is rewritten only when `rewritten < original`. `t` is measured once per
 pattern: a factorisation (deferax's solver, SuperLU) of the pattern with random values,
-the least of a few for a small one. Only needed when the sign is not clear without it
-(`R >= 2` and `F >= 2` always pay: JAX's `spsolve` on CPU).
+the least of a few for a small one (not needed when `R >= 2` and `F >= 2`: then the
+rewrite always pays).
 """
 
 from __future__ import annotations
