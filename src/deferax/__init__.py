@@ -19,7 +19,10 @@ from ._plan._cost import Cost as Cost
 from ._plan._cost import Estimates as Estimates
 from ._plan._cost import forget_timings as forget_timings
 from ._plan._plan import Plan as Plan
+from ._plan._plan import Recognised as Recognised
 from ._plan._plan import Site as Site
+from ._recognise._registry import Recognition as Recognition
+from ._recognise._registry import register_recognition as register_recognition
 from ._record import Call as Call
 from ._record import Timeline as Timeline
 from ._record import plot_timelines as plot_timelines

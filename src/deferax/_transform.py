@@ -30,11 +30,14 @@ from ._checks import _checks, _messages
 from ._misc import is_concrete, struct_of
 from ._plan import _cost
 from ._plan._plan import Plan
+from ._recognise import _rewrite as _recognise
 from ._site import _primitive as _site
 from ._site._spec import PRIMITIVES, SITE, spec_of
 from ._stages import _stage1, _stage2, _stage3
 
 _SCHEDULES = ("auto", "standard", "deferred")
+_BAD_RECOGNISE = """`deferax.filter_value_and_grad`: `recognise` must be True (rewrite recognised calls where it \
+pays), "always" (wherever it is sound) or False (never), but got {found!r}."""
 _WHERE = "`deferax.filter_value_and_grad`"
 
 
@@ -47,6 +50,7 @@ class _Traced:
     leaves: list
     diff_tree: Any
     aux: Any  # (treedef, leaves with None where traced) or None
+    recognised: tuple = ()  # a `_recognise.Call` per call of a recognised library function
 
     def ins(self) -> list:
         return [*self.consts, *self.leaves]
@@ -72,10 +76,12 @@ def _is_traced(leaf) -> bool:
     return isinstance(leaf, jax.Array)  # a tracer is one too
 
 
-def _trace(fun, x, args, kwargs, has_aux, explaining: bool = False) -> _Traced:
+def _trace(fun, x, args, kwargs, has_aux, explaining: bool = False, recognise: Any = True) -> _Traced:
     """Run `fun` once, on abstract values for the differentiable leaves of `x` and the
     arguments themselves for everything else (which stays concrete: `int(n)`, `if flag:`
-    and NumPy work as in Equinox). `explaining`: `fun` was given to `explain` as the loss."""
+    and NumPy work as in Equinox). `explaining`: `fun` was given to `explain` as the loss.
+    `recognise`: rewrite recognised calls (`klujax.solve`, ...) into sites (`_recognise`);
+    never under an enclosing differentiation, which would differentiate the sites twice."""
     diff, nondiff = eqx.partition(x, eqx.is_inexact_array)
     leaves, diff_tree = jtu.tree_flatten(diff)
     box: dict = {}
@@ -96,9 +102,12 @@ def _trace(fun, x, args, kwargs, has_aux, explaining: bool = False) -> _Traced:
     structs = [struct_of(a, keep_weak_type=True) for a in leaves]
     with _site.declared_outputs_checked():
         closed, _ = _jaxpr.trace(flat, *structs)
+    recognised: tuple = ()
+    if recognise is not False and not _jaxpr.under_differentiation():
+        closed, recognised = _recognise.recognise(closed, recognise)
     closed = _jaxpr.inline(closed, (SITE,))
     program, consts = _jaxpr.open_consts(closed)
-    return _Traced(program, consts, list(leaves), diff_tree, box["aux"] if has_aux else None)
+    return _Traced(program, consts, list(leaves), diff_tree, box["aux"] if has_aux else None, recognised)
 
 
 def _check_value(value, explaining: bool = False):
@@ -176,10 +185,10 @@ def _timings(program) -> tuple:
     return tuple(found)
 
 
-def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, x, args, kwargs):
+def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, recognise, x, args, kwargs):
     if schedule == "standard":
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
-    traced = _trace(fun, x, args, kwargs, has_aux)
+    traced = _trace(fun, x, args, kwargs, has_aux, recognise=recognise)
     ins = traced.ins()
     differentiated = _jaxpr.under_differentiation()
     if schedule == "auto" and differentiated:
@@ -221,12 +230,13 @@ def _stage(name: str):
         yield
 
 
-def _plan(fun, has_aux, schedule, max_basis, args, kwargs, explaining: bool = False) -> Plan:
+def _plan(fun, has_aux, schedule, max_basis, recognise, args, kwargs, explaining: bool = False) -> Plan:
     if not args:
         raise TypeError(_messages.NO_ARGS.format(where=_WHERE))
     x, *rest = args
-    traced = _trace(fun, x, tuple(rest), kwargs, has_aux, explaining)
-    return analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE).plan
+    traced = _trace(fun, x, tuple(rest), kwargs, has_aux, explaining, recognise=recognise)
+    plan = analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE).plan
+    return _recognise.annotate(plan, traced.recognised)
 
 
 class _ValueAndGradWrapper(eqx.Module):
@@ -234,6 +244,7 @@ class _ValueAndGradWrapper(eqx.Module):
     _has_aux: bool = eqx.field(static=True)
     _schedule: str = eqx.field(static=True)
     _max_basis: int | None = eqx.field(static=True)
+    _recognise: Any = eqx.field(static=True, default=True)
 
     @property
     def __wrapped__(self):
@@ -243,11 +254,13 @@ class _ValueAndGradWrapper(eqx.Module):
         if not args:
             raise TypeError(_messages.NO_ARGS.format(where=_WHERE))
         x, *rest = args
-        return _value_and_grad(self._fun, self._has_aux, self._schedule, self._max_basis, x, tuple(rest), kwargs)
+        return _value_and_grad(
+            self._fun, self._has_aux, self._schedule, self._max_basis, self._recognise, x, tuple(rest), kwargs
+        )
 
     def plan(self, *args, **kwargs) -> Plan:
         """The schedule that `self(*args, **kwargs)` would run (see [`deferax.explain`][])."""
-        return _plan(self._fun, self._has_aux, self._schedule, self._max_basis, args, kwargs)
+        return _plan(self._fun, self._has_aux, self._schedule, self._max_basis, self._recognise, args, kwargs)
 
     def __get__(self, instance, owner):
         if instance is None:
@@ -287,7 +300,9 @@ class _GradWrapper(eqx.Module):
 DEFAULT_MAX_BASIS = None
 
 
-def _check_settings(schedule, max_basis):
+def _check_settings(schedule, max_basis, recognise=True):
+    if not (recognise is True or recognise is False or (isinstance(recognise, str) and recognise == "always")):
+        raise ValueError(_BAD_RECOGNISE.format(found=recognise))
     if schedule not in _SCHEDULES:
         raise ValueError(_messages.BAD_SCHEDULE.format(where=_WHERE, found=schedule))
     if max_basis is not None and not _checks.is_count(max_basis):
@@ -297,7 +312,12 @@ def _check_settings(schedule, max_basis):
 
 
 def filter_value_and_grad(
-    fun=None, *, has_aux: bool = False, schedule: str = "auto", max_basis: int | None = DEFAULT_MAX_BASIS
+    fun=None,
+    *,
+    has_aux: bool = False,
+    schedule: str = "auto",
+    max_basis: int | None = DEFAULT_MAX_BASIS,
+    recognise: bool | str = True,
 ):
     """Equinox's `filter_value_and_grad`, running the deferred VJP where it is sound.
 
@@ -323,6 +343,13 @@ def filter_value_and_grad(
       "How the schedule is chosen" in the docs). An int is a fixed rule: `k <= max_basis`
       is deferred-basis, beyond it standard, whatever the estimates. A site's own
       `ExpensiveFn(max_basis=...)` takes precedence.
+    - `recognise`: rewrite the sparse solves that `fun` already makes (`klujax.solve`,
+      `jax.experimental.sparse.linalg.spsolve` on CPU, and primitives registered with
+      [`deferax.register_recognition`][]) into [`deferax.sparse_solve`][] sites, so that
+      one factorisation serves the forward and every adjoint. `True` (default): where the
+      rewrite provably equals the call and its saving pays for a host round trip (see
+      "Faster without rewriting" in the docs); `"always"`: wherever it provably equals the
+      call, whatever the cost; `False`: never (the program is left exactly as traced).
 
     **Returns:**
 
@@ -341,22 +368,31 @@ def filter_value_and_grad(
     `jax.jit`, `eqx.filter_jit` or `jax.vmap` the whole schedule is traced into the
     surrounding program.
     """
-    _check_settings(schedule, max_basis)
+    _check_settings(schedule, max_basis, recognise)
     if fun is None:
-        return ft.partial(filter_value_and_grad, has_aux=has_aux, schedule=schedule, max_basis=max_basis)
-    return eqx.module_update_wrapper(_ValueAndGradWrapper(fun, has_aux, schedule, max_basis))
+        return ft.partial(
+            filter_value_and_grad, has_aux=has_aux, schedule=schedule, max_basis=max_basis, recognise=recognise
+        )
+    return eqx.module_update_wrapper(_ValueAndGradWrapper(fun, has_aux, schedule, max_basis, recognise))
 
 
-def filter_grad(fun=None, *, has_aux: bool = False, schedule: str = "auto", max_basis: int | None = DEFAULT_MAX_BASIS):
+def filter_grad(
+    fun=None,
+    *,
+    has_aux: bool = False,
+    schedule: str = "auto",
+    max_basis: int | None = DEFAULT_MAX_BASIS,
+    recognise: bool | str = True,
+):
     """Equinox's `filter_grad`, running the deferred VJP where it is sound.
 
     As [`deferax.filter_value_and_grad`][], but returns only the gradients (and `aux`,
     as `(grads, aux)`, with `has_aux=True`).
     """
-    _check_settings(schedule, max_basis)
+    _check_settings(schedule, max_basis, recognise)
     if fun is None:
-        return ft.partial(filter_grad, has_aux=has_aux, schedule=schedule, max_basis=max_basis)
-    value_and_grad = _ValueAndGradWrapper(fun, has_aux, schedule, max_basis)
+        return ft.partial(filter_grad, has_aux=has_aux, schedule=schedule, max_basis=max_basis, recognise=recognise)
+    value_and_grad = _ValueAndGradWrapper(fun, has_aux, schedule, max_basis, recognise)
     return eqx.module_update_wrapper(_GradWrapper(value_and_grad, has_aux))
 
 
@@ -364,10 +400,11 @@ def explain(fun, *args, **kwargs) -> Plan:
     """Show which schedule each expensive call site of `fun` gets, and why.
 
     `fun` is a function made by [`deferax.filter_value_and_grad`][] or
-    [`deferax.filter_grad`][] (its `has_aux` and `schedule` are used), or a plain loss
+    [`deferax.filter_grad`][] (its `has_aux`, `schedule` and `recognise` are used), or a plain loss
     function (analysed as `filter_value_and_grad(fun)` would), either of them also under
     `jax.jit` or `eqx.filter_jit` (the function they compile is explained). Nothing
-    expensive runs: the program is only traced.
+    expensive runs: the program is only traced (a call that may be recognised is timed
+    once per pattern: one factorisation, see "Faster without rewriting" in the docs).
 
     **Returns:**
 
@@ -384,7 +421,7 @@ def explain(fun, *args, **kwargs) -> Plan:
     fun = _compiled_function(fun)
     if isinstance(fun, _ValueAndGradWrapper | _GradWrapper):
         return fun.plan(*args, **kwargs)
-    return _plan(fun, False, "auto", DEFAULT_MAX_BASIS, args, kwargs, explaining=True)
+    return _plan(fun, False, "auto", DEFAULT_MAX_BASIS, True, args, kwargs, explaining=True)
 
 
 def _identity(x):

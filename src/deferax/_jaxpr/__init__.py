@@ -10,6 +10,7 @@ tested JAX range is pinned in `pyproject.toml`. One file a concern:
 - `_primitives`: defining a primitive and the helpers its rules need;
 - `_dependence`: which values depend on which sources, and the user line that made it so;
 - `_linearity`: where a program stops being linear in an input;
+- `_rewrite`: rewriting chosen equations into other code (recognised calls);
 - `_replay`: what cannot run outside the trace that made it, or must run once;
 - `_keys`: cache keys equal for programs that compute the same thing;
 - `_config`: the caller's JAX configuration carried to other threads.
@@ -55,3 +56,6 @@ from ._program import top_level as top_level
 from ._program import trace as trace
 from ._replay import once_only as once_only
 from ._replay import stranded_rule as stranded_rule
+from ._rewrite import Found as Found
+from ._rewrite import Nested as Nested
+from ._rewrite import rewrite as rewrite

@@ -73,8 +73,9 @@ def substitute(closed, eqn_indices):
 
 
 def contains(eqn, primitives) -> bool:
-    """Whether `eqn` is, or holds in a nested jaxpr at any depth, a primitive named in `primitives`."""
-    if str(eqn.primitive) in primitives:
+    """Whether `eqn` is, or holds in a nested jaxpr at any depth, a primitive named in
+    `primitives` (or, for a callable, one of which `primitives(primitive)` is true)."""
+    if primitives(eqn.primitive) if callable(primitives) else str(eqn.primitive) in primitives:
         return True
     return any(contains(e, primitives) for sub in _core.jaxprs_in_params(eqn.params) for e in sub.eqns)
 
@@ -95,7 +96,8 @@ _INLINE = {
 
 def inline(closed, primitives):
     """`closed` with every nested jit/checkpoint that contains one of `primitives` inlined
-    (recursively), so that those primitives' equations sit at the top level."""
+    (recursively), so that those primitives' equations sit at the top level (`primitives`:
+    names, or a test of a primitive object, as for `contains`)."""
 
     def body(eqn):
         key = _INLINE.get(str(eqn.primitive))

@@ -54,6 +54,31 @@ class Site(eqx.Module):
     estimates: Estimates | None = None
 
 
+class Recognised(eqx.Module):
+    """A call of a recognised library function in the loss (`klujax.solve`, JAX's
+    `spsolve`, or one registered with [`deferax.register_recognition`][]), and what became
+    of it.
+
+    **Fields:**
+
+    - `call`: the function as the user wrote it, e.g. `"klujax.solve"`.
+    - `where`: the user's line that makes the call (`"at loss.py:12 `...`"`).
+    - `site`: the index in `sites` of the [`deferax.sparse_solve`][] site it became (named
+      `"klujax.solve (recognised)"`); `None` when it was left as it is.
+    - `reason`: why it was left as it is; `None` when it was rewritten.
+    """
+
+    call: str
+    where: str
+    site: int | None = None
+    reason: str | None = None
+
+    def __str__(self) -> str:
+        if self.reason is None:
+            return f"#{self.site} {self.call} (recognised) {self.where}"
+        return f"{self.call} {self.where}: not recognised: {self.reason}"
+
+
 class Plan(eqx.Module):
     """The schedule of a `filter_value_and_grad` call, returned by [`deferax.explain`][].
 
@@ -69,12 +94,15 @@ class Plan(eqx.Module):
     - `fallback`: why the whole call runs as `equinox.filter_value_and_grad` would (the
       program cannot be evaluated again outside the trace of the function); `None` when
       it does not.
+    - `recognised`: a [`deferax.Recognised`][] per call of a recognised library function
+      (`klujax.solve`, JAX's `spsolve`, ...), rewritten into a site or left as it is.
     """
 
     sites: tuple[Site, ...]
     stages: tuple[tuple[str, ...], ...]
     requested: str
     fallback: str | None = None
+    recognised: tuple[Recognised, ...] = ()
 
     @property
     def deferred(self) -> tuple[Site, ...]:
@@ -122,6 +150,10 @@ deferred"
         out.extend(line(r) for r in rows)
         for i, note in enumerate(notes, 1):
             out.extend(_wrap(note, f"[{i}] "))
+        if self.recognised:
+            out.append("recognised calls:")
+            for r in self.recognised:
+                out.extend(_wrap(str(r), "  "))
         chosen = [s for s in self.sites if _estimates_listed(s)]
         if chosen:
             out.append("estimated wall time:")
@@ -146,10 +178,7 @@ def _short(text: str, width: int) -> str:
 
 def _wrap(text: str, first: str) -> list[str]:
     """`text` wrapped at `_WIDTH` columns after `first`, its later lines indented under it."""
-    return textwrap.wrap(
-        text, _WIDTH, initial_indent=first, subsequent_indent=" " * len(first), break_on_hyphens=False
-    )
-
+    return textwrap.wrap(text, _WIDTH, initial_indent=first, subsequent_indent=" " * len(first), break_on_hyphens=False)
 
 
 def _estimates_listed(site: Site) -> bool:

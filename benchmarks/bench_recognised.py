@@ -1,0 +1,114 @@
+"""Recognised calls: one loss written with `klujax.solve` or JAX's `spsolve`, unchanged,
+differentiated by plain `jax.jit(jax.value_and_grad(loss))` and by
+`jax.jit(dx.filter_value_and_grad(loss))` (which rewrites the solve into a `dx.sparse_solve`
+site: one factorisation per value and gradient where plain JAX factors 2-3 times).
+
+A complex Helmholtz-like operator on an `m x m` grid (n = m^2 unknowns), three losses of the
+solution `x`: linear (`Re <w, x>`), an overlap `|<w, x>|^2` and `sum |x|^2`. Sizes n = 22,500
+and 90,000 (`--small`: n = 400), interleaved repeats, and a 100-unknown klujax system (a
+photonic circuit's size), where the rewrite would not pay and the call is left in place.
+
+    python benchmarks/bench_recognised.py            # n = 22,500 and 90,000
+    python benchmarks/bench_recognised.py --small    # n = 400 (a smoke test)
+    python benchmarks/bench_recognised.py --sizes 150  # m = 150 only (n = 22,500)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import klujax
+import numpy as np
+from _common import describe, interleaved, load, machine, median, parser, result_line
+from jax.experimental.sparse.linalg import spsolve
+
+import deferax as dx
+
+TARGETS = {"overlap": 0.6, "small": 1.05}
+
+
+def helmholtz(m: int):
+    """`(rows, cols, indptr, values, b, w)`: a 5-point complex operator, CSR-ordered COO."""
+    rng = np.random.default_rng(0)
+    n = m * m
+    i = np.arange(n)
+    rows, cols, vals = [i], [i], [np.full(n, -4.0 + 0.5 + 0.05j) + rng.uniform(-0.1, 0.1, n)]
+    for d, ok in ((-1, i % m != 0), (1, i % m != m - 1), (-m, i >= m), (m, i < n - m)):
+        rows.append(i[ok]), cols.append(i[ok] + d), vals.append(np.full(ok.sum(), 1.0 + 0j))
+    rows, cols, vals = np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
+    order = np.lexsort((cols, rows))
+    rows, cols, vals = rows[order], cols[order], vals[order]
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=n))])
+    b = np.zeros(n, complex)
+    b[n // 2 + m // 2] = 1.0
+    w = np.exp(-(((i % m) - m / 3) ** 2 + ((i // m) - m / 3) ** 2) / (0.05 * m) ** 2) + 0j
+    return rows, cols, indptr, jnp.asarray(vals), jnp.asarray(b), jnp.asarray(w)
+
+
+def losses(solve, w):
+    return {
+        "linear": lambda v, b: jnp.real(jnp.vdot(w, solve(v, b))),
+        "overlap": lambda v, b: jnp.abs(jnp.vdot(w, solve(v, b))) ** 2,
+        "power": lambda v, b: jnp.sum(jnp.abs(solve(v, b)) ** 2),
+    }
+
+
+def compare(name: str, loss, values, b, repeats: int) -> float:
+    plain = jax.jit(jax.value_and_grad(loss))
+    deferax = jax.jit(dx.filter_value_and_grad(loss))
+    want, got = plain(values, b), deferax(values, b)
+    error = float(jnp.max(jnp.abs(got[1] - want[1])) / jnp.max(jnp.abs(want[1])))
+    plan = dx.explain(dx.filter_value_and_grad(loss), values, b)
+    with dx.record() as timeline:
+        jax.block_until_ready(deferax(values, b))
+    steps = dict(sorted(timeline.counts(steps=True).items()))
+    schedule = plan.sites[0].schedule if plan.sites else "left in place"
+    print(f"--- {name}: {schedule}, {steps or 'no deferax steps'} per step, gradient error {error:.1e}")
+    times = interleaved({"plain": lambda: plain(values, b), "deferax": lambda: deferax(values, b)}, repeats)
+    for side, ts in times.items():
+        print(f"  {side:8s}: {describe(ts)}")
+    return median(times["deferax"]) / median(times["plain"]), times
+
+
+def main():
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="*", default=None, help="grid sides m (n = m^2)")
+    args = p.parse_args()
+    jax.config.update("jax_enable_x64", True)
+    sizes = args.sizes or ([20] if args.small else [150, 300])
+    repeats = args.repeats or (2 if args.small else 7)
+    print(f"bench_recognised: {machine()}")
+    for m in sizes:
+        rows, cols, indptr, values, b, w = helmholtz(m)
+        solves = {
+            "klujax": lambda v, b, rows=rows, cols=cols: klujax.solve(rows, cols, v, b),
+            "spsolve": lambda v, b, cols=cols, indptr=indptr: spsolve(v, cols, indptr, b),
+        }
+        for library, solve in solves.items():
+            for loss_name, loss in losses(solve, w).items():
+                case = f"{library} {loss_name} n={m * m}"
+                ratio, times = compare(case, loss, values, b, repeats)
+                target = TARGETS["overlap"] if loss_name == "overlap" and not args.small else None
+                new, old = median(times["deferax"]), median(times["plain"])
+                print(result_line("bench_recognised", case, new, old, target, "deferax", "plain JAX"))
+
+    # a circuit-sized system: 100 unknowns, a dense-ish random coupling, klujax
+    n = 100
+    rng = np.random.default_rng(1)
+    dense = (rng.uniform(size=(n, n)) < 0.05) | np.eye(n, dtype=bool)
+    rows, cols = np.nonzero(dense)
+    values = jnp.asarray(np.where(rows == cols, 4.0, 0.3) * np.exp(1j * rng.uniform(0, 6.28, rows.size)))
+    b = jnp.asarray(rng.normal(size=n) + 0j)
+    w = jnp.asarray(rng.normal(size=n) + 0j)
+    loss = losses(lambda v, b: klujax.solve(rows, cols, v, b), w)["overlap"]
+    case = "klujax overlap n=100"
+    print(dx.explain(dx.filter_value_and_grad(loss), values, b).recognised[0])
+    ratio, times = compare(case, loss, values, b, max(repeats, 20) if not args.small else repeats)
+    new, old = median(times["deferax"]), median(times["plain"])
+    target = None if args.small else TARGETS["small"]
+    print(result_line("bench_recognised", case, new, old, target, "deferax", "plain JAX"))
+    print(f"at the end: {load()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The extension point: which primitives are recognised, and how each becomes a sparse solve.
+
+A *rule* looks at one equation of its primitive (its operands known at trace time as NumPy
+arrays, the others as `jax.ShapeDtypeStruct`s, and its parameters) and answers either a
+[`deferax.Recognition`][] (the matrix's pattern, and how the equation's outputs are computed
+from its inputs with `dx.sparse_solve`), or a string: why this call is left as it is.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+
+from .._host._sparse_solve import SparsePattern
+
+_BAD_PRIMITIVE = """`dx.register_recognition`: `primitive` must be a `jax.extend.core.Primitive` (the object \
+that the call binds, as `klujax.solve_f64`), but got {found}.
+Find it in the library's module, or in the program: `jax.make_jaxpr(loss)(x).eqns[i].primitive`."""
+
+_BAD_RULE = """`dx.register_recognition(name={name!r})`: `rule` must be a function \
+`rule(operands, params) -> dx.Recognition | str`, but got {found}."""
+
+_BAD_ANSWER = """`dx.register_recognition(name={name!r})`: the rule returned {found} for the call {where}. \
+A rule returns a `dx.Recognition` (to rewrite the call) or a string (why it is left as it is)."""
+
+
+class Recognition(eqx.Module):
+    """A rule's answer for a call it rewrites: the call becomes [`deferax.sparse_solve`][]
+    sites on `pattern` (see "Faster without rewriting" in the docs).
+
+    **Arguments:**
+
+    - `pattern`: the matrix's [`deferax.SparsePattern`][], built from the call's index
+      operands (which the rule receives as NumPy arrays).
+    - `apply`: `apply(solve, *operands) -> outputs`: the call's outputs (one array, or a
+      list for a primitive with several) from its operands, as traced arrays, where
+      `solve(values, b)` is `dx.sparse_solve(values, pattern, b)` for `values` of shape
+      `(nnz,)` and `b` of shape `(n,)` (it works under `jax.vmap`).
+    - `factorisations`: how many times the original call factors the matrix for one value
+      and gradient (for the choice by cost; the rewritten call factors once).
+    - `round_trips`: how many host round trips the original makes for one value and
+      gradient (0 for a solver compiled into the program; a callback's count otherwise).
+    """
+
+    pattern: SparsePattern = eqx.field(static=True)
+    apply: Callable = eqx.field(static=True)
+    factorisations: int = eqx.field(default=2, static=True)
+    round_trips: int = eqx.field(default=0, static=True)
+
+
+_RULES: dict[Any, tuple[str, Callable]] = {}
+_LOCK = threading.Lock()
+_BUILTIN_LOADED: set[str] = set()
+
+
+# (`rule` typed `Any` so that a wrong value reaches the check below, whose message names the call)
+def register_recognition(primitive: Any, rule: Any, *, name: str) -> None:
+    """Register `rule` for the calls of `primitive`, so that [`deferax.filter_value_and_grad`][],
+    [`deferax.filter_grad`][] and [`deferax.explain`][] rewrite them into
+    [`deferax.sparse_solve`][] sites where the rule says they can.
+
+    **Arguments:**
+
+    - `primitive`: the `jax.extend.core.Primitive` the call binds (matched by identity,
+      never by name).
+    - `rule`: `rule(operands, params) -> dx.Recognition | str`, called once per call at
+      trace time. `operands` has an entry per operand of the equation: a NumPy array when
+      its value is known at trace time (computed from constants alone), a
+      `jax.ShapeDtypeStruct` otherwise; `params` are the equation's parameters. Return a
+      [`deferax.Recognition`][] only when the rewritten call provably equals the original,
+      otherwise a string saying why not ([`deferax.explain`][] shows it).
+    - `name`: the call as the user writes it (`"klujax.solve"`), shown by `explain` and
+      in the site's name (`"klujax.solve (recognised)"`).
+
+    Registering a primitive again replaces its rule.
+    """
+    from jax.extend.core import Primitive
+
+    if not isinstance(primitive, Primitive):
+        raise TypeError(_BAD_PRIMITIVE.format(found=_found(primitive)))
+    if not callable(rule):
+        raise TypeError(_BAD_RULE.format(name=name, found=_found(rule)))
+    with _LOCK:
+        _RULES[primitive] = (str(name), rule)
+
+
+def _found(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 60 else f"a {type(obj).__name__}"
+
+
+def rules() -> dict[Any, tuple[str, Callable]]:
+    """The registered rules by primitive, with the built-in ones for the libraries imported
+    so far (looked up here, so that deferax imports none of them)."""
+    for module, load in _builtin():
+        if module in sys.modules and module not in _BUILTIN_LOADED:
+            with _LOCK:
+                _BUILTIN_LOADED.add(module)
+            load()
+    with _LOCK:
+        return dict(_RULES)
+
+
+def _builtin():
+    from . import _klujax, _spsolve
+
+    return (("klujax", _klujax.register), ("jax.experimental.sparse.linalg", _spsolve.register))
+
+
+def bad_answer(name: str, where: str, found: Any) -> TypeError:
+    return TypeError(_BAD_ANSWER.format(name=name, where=where, found=_found(found)))

@@ -1,0 +1,100 @@
+"""The rewrite itself: each recognised call of a traced loss becomes `dx.sparse_solve` sites."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _jaxpr
+from .._host._sparse_solve import sparse_solve
+from .._plan._plan import Plan, Recognised
+from . import _cost, _registry
+
+_BAD_OUTPUT = """`dx.register_recognition(name={name!r})`: the rewrite of the call {where} returned {found}, \
+but the call returns {expected}. `Recognition.apply` must return arrays of the call's own shapes and dtypes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A call of a registered primitive in the loss, and what became of it."""
+
+    name: str  # as the user wrote it: "klujax.solve"
+    where: str  # "at loss.py:12 `code`"
+    site: str | None  # the site's name when it was rewritten
+    reason: str | None  # why it was left as it is
+
+
+def recognise(closed, mode) -> tuple:
+    """`(program, calls)`: `closed` with its recognised calls rewritten (`mode`: True, by
+    cost; "always"; False: none), and a `Call` for each call of a registered primitive."""
+    if mode is False:
+        return closed, ()
+    rules = _registry.rules()
+    if not rules:
+        return closed, ()
+    calls: list[Call] = []
+
+    def decide(found):
+        name, rule = rules[found.primitive]
+        where = _where(found.location)
+        answer = rule(found.operands, found.params)
+        if isinstance(answer, str):
+            calls.append(Call(name, where, None, answer))
+            return None
+        if not isinstance(answer, _registry.Recognition):
+            raise _registry.bad_answer(name, where, answer)
+        complex_ = any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in found.operands)
+        reason = None if mode == "always" else _cost.refusal(answer, complex_)
+        if reason is not None:
+            calls.append(Call(name, where, None, reason))
+            return None
+        site = f"{name} (recognised)"
+        calls.append(Call(name, where, site, None))
+
+        def solve(values, b):
+            return sparse_solve(values, answer.pattern, b, name=site)
+
+        def rewritten(*ins):
+            out = answer.apply(solve, *ins)
+            outs = list(out) if found.multiple_results else [out]
+            got = [jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o)) for o in outs]
+            if got != list(found.outs):
+                expected = _text(found.outs)
+                raise TypeError(_BAD_OUTPUT.format(name=name, where=where, found=_text(got), expected=expected))
+            return outs
+
+        return rewritten
+
+    closed, nested = _jaxpr.rewrite(closed, lambda p: p in rules, decide)
+    for n in nested:
+        reason = f"inside {n.kind}: left as is (calls at the top level of the loss, or in a nested `jit`, are)"
+        calls.append(Call(rules[n.primitive][0], _where(n.location), None, reason))
+    return closed, tuple(calls)
+
+
+def _where(location) -> str:
+    """`at file:line `code`` of the user's line (not the library's inside it)."""
+    return dataclasses.replace(location, library=None).where()
+
+
+def _text(structs) -> str:
+    return ", ".join(f"{np.dtype(s.dtype).name}{list(s.shape)}" for s in structs)
+
+
+def annotate(plan: Plan, calls: tuple) -> Plan:
+    """`plan` with its recognised calls, each rewritten one pointing at its site."""
+    if not calls:
+        return plan
+    used: set[int] = set()
+    entries = []
+    for c in calls:
+        index = None
+        if c.site is not None:
+            index = next((s.index for s in plan.sites if s.name == c.site and s.index not in used), None)
+            if index is not None:
+                used.add(index)
+        entries.append(Recognised(call=c.name, where=c.where, site=index, reason=c.reason))
+    return dataclasses.replace(plan, recognised=tuple(entries))
