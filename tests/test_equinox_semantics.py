@@ -262,11 +262,13 @@ def test_inside_an_enclosing_derivative_the_standard_schedule_is_used(counter):
     # schedule='deferred' asked for explicitly: a site whose deferred call leaves the program
     # cannot be differentiated, and the error says which and what to do (it was JAX's
     # "Pure callbacks do not support JVP"); a JAX-native `fused` can be, and is
-    expected = "`deferax.filter_value_and_grad`: schedule='deferred' was requested inside an enclosing differentiation \
-(`jax.grad`,\n`jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' \
-deferred calls\nrun outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from \
-`fwd` and\n`bwd` or `adjoint`, or a host function): `fused`. Use schedule='auto': under differentiation it keeps them \
-standard."
+    expected = (
+        "`deferax.filter_value_and_grad`: schedule='deferred' was requested inside an enclosing differentiation "
+        "(`jax.grad`,\n`jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. "
+        "These sites' deferred calls\nrun outside the program, through a callback that JAX cannot differentiate "
+        "(a `dx.fuse`, halves made from `fwd` and\n`bwd` or `adjoint`, or a host function): `fused`. "
+        "Use schedule='auto': under differentiation it keeps them standard."
+    )
     with pytest.raises(ValueError, match=re.escape(expected)):
         jax.jacrev(dx.filter_grad(loss, schedule="deferred"))(P0)
     native = dx.ExpensiveFn(
