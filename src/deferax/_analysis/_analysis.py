@@ -474,7 +474,7 @@ def _estimate(spec: _site.Spec, k: int) -> _cost.Estimates:
     complex_out = any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in spec.y_structs)
     shapes = tuple(s.shape for s in spec.x_structs)
     fused_only = static.fwd is None and static.bwd is None and static.adjoint is None
-    fused_jobs = static.fwd is None or static.adjoint is None  # (as `dx.host`'s `fused_batch` runs them)
+    fused_jobs = fused_only or (isinstance(fused, AbstractImplementation) and fused.batch_jobs_are_fused)
     return _cost.estimate(
         static.timings_key, shapes, static.cost, k, complex_out, one_job, fused_only, workers, fused_jobs=fused_jobs
     )

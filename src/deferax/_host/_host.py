@@ -166,6 +166,11 @@ class HostImplementation(AbstractImplementation):
     def timings_key(self) -> Any:
         return self.host.runner.key
 
+    @property
+    def batch_jobs_are_fused(self) -> bool:  # (as `_Host.fused_batch` runs them)
+        runner = self.host.runner
+        return runner.fused_batch is None and (runner.fwd is None or runner.adjoint is None)
+
     def __call__(self, *args: Any) -> Any:
         return _METHODS[self.impl](self.host, *args)
 

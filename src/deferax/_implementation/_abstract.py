@@ -60,6 +60,13 @@ class AbstractImplementation(eqx.Module):
         when they are not timed (only host functions are)."""
         return None
 
+    @property
+    def batch_jobs_are_fused(self) -> bool:
+        """When a batch of cotangents is not one job: whether its jobs are `fused` once per
+        cotangent (each computing the forward too), rather than one forward job and one
+        adjoint job per cotangent (read for the estimates)."""
+        return False
+
 
 class AbstractFused(AbstractImplementation):
     """`fused(x, ct_y) -> (y, ct_x)` built from `fwd(x) -> y` and `adjoint(x, ct_y)`, with

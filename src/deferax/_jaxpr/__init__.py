@@ -38,6 +38,7 @@ from ._linearity import nonlinear_uses as nonlinear_uses
 from ._primitives import define_primitive as define_primitive
 from ._primitives import instantiate as instantiate
 from ._primitives import is_not_mapped as is_not_mapped
+from ._primitives import is_primitive as is_primitive
 from ._primitives import is_zero as is_zero
 from ._primitives import move_to_front as move_to_front
 from ._primitives import shaped as shaped

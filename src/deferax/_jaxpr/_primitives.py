@@ -64,3 +64,8 @@ def is_not_mapped(dim) -> bool:
 def move_to_front(x, dim):
     """Move a batch dimension to axis 0 (a no-op when already there)."""
     return jax.numpy.moveaxis(x, dim, 0)
+
+
+def is_primitive(obj: object) -> bool:
+    """Whether `obj` is a JAX primitive (what an equation binds)."""
+    return isinstance(obj, _core.Primitive)

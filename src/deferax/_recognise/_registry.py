@@ -15,6 +15,7 @@ from typing import Any
 
 import equinox as eqx
 
+from .. import _jaxpr
 from .._host._sparse_solve import SparsePattern
 
 _BAD_PRIMITIVE = """`dx.register_recognition`: `primitive` must be a `jax.extend.core.Primitive` (the object \
@@ -78,9 +79,7 @@ def register_recognition(primitive: Any, rule: Any, *, name: str) -> None:
 
     Registering a primitive again replaces its rule.
     """
-    from jax.extend.core import Primitive
-
-    if not isinstance(primitive, Primitive):
+    if not _jaxpr.is_primitive(primitive):
         raise TypeError(_BAD_PRIMITIVE.format(found=_found(primitive)))
     if not callable(rule):
         raise TypeError(_BAD_RULE.format(name=name, found=_found(rule)))
