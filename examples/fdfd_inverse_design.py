@@ -169,7 +169,7 @@ def main():
 
         with LocalCluster(n_workers=args.dask, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
             with Client(cluster) as client:
-                history, _ = design(problem, steps, executor=client.get_executor())
+                history, _ = design(problem, steps, executor=client)
     else:
         history, _ = design(problem, steps)
     print(f"objective: {history[0]:.6e} -> {history[-1]:.6e} ({history[-1] / history[0]:.2f}x)")

@@ -263,7 +263,8 @@ def test_workers_are_taken_from_the_executor():
     processes = cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
     threads = [cf.ThreadPoolExecutor(1), cf.ThreadPoolExecutor(2), cf.ThreadPoolExecutor(64)]
     cases = [
-        ({"executor": threads[0]}, 1),
+        ({"executor": threads[0]}, min(2, cores)),  # (a pool's size is not public: the cores)
+        ({"executor": threads[0], "cost": dx.Cost(fwd=3.0, bwd=1.0, workers=1)}, 1),  # (unless the hint says)
         ({"executor": threads[1]}, min(2, cores)),
         ({"executor": threads[2]}, cores),  # (a thread pool: at most the cores)
         ({"executor": processes}, 2),

@@ -61,6 +61,11 @@ def executor(client):
     return client.get_executor()
 
 
+def given(client, how):
+    """What the caller gives as `executor=`: the client itself, or an executor made from it."""
+    return client if how == "client" else client.get_executor()
+
+
 def record(directory, what):
     """Leave a file per run: `runs/<what>-<pid>-<unique>`."""
     os.makedirs(os.path.join(directory, "runs"), exist_ok=True)
@@ -142,10 +147,11 @@ def expected(x=X0):
     return eqx.filter_value_and_grad(linear_loss(reference))(x)
 
 
+@pytest.mark.parametrize("how", ["client", "get_executor"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("schedule", ["auto", "standard"])
-def test_values_gradients_and_runs_on_the_workers(executor, tmp_path, schedule, jit):
-    loss = linear_loss(solver(tmp_path, executor))
+def test_values_gradients_and_runs_on_the_workers(client, tmp_path, schedule, jit, how):
+    loss = linear_loss(solver(tmp_path, given(client, how)))
     fn = dx.filter_value_and_grad(loss, schedule=schedule)
     if jit:
         fn = eqx.filter_jit(fn)
@@ -155,8 +161,9 @@ def test_values_gradients_and_runs_on_the_workers(executor, tmp_path, schedule, 
     assert os.getpid() not in pids  # it ran on the workers
 
 
-def test_forward_and_adjoint_run_on_two_workers_at_once(executor, tmp_path):
-    loss = linear_loss(solver(tmp_path, executor, meet=True, timeout=30))
+@pytest.mark.parametrize("how", ["client", "get_executor"])
+def test_forward_and_adjoint_run_on_two_workers_at_once(client, tmp_path, how):
+    loss = linear_loss(solver(tmp_path, given(client, how), meet=True, timeout=30))
     assert_tree_allclose(dx.filter_value_and_grad(loss)(X0), expected(), rtol=1e-12, atol=1e-12)
     counts, pids = runs(tmp_path)
     assert counts == {"fwd": 1, "adjoint": 1}
@@ -262,10 +269,11 @@ def helmholtz(n, k0):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_sparse_solve_keeps_each_matrix_on_one_worker(executor, tmp_path, jit):
+def test_sparse_solve_keeps_each_matrix_on_one_worker(client, tmp_path, jit):
     """The standard schedule: each forward factors on a worker and leaves the factorisation
     there; the backward job goes to that worker and uses it. Two matrices (two wavelengths)
-    go to the two workers."""
+    go to the two workers. (Given the client: an executor made by `client.get_executor()`
+    does not make its client public, and its jobs go where Dask puts them.)"""
     pytest.importorskip("scipy")
     sites = [helmholtz(6, k0) for k0 in (9.0, 13.0)]
     b = jnp.linspace(1.0, 2.0, 36).astype(jnp.complex128)
@@ -278,7 +286,7 @@ def test_sparse_solve_keeps_each_matrix_on_one_worker(executor, tmp_path, jit):
 
     for step in range(3):
         directory = str(tmp_path / f"step{step}")
-        on_dask = lambda v, p, d=directory: dx.sparse_solve(v, p, b, solver=CountedLU(d), executor=executor)  # noqa: E731
+        on_dask = lambda v, p, d=directory: dx.sparse_solve(v, p, b, solver=CountedLU(d), executor=client)  # noqa: E731
         vs = tuple(jnp.asarray(v) * (1.0 + 0.1 * step) for v, _ in sites)
         fn = jax.value_and_grad(lambda vs, s=on_dask: loss(vs, s))
         got = (jax.jit(fn) if jit else fn)(vs)

@@ -209,7 +209,8 @@ ct_y) -> (y, ct_x)`:
 
 HOST_BAD_EXECUTOR = """{call}: `executor` must be a `concurrent.futures.Executor` (a `ThreadPoolExecutor`, a \
 `ProcessPoolExecutor`,
-`distributed.Client(...).get_executor()`) or None for deferax's thread pool, but got {found!r}."""
+`distributed.Client(...).get_executor()`), a Dask `distributed.Client`, or None for deferax's thread pool, but got \
+{found!r}."""
 
 HOST_BATCH_WITHOUT_FUSED = """{call}: `fused_batch` was given without `fused`. It serves the deferred-basis \
 schedule; the deferred

@@ -3,16 +3,22 @@
 A forward pass leaves its factorisation in the worker process that made it, for the
 backward pass. On a cluster, that backward job must go to the same worker, or it factors
 again; and different matrices (one a wavelength, say) should go to different workers, to
-be factored at once. `pinned(executor)` wraps a Dask executor so that every job of one
-matrix (the same `values`) goes to one worker, and new matrices go to the workers in turn.
-The worker is a preference (`allow_other_workers=True`): when it is gone, the job runs
-elsewhere and factors again.
+be factored at once. `pinned(executor)` turns a Dask `distributed.Client` into an executor
+that sends every job of one matrix (the same `values`) to one worker, and new matrices to
+the workers in turn. The worker is a preference (`allow_other_workers=True`): when it is
+gone, the job runs elsewhere and factors again. Only the client's public API is used: its
+workers from `client.scheduler_info()`, and `client.get_executor(workers=...)` for each job.
+
+An executor made by `client.get_executor()` does not make its client public: its jobs go
+where Dask puts them.
+
+Which worker each matrix went to is remembered per client, holding the client weakly (and
+nothing that holds it), so that a client the caller drops is freed.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures as cf
 import hashlib
 import threading
 import weakref
@@ -22,52 +28,54 @@ import numpy as np
 
 from . import _executor
 
-# Matrices whose worker is remembered, per executor: enough for the forward passes still
+# Matrices whose worker is remembered, per client: enough for the forward passes still
 # waiting for their backward pass (`_sparse_solve.FACTORISATIONS` keeps at most 8).
 REMEMBERED = 64
 
-_PINNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PINNED_LOCK = threading.Lock()
+
+class _Workers:
+    """The workers a client's matrices went to (by a digest of their values), and whose turn
+    is next. Holds no reference to the client."""
+
+    def __init__(self):
+        self.of: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self.turn = 0
+        self.lock = threading.Lock()
 
 
-class Pinned(_executor.WrappingExecutor):
-    """`wrapped`, a Dask executor (from `distributed.Client(...).get_executor()`), with the jobs of one
-    matrix on one worker. Each job's first argument is the solve's input `(values, b)`."""
+_WORKERS: weakref.WeakKeyDictionary[Any, _Workers] = weakref.WeakKeyDictionary()
+_WORKERS_LOCK = threading.Lock()
 
-    def __init__(self, wrapped: cf.Executor):
-        self.wrapped = wrapped
-        self._worker_of: collections.OrderedDict[bytes, str] = collections.OrderedDict()
-        self._turn = 0
-        self._lock = threading.Lock()
+
+class Pinned(_executor.DaskClient):
+    """A Dask `distributed.Client`, with the jobs of one matrix on one worker. Each job's
+    first argument is the solve's input `(values, b)`."""
 
     def submit(self, fn, /, *args, **kwargs):
         values = np.ascontiguousarray(args[0][0])
         key = hashlib.blake2b(values.dtype.str.encode(), digest_size=16)
         key.update(values)
-        return self.wrapped.submit(fn, *args, workers=[self._worker(key.digest())], allow_other_workers=True, **kwargs)
+        where = self.client.get_executor(workers=[self._worker(key.digest())], allow_other_workers=True)
+        return where.submit(fn, *args, **kwargs)
 
     def _worker(self, key: bytes) -> str:
-        with self._lock:
-            worker = self._worker_of.get(key)
+        with _WORKERS_LOCK:
+            workers = _WORKERS.get(self.client)
+            if workers is None:
+                workers = _WORKERS[self.client] = _Workers()
+        with workers.lock:
+            worker = workers.of.get(key)
             if worker is None:
-                workers = sorted(self.wrapped._client.scheduler_info()["workers"])
-                worker = self._worker_of[key] = workers[self._turn % len(workers)]
-                self._turn += 1
-                while len(self._worker_of) > REMEMBERED:
-                    self._worker_of.popitem(last=False)
-            self._worker_of.move_to_end(key)
+                addresses = sorted(self.client.scheduler_info()["workers"])
+                worker = workers.of[key] = addresses[workers.turn % len(addresses)]
+                workers.turn += 1
+                while len(workers.of) > REMEMBERED:
+                    workers.of.popitem(last=False)
+            workers.of.move_to_end(key)
             return worker
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Nothing: the Dask executor belongs to the caller."""
 
 
 def pinned(executor: Any) -> Any:
-    """`executor` as a `Pinned` if it is a Dask executor (the same `Pinned` each time, so
-    that programs built for it are reused), else `executor`."""
-    if not (isinstance(executor, cf.Executor) and _executor.is_dask(executor)):
-        return executor
-    with _PINNED_LOCK:
-        if executor not in _PINNED:
-            _PINNED[executor] = Pinned(executor)
-        return _PINNED[executor]
+    """`executor` as a `Pinned` if it is a Dask `distributed.Client` (equal for the same
+    client, so that programs built for it are reused), else `executor`."""
+    return Pinned(executor) if _executor.is_dask_client(executor) else executor

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import os
 import pickle
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +26,9 @@ from .._concurrency._serial import SERIAL_LOCK, concurrency_enabled
 
 _DEFAULT: cf.Executor | None = None
 _DEFAULT_LOCK = threading.Lock()
+# The size of deferax's thread pool: Python's default for a `ThreadPoolExecutor`, given
+# explicitly, so that deferax knows it (a pool's size is not public).
+DEFAULT_WORKERS = min(32, (os.cpu_count() or 1) + 4)
 
 
 def default_executor() -> cf.Executor:
@@ -31,7 +36,7 @@ def default_executor() -> cf.Executor:
     global _DEFAULT
     with _DEFAULT_LOCK:
         if _DEFAULT is None:
-            _DEFAULT = cf.ThreadPoolExecutor(thread_name_prefix="deferax-host")
+            _DEFAULT = cf.ThreadPoolExecutor(DEFAULT_WORKERS, thread_name_prefix="deferax-host")
         return _DEFAULT
 
 
@@ -73,6 +78,48 @@ class WrappingExecutor(cf.Executor):
     wrapped: cf.Executor
 
 
+def _dask() -> Any:
+    """Dask's `distributed`, when it is imported (no Dask client, executor or error exists
+    before), else None. Never imports it."""
+    return sys.modules.get("distributed")
+
+
+class DaskClient(WrappingExecutor):
+    """A Dask `distributed.Client` given as `executor=`: jobs go to its public
+    `client.get_executor()`, and the client answers how many threads the cluster has
+    (`client.nthreads()`). Equal for the same client, so that sites made for it compare
+    equal (and share compiled programs). Shutting it down leaves the client alone: it
+    belongs to the caller."""
+
+    def __init__(self, client: Any):
+        self.client = client
+        self.wrapped = client.get_executor()
+
+    def submit(self, fn, /, *args, **kwargs):
+        return self.wrapped.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Nothing: the client belongs to the caller."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.client is self.client  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), id(self.client)))
+
+
+def is_dask_client(executor: Any) -> bool:
+    """Whether `executor` is a Dask `distributed.Client` (not an executor made from one)."""
+    distributed = _dask()
+    return distributed is not None and isinstance(executor, distributed.Client)
+
+
+def as_executor(executor: Any) -> Any:
+    """`executor=` as deferax submits to it: a Dask `distributed.Client` as a `DaskClient`,
+    anything else as given (checked by the caller)."""
+    return DaskClient(executor) if is_dask_client(executor) else executor
+
+
 def name(executor: cf.Executor) -> str:
     """The executor, for messages: "a ThreadPoolExecutor", "a Dask cluster", ..."""
     return "a Dask cluster" if is_dask(executor) else f"a {type(executor).__name__}"
@@ -90,29 +137,48 @@ def describe(executor: cf.Executor) -> str:
 
 
 def is_dask(executor: cf.Executor) -> bool:
-    if isinstance(executor, WrappingExecutor):  # (`_affinity.Pinned` wraps one)
-        executor = executor.wrapped
-    return type(executor).__module__.split(".")[0] == "distributed"
+    """Whether jobs submitted to `executor` run on a Dask cluster: a `distributed.Client`
+    given as `executor=`, or what its `get_executor()` returns (a `ClientExecutor`)."""
+    if isinstance(executor, DaskClient):
+        return True
+    if _dask() is None:
+        return False
+    from distributed.cfexecutor import ClientExecutor  # (imported with `distributed`)
+
+    return isinstance(executor, ClientExecutor)
+
+
+def transport(executor: cf.Executor) -> tuple[str, str] | None:
+    """How host functions reach `executor`'s workers: `(pickler, executor's name)`; None
+    for threads, or an executor whose transport deferax does not know."""
+    if isinstance(executor, cf.ProcessPoolExecutor):
+        return "pickle", name(executor)
+    if is_dask(executor):
+        return "cloudpickle", name(executor)
+    return None
 
 
 def check_picklable(call: str, executor: cf.Executor, impls: dict[str, Callable[..., Any]]) -> None:
     """Raise before anything is submitted if a host function cannot reach the executor's workers."""
-    if isinstance(executor, cf.ProcessPoolExecutor):
-        pickler, dumps = "pickle", pickle.dumps
-    elif is_dask(executor):
+    how = transport(executor)
+    if how is not None:
+        check_transport(call, *how, impls)
+
+
+def check_transport(call: str, pickler: str, where: str, impls: dict[str, Callable[..., Any]]) -> None:
+    """Raise if a host function cannot be pickled by `pickler` (to reach `where`)."""
+    if pickler == "cloudpickle":
         import cloudpickle  # shipped with distributed
 
-        pickler, dumps = "cloudpickle", cloudpickle.dumps
+        dumps = cloudpickle.dumps
     else:
-        return  # threads, or an executor whose transport deferax does not know
+        dumps = pickle.dumps
     for impl, fn in impls.items():
         try:
             dumps(fn)
         except Exception as e:
             raise TypeError(
-                _messages.HOST_NOT_PICKLABLE.format(
-                    call=call, impl=impl, where=name(executor), pickler=pickler, error=_error(e)
-                )
+                _messages.HOST_NOT_PICKLABLE.format(call=call, impl=impl, where=where, pickler=pickler, error=_error(e))
             ) from e
 
 
@@ -122,7 +188,10 @@ def _error(e: BaseException) -> str:
 
 
 def _lost(e: BaseException) -> bool:
-    return isinstance(e, cf.BrokenExecutor | cf.CancelledError) or type(e).__name__ == "KilledWorker"
+    distributed = _dask()  # (a `KilledWorker` can only come from an imported `distributed`)
+    return isinstance(e, cf.BrokenExecutor | cf.CancelledError) or (
+        distributed is not None and isinstance(e, distributed.KilledWorker)
+    )
 
 
 def _failure(call: str, executor: cf.Executor, job: Job, e: BaseException) -> HostError:
@@ -150,6 +219,7 @@ def run(
     jobs: list[Job],
     serial: bool = False,
     check: Any = None,
+    workers: int | None = None,
 ) -> list[Any]:
     """Submit all `jobs` at once, wait for all of them, and return their results in order.
 
@@ -161,6 +231,9 @@ def run(
     fails, the results of the others that finish within a second are checked first: a
     result of the wrong shape (a wrong `out=`) is often why another job failed, and is the
     error to report.
+
+    `workers`: how many jobs the executor runs at once, when the caller knows (`dx.Cost(workers=)`):
+    a thread pool of this process shares the native threads among them.
     """
     if (serial or not concurrency_enabled()) and len(jobs) > 1:
         results = []
@@ -172,26 +245,35 @@ def run(
         return results
     if serial or not concurrency_enabled():
         with SERIAL_LOCK:
-            return _run(call, executor, timeout, jobs, check)
-    return _run(call, executor, timeout, jobs, check)
+            return _run(call, executor, timeout, jobs, check, workers)
+    return _run(call, executor, timeout, jobs, check, workers)
 
 
 _GRACE = 1.0  # seconds to let the other jobs finish when one fails, to check their results
 
 
 def _run(
-    call: str, executor: cf.Executor | None, timeout: float | None, jobs: list[Job], check: Any = None
+    call: str,
+    executor: cf.Executor | None,
+    timeout: float | None,
+    jobs: list[Job],
+    check: Any = None,
+    workers: int | None = None,
 ) -> list[Any]:
     executor = executor if executor is not None else default_executor()
-    with _native_threads.shared(_at_once(executor, len(jobs))):
+    with _native_threads.shared(_at_once(executor, len(jobs), workers)):
         return _submit(call, executor, timeout, jobs, check)
 
 
-def _at_once(executor: cf.Executor, jobs: int) -> int:
-    """How many of `jobs` run at once on threads of this process (none on other processes)."""
+def _at_once(executor: cf.Executor, jobs: int, workers: int | None = None) -> int:
+    """How many of `jobs` run at once on threads of this process (none on other processes):
+    at most `workers` (`dx.Cost(workers=)`), or deferax's pool's size; a thread pool of the
+    caller's hides its size, so all of them, unless told."""
     if not isinstance(executor, cf.ThreadPoolExecutor):
         return 0
-    return min(jobs, getattr(executor, "_max_workers", jobs))
+    if workers is None and executor is _DEFAULT:
+        workers = DEFAULT_WORKERS
+    return jobs if workers is None else min(jobs, workers)
 
 
 def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[Job], check: Any = None) -> list[Any]:
@@ -248,20 +330,22 @@ def _check_others(futures: list[cf.Future], failed: cf.Future, check: Any) -> No
 
 
 def jobs_at_once(executor: cf.Executor | None) -> int:
-    """How many jobs `executor` runs at the same time (`None`: deferax's thread pool): a
-    thread pool's `max_workers`, at most the cores this process may use; a process pool's
-    `max_workers`; a Dask cluster's worker threads, all workers together (one question to
-    the scheduler; 1 if it cannot answer); 1 for an executor deferax does not know."""
-    executor = default_executor() if executor is None else executor
-    if isinstance(executor, WrappingExecutor):
-        executor = executor.wrapped
-    if isinstance(executor, cf.ThreadPoolExecutor):
-        return max(1, min(executor._max_workers, _native_threads.cores()))
-    if isinstance(executor, cf.ProcessPoolExecutor):
-        return max(1, executor._max_workers)
-    if is_dask(executor):
+    """How many jobs `executor` runs at the same time (`None`: deferax's thread pool), when
+    no `dx.Cost(workers=)` says: deferax's thread pool's size (it made the pool), at most
+    the cores this process may use; for a `ThreadPoolExecutor` or `ProcessPoolExecutor` of
+    the caller's, whose size is not public, the cores (Python's default size, at most the
+    cores); a Dask `distributed.Client`'s worker threads, all workers together
+    (`client.nthreads()`, one question to the scheduler; 1 if it cannot answer); 1 for any
+    other executor (`client.get_executor()`'s among them: it does not make its client
+    public)."""
+    cores = _native_threads.cores()
+    if executor is None or executor is _DEFAULT:
+        return max(1, min(DEFAULT_WORKERS, cores))
+    if isinstance(executor, DaskClient):
         try:
-            return max(1, sum(executor._client.nthreads().values()))
+            return max(1, sum(executor.client.nthreads().values()))
         except Exception:  # (an asynchronous client, a scheduler gone)
             return 1
+    if isinstance(executor, cf.ThreadPoolExecutor | cf.ProcessPoolExecutor):
+        return max(1, cores)
     return 1

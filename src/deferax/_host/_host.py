@@ -244,9 +244,14 @@ def host(
       `x` (the right one when `combine` is the identity).
     - `name`: shown in errors and in [`deferax.explain`][]; default: `fwd.__name__`.
     - `executor`: any `concurrent.futures.Executor`: a `ThreadPoolExecutor`, a
-      `ProcessPoolExecutor`, a Dask cluster's `distributed.Client(...).get_executor()`.
-      Default: a thread pool shared by all host functions. For a process pool or Dask,
-      the host functions must be picklable; that is checked here.
+      `ProcessPoolExecutor`, a Dask cluster's `distributed.Client(...).get_executor()`; or
+      a Dask `distributed.Client` itself, whose jobs go through `client.get_executor()`
+      and which tells the estimates how many worker threads the cluster has (an executor
+      made by `get_executor()` does not: it counts as one worker). Default: a thread pool
+      shared by all host functions. A pool of yours does not make its size public: it
+      counts as the cores, or as `cost=dx.Cost(workers=n)` says. For a process pool or
+      Dask, the host functions must be picklable; that is checked here. deferax keeps no
+      executor beyond the sites made with it (and the compiled programs that contain them).
     - `timeout`: seconds to wait for the jobs of one call; then a [`deferax.HostError`][]
       is raised. Default: no limit.
     - `vectorized`: `False` (default): each host function is called on one example at a
@@ -305,8 +310,7 @@ def host(
     _checks.check_adjoint_split(call, adjoint, bwd, combine=combine, adjoint_out=adjoint_out)
     if fused_batch is not None and fused is None:
         raise TypeError(_messages.HOST_BATCH_WITHOUT_FUSED.format(call=call))
-    if executor is not None and not isinstance(executor, cf.Executor):
-        raise TypeError(_messages.HOST_BAD_EXECUTOR.format(call=call, found=executor))
+    executor = _checked_executor(call, executor)
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ValueError(_messages.HOST_BAD_TIMEOUT.format(call=call, found=timeout))
@@ -334,6 +338,8 @@ def host(
         thread_safe=thread_safe,
         fused_batch=fused_batch,
         key=Identity(fwd, adjoint, bwd, fused, fused_batch, jvp, jvp_batch),
+        # (a wrong `cost` reaches the check of `ExpensiveFn`)
+        workers=cost.workers if isinstance(cost, Cost) else None,
     )
     h = _Host(runner, combine if combine is not None else _identity, out, adjoint_out)
     deferrable = fused is not None or (fwd is not None and adjoint is not None)
@@ -369,8 +375,51 @@ def timing_its_own(fn: ExpensiveFn, key: Any, **hooks: Any) -> ExpensiveFn:
     (`dx.sparse_solve`: a factorisation apart from each right-hand side). Each job gathers
     what they observe, and each request feeds it to the estimates as one sample. `hooks`:
     the runner's `scope` and `adopt` (see `Runner`)."""
+    return _with_runner(fn, timed=False, key=key, **hooks)
+
+
+def on_executor(fn: ExpensiveFn, executor: Any) -> ExpensiveFn:
+    """`fn`, made by `host` with no executor, with its jobs submitted to `executor`, checked
+    as `host` checks it (its host functions' pickling once per kind of executor). For a
+    site kept in a cache (`dx.sparse_solve`'s): the cache holds no executor of the caller's."""
+    runner = _runner_of(fn)
+    executor = _checked_executor(runner.call, executor)
+    if executor is None:
+        return fn
+    _check_picklable(runner, _executor.transport(executor))
+    return _with_runner(fn, executor=executor)
+
+
+def _checked_executor(call: str, executor: Any) -> Any:
+    """`executor=` as jobs are submitted to it (a Dask `distributed.Client` wrapped), or the
+    error that says what it may be."""
+    executor = _executor.as_executor(executor)
+    if executor is not None and not isinstance(executor, cf.Executor):
+        raise TypeError(_messages.HOST_BAD_EXECUTOR.format(call=call, found=executor))
+    return executor
+
+
+@ft.lru_cache(maxsize=64)
+def _check_picklable(runner: Runner, transport: tuple[str, str] | None) -> None:
+    """Raise if a host function of `runner` (one with no executor) cannot travel by `transport`."""
+    if transport is not None:
+        names = ("fwd", "adjoint", "bwd", "fused", "fused_batch", "jvp", "jvp_batch")
+        impls = {impl: getattr(runner, impl) for impl in names}
+        _executor.check_transport(runner.call, *transport, {k: v for k, v in impls.items() if v is not None})
+
+
+def _runner_of(fn: ExpensiveFn) -> Runner:
+    return next(i.host.runner for i in _implementations(fn).values())
+
+
+def _implementations(fn: ExpensiveFn) -> dict[str, HostImplementation]:
     impls = {impl: getattr(fn, impl) for impl in _METHODS}
-    h = next(i.host for i in impls.values() if isinstance(i, HostImplementation))
-    h = dataclasses.replace(h, runner=dataclasses.replace(h.runner, timed=False, key=key, **hooks))
-    replaced = {impl: HostImplementation(h, impl) for impl, i in impls.items() if isinstance(i, HostImplementation)}
-    return dataclasses.replace(fn, **replaced)
+    return {impl: i for impl, i in impls.items() if isinstance(i, HostImplementation)}
+
+
+def _with_runner(fn: ExpensiveFn, **changes: Any) -> ExpensiveFn:
+    """`fn`, made by `host`, with `changes` to its runner."""
+    impls = _implementations(fn)
+    h = next(iter(impls.values())).host
+    h = dataclasses.replace(h, runner=dataclasses.replace(h.runner, **changes))
+    return dataclasses.replace(fn, **{impl: HostImplementation(h, impl) for impl in impls})

@@ -185,6 +185,7 @@ class Runner:
     # `adopt(kind, args, out)`, called with the JAX arrays that an eager request returns.
     scope: Callable[[str, list], Any] | None = None
     adopt: Callable[[str, tuple, PyTree], None] | None = None
+    workers: int | None = None  # how many jobs the executor runs at once, when `dx.Cost(workers=)` says
 
     def __call__(self, kind: str, result: PyTree, arg_structs: PyTree, shapes: tuple, *args: PyTree) -> PyTree:
         """Run `kind` on NumPy `args`; with leading batch axes (from `vmap`) once per element,
@@ -281,7 +282,13 @@ class Runner:
             jobs = [self._job(c) for c in calls]
             check = lambda i, r: self._check(calls[i], r[0])  # noqa: E731
             timed = _executor.run(
-                self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe, check=check
+                self.call,
+                self.executor,
+                self.timeout,
+                jobs,
+                serial=not self.thread_safe,
+                check=check,
+                workers=self.workers,
             )
             results, seconds = zip(*timed, strict=True) if timed else ((), ())
             return [self._check(c, r) for c, r in zip(calls, results, strict=True)], list(seconds)
@@ -298,7 +305,9 @@ class Runner:
             why = f"{head.why}, with a leading batch axis of length {len(members)} (`vectorized=True`)"
             grouped.append(_Call(impl, head.fn, args, expected, why))
         jobs = [self._job(c) for c in grouped]
-        results = _executor.run(self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe)
+        results = _executor.run(
+            self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe, workers=self.workers
+        )
         out: list = [None] * len(calls)
         seconds: list = [math.nan] * len(calls)
         for (_, members), c, timed in zip(groups.items(), grouped, results, strict=True):

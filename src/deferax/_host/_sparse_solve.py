@@ -36,7 +36,7 @@ from .._implementation._expensive import ExpensiveFn
 from .._plan import _cost
 from .._plan._cost import Cost
 from . import _affinity
-from ._host import host, timing_its_own
+from ._host import host, on_executor, timing_its_own
 from ._runner import _multiples
 from ._sparse_solver import AbstractSparseSolver, SuperLU
 
@@ -416,9 +416,8 @@ def _like(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 @ft.lru_cache(maxsize=64)
-def _solve_site(
-    solve: _Solve, executor: Any, timeout: Any, name: str, max_basis: int | None, cost: Cost | None
-) -> ExpensiveFn:
+def _solve_site(solve: _Solve, timeout: Any, name: str, max_basis: int | None, cost: Cost | None) -> ExpensiveFn:
+    # (no executor here: this cache must not keep the caller's alive; `on_executor` adds it)
     c = Cost() if cost is None else cost
     # one factorisation answers every right-hand side; it waits for the backward pass in
     # this process (not in a process pool's or Dask's workers: there the backward factors again)
@@ -433,7 +432,6 @@ def _solve_site(
         jvp_batch=solve.jvp_batch,
         out=jax.ShapeDtypeStruct((solve.pattern.n,), solve.dtype),
         name=name,
-        executor=executor,
         timeout=timeout,
         max_basis=max_basis,
         # one adjoint solve beats `n` tangent solves: reverse mode always uses `bwd`
@@ -499,7 +497,8 @@ lam = ct_x` with the forward's factorisation |
     - `executor`, `timeout`: where the jobs run and how long to wait, as for
       [`deferax.host`][] (default: deferax's thread pool). With a process pool or Dask,
       a factorisation is kept in the worker that made it; a backward pass that runs on
-      another worker factors again.
+      another worker factors again. Given a Dask `distributed.Client`, each matrix's jobs
+      go to one worker (by `client.get_executor(workers=...)`).
     - `name`: shown in errors and in [`deferax.explain`][].
     - `max_basis`: as for [`deferax.ExpensiveFn`][].
     - `precision`: `"double"` (the default) factors and solves in float64 (complex128 for
@@ -557,7 +556,7 @@ lam = ct_x` with the forward's factorisation |
     executor = _affinity.pinned(executor)
     keeps = executor is None or isinstance(executor, cf.ThreadPoolExecutor)
     solve = _Solve(pattern, solver, dtype, name, precision, keeps)
-    fn = _solve_site(solve, executor, timeout, name, max_basis, cost)
+    fn = on_executor(_solve_site(solve, timeout, name, max_basis, cost), executor)
     return fn((values, b))
 
 

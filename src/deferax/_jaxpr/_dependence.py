@@ -15,12 +15,7 @@ def under_differentiation() -> bool:
     """Whether an enclosing `jax.grad`, `jax.jvp`, `jax.linearize` ... is tracing the code
     running now (its trace is on the stack of the current one)."""
     differentiating = (_core.JVPTrace, _core.linearize_trace_type())
-    trace = _core.current_trace()
-    while trace is not None:
-        if isinstance(trace, differentiating):
-            return True
-        trace = getattr(trace, "parent_trace", None)
-    return False
+    return any(isinstance(trace, differentiating) for trace in _core.enclosing_traces())
 
 
 def is_eager() -> bool:

@@ -6,7 +6,8 @@ differ. Across the tested range (see `pyproject.toml`):
 - jax 0.12 merged `ClosedJaxpr` into `Jaxpr` (a `Jaxpr` carries its constants, and
   `.jaxpr` of one returns itself); the old `ClosedJaxpr(jaxpr, consts)` constructor
   survives there only as a deprecated alias. `close` and `is_jaxpr` work on every version.
-- The names below without a public home (the trace context, `join_effects`, `user_frames`,
+- The names below without a public home (the trace context, the traces it is nested in and
+  a tracer's trace, `join_effects`, `user_frames`,
   the configuration states, `convert_constvars_jaxpr` before 0.12, the type of a
   `jax.Ref`'s value, the effects of an `io_callback`) are taken from `jax._src`, so a JAX
   upgrade that moves them breaks this file only.
@@ -14,7 +15,7 @@ differ. Across the tested range (see `pyproject.toml`):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jax._src import config as config
@@ -51,6 +52,20 @@ EvalTrace = _core.EvalTrace
 def current_trace():
     """The trace that operations run now are recorded on."""
     return _core.trace_ctx.trace
+
+
+def enclosing_traces() -> Iterator[Any]:
+    """The current trace, then each trace it is nested in, outwards (JAX's `parent_trace` links)."""
+    trace = current_trace()
+    while trace is not None:
+        yield trace
+        trace = getattr(trace, "parent_trace", None)
+
+
+def has_ended(tracer: Tracer) -> bool:
+    """Whether `tracer`'s trace has ended: it is neither the current trace nor one that the
+    current trace is nested in (JAX keeps a tracer's trace as its private `_trace`)."""
+    return not any(trace is tracer._trace for trace in enclosing_traces())
 
 
 def must_happen_once(effect) -> bool:

@@ -103,17 +103,7 @@ _ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _stale(value) -> bool:
     """A tracer of a trace that has ended."""
-    return isinstance(value, _core.Tracer) and not _tracing(value._trace)
-
-
-def _tracing(trace) -> bool:
-    """Whether `trace` is the current trace or one it is nested in (not one that ended)."""
-    current = _core.current_trace()
-    while current is not None:
-        if current is trace:
-            return True
-        current = getattr(current, "parent_trace", None)
-    return False
+    return isinstance(value, _core.Tracer) and _core.has_ended(value)
 
 
 def _effect_of(eqn):

@@ -82,11 +82,13 @@ class Cost(eqx.Module):
     - `workers`: how many jobs of one site run at once where it runs (a positive int), for an
       implementation whose forward and adjoints are separate jobs (a `dx.host` site
       without `fused_batch`: `fwd` and `adjoint`, or `fused` once per cotangent). Default: taken from the site's
-      executor: a `ThreadPoolExecutor`'s `max_workers` (deferax's own pool when none is
-      given), at most the cores this process may use; a `ProcessPoolExecutor`'s
-      `max_workers`; a Dask cluster's worker threads, all workers together (asked of the
-      scheduler); 1 for any other executor, and for a site with `thread_safe=False`
-      (its jobs run one at a time).
+      executor: deferax's own thread pool's size (no `executor=`), at most the cores this
+      process may use; the cores for a `ThreadPoolExecutor` or `ProcessPoolExecutor` of
+      yours (its size is not public: give `workers` for a smaller pool); a Dask
+      `distributed.Client`'s worker threads, all workers together (asked of the
+      scheduler); 1 for any other executor (`client.get_executor()`'s among them), and
+      for a site with `thread_safe=False` (its jobs run one at a time). A thread pool's
+      jobs also share the cores' native threads among this many.
     - `stage`: the overhead of one stage (a host round trip). Default: 1 ms when any
       number is known, a hundredth of a forward with the equal-cost defaults.
 
