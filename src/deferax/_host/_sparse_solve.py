@@ -113,6 +113,39 @@ class SparsePattern:
         """The number of stored entries (the length of `values`)."""
         return int(self.rows.size)
 
+    @property
+    def structurally_symmetric(self) -> bool:
+        """Whether an entry at `(i, j)` always has one at `(j, i)` (finite-element and most
+        frequency-domain matrices): [`deferax.SuperLU`][] then orders its columns for `A + A^T`."""
+        return self._transposition() is not None
+
+    def _transposition(self) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """`(inverse, transposed, m)`: the `m` distinct positions, each entry's position
+        among them (`inverse`) and each position's mirror (`transposed`); None when some
+        position has no mirror. Computed once per pattern."""
+        if "_transposed" not in self.__dict__:
+            n = self.n
+            positions, inverse = np.unique(self.rows * n + self.cols, return_inverse=True)
+            mirrors = (positions % n) * n + positions // n
+            transposed = np.searchsorted(positions, mirrors)
+            found = transposed < positions.size
+            found[found] = positions[transposed[found]] == mirrors[found]
+            value = (inverse.ravel(), transposed, positions.size) if found.all() else None
+            object.__setattr__(self, "_transposed", value)
+        return self.__dict__["_transposed"]
+
+    def _symmetric(self, values: np.ndarray) -> bool:
+        """Whether the matrix with entries `values` equals its transpose, exactly (entries at
+        one position summed first)."""
+        t = self._transposition()
+        if t is None:
+            return False
+        inverse, transposed, m = t
+        summed = np.bincount(inverse, weights=values.real, minlength=m)
+        if np.iscomplexobj(values):
+            summed = summed + 1j * np.bincount(inverse, weights=values.imag, minlength=m)
+        return bool(np.array_equal(summed, summed[transposed]))
+
     @classmethod
     def from_scipy(cls, matrix: Any) -> tuple[np.ndarray, SparsePattern]:
         """`(values, pattern)` of a square SciPy sparse matrix (any format), in COO order."""
@@ -351,9 +384,33 @@ class _Solve:
     def bwd(self, x: tuple, y: np.ndarray, ct_y: np.ndarray) -> tuple:
         if not self.in_process:  # (a worker's store: this use, and the forward's)
             with self._factorised(x[0], uses=2) as lu:
-                return self._cotangents(x, y, self._solve(lu, ct_y, True))
+                return self._cotangents(x, y, self._adjoints(lu, x, y, ct_y[None])[0])
         lu = FACTORISATIONS.acquire(self._key(x[0]), lambda: self._factor(x[0]))  # a user until `request` ends
-        return self._cotangents(x, y, self._solve(lu, ct_y, True))
+        return self._cotangents(x, y, self._adjoints(lu, x, y, ct_y[None])[0])
+
+    def _adjoints(self, lu: Any, x: tuple, y: np.ndarray, cts: np.ndarray) -> np.ndarray:
+        """`lam = A^-T ct` for each row of `cts`, solved once per row that is not a multiple
+        of another (or zero). For a matrix equal to its transpose, a row that is a multiple
+        `c b` of the right-hand side (a self-adjoint loss: compliance) is `c y`, not solved."""
+        values, b = x
+        rows = list(cts)
+        recipe, unique = _multiples([np.asarray(b, cts.dtype), *rows], jax.ShapeDtypeStruct((), self.dtype))
+        self_adjoint = (
+            unique[:1] == [0]  # (`b` is not zero)
+            and any(u == 0 for u, _ in recipe[1:])
+            and self.pattern._symmetric(np.asarray(values))
+        )
+        if not self_adjoint:
+            recipe, unique = _multiples(rows, jax.ShapeDtypeStruct((), self.dtype))
+            solved = self._solve(lu, cts[unique], True) if unique else np.zeros((0, self.pattern.n), self.work)
+        else:  # (unique row 0 is `b`, whose solution is `y`)
+            recipe = recipe[1:]
+            others = [j - 1 for j in unique[1:]]
+            solved = np.asarray(y, self.work)[None]
+            if others:
+                solved = np.concatenate([solved, self._solve(lu, cts[others], True)])
+        zero = np.zeros(self.pattern.n, self.work)
+        return np.stack([c * solved[u] if u is not None else zero for u, c in recipe])
 
     @contextlib.contextmanager
     def request(self, kind: str, elements: list) -> Iterator[None]:
@@ -389,12 +446,10 @@ class _Solve:
     def fused_batch(self, x: tuple, cts: np.ndarray) -> tuple:
         values, b = x
         # The adjoint is linear in the cotangent: a row that is a multiple of another
-        # (a complex overlap's `m` and `1j * m`) or zero is not solved.
-        recipe, unique = _multiples(list(cts), jax.ShapeDtypeStruct((), self.dtype))
+        # (a complex overlap's `m` and `1j * m`) or zero is not solved (`_adjoints`).
         with self._factorised(values, uses=1) as lu:
             y = self._solve(lu, b, False)
-            solved = self._solve(lu, cts[unique], True) if unique else np.zeros((0, self.pattern.n), self.work)
-        lam = np.stack([c * solved[u] if u is not None else np.zeros(self.pattern.n, self.work) for u, c in recipe])
+            lam = self._adjoints(lu, x, y, np.asarray(cts))
         return y.astype(self.dtype), self._cotangents(x, y, lam)
 
     def jvp(self, x: tuple, t_x: tuple) -> tuple:
@@ -493,7 +548,13 @@ lam = ct_x` with the forward's factorisation |
     - `b`: the right-hand side, shape `(n,)`, real or complex. `x` has NumPy's result dtype
       of `values` and `b`.
     - `solver`: the sparse direct solver, a [`deferax.AbstractSparseSolver`][]; default
-      [`deferax.SuperLU`][] (SciPy's `splu`, imported when it first runs).
+      [`deferax.SuperLU`][] (SciPy's `splu`, imported when it first runs), whose column
+      ordering is chosen from the pattern: `"MMD_AT_PLUS_A"` for a structurally symmetric
+      one, `"COLAMD"` otherwise (`dx.SuperLU(permc_spec=...)` chooses it yourself).
+
+    When the matrix equals its transpose (checked exactly on the host, entries at one
+    position summed first), an adjoint right-hand side that is a multiple `c b` of `b` (a
+    self-adjoint loss, such as a compliance `b . x`) is not solved: its solution is `c x`.
     - `executor`, `timeout`: where the jobs run and how long to wait, as for
       [`deferax.host`][] (default: deferax's thread pool). With a process pool or Dask,
       a factorisation is kept in the worker that made it; a backward pass that runs on
@@ -555,6 +616,8 @@ lam = ct_x` with the forward's factorisation |
         raise ValueError(_BAD_PRECISION.format(name=name, found=precision))
     executor = _affinity.pinned(executor)
     keeps = executor is None or isinstance(executor, cf.ThreadPoolExecutor)
+    if isinstance(solver, SuperLU) and solver.permc_spec is None:  # (the ordering chosen once, from the pattern)
+        solver = SuperLU(permc_spec=solver.ordering(pattern.structurally_symmetric))
     solve = _Solve(pattern, solver, dtype, name, precision, keeps)
     fn = on_executor(_solve_site(solve, timeout, name, max_basis, cost), executor)
     return fn((values, b))

@@ -1,0 +1,185 @@
+"""`dx.sparse_solve` on symmetric matrices: the column ordering chosen from the pattern, and
+a self-adjoint loss (a compliance `b . x`) solved once, its adjoint taken from the forward,
+on every schedule; values and gradients against plain JAX (a dense `jnp.linalg.solve`) and
+the analytic SIMP sensitivity, solves and factorisations counted."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deferax as dx
+from deferax._host import _sparse_solve
+
+from .helpers import assert_tree_allclose, load_example
+
+
+@pytest.fixture(autouse=True)
+def no_factorisations_kept():
+    _sparse_solve.FACTORISATIONS._entries.clear()
+
+
+@pytest.fixture(scope="module")
+def beam():
+    return load_example("topology_mbb").MBB(12, 4)
+
+
+DENSITIES = jnp.asarray(np.random.default_rng(0).uniform(0.05, 1.0, 48))
+
+
+def close(got, want, tol=1e-9):
+    """Each leaf within `tol` of the largest entry of the reference's (the SIMP stiffness is
+    badly conditioned: a dense LU and SuperLU differ in the small entries' last digits)."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape and np.max(np.abs(a - b)) <= tol * np.max(np.abs(b)), (a, b)
+
+
+def dense(pattern, values, b):
+    return jnp.linalg.solve(pattern.todense(values), b)
+
+
+def counted(fn, *args):
+    fn(*args)  # (compiled; SciPy imported)
+    with dx.record() as timeline:
+        out = fn(*args)
+    return out, timeline.counts(steps=True)
+
+
+TRANSFORMS = {
+    "dx": dx.filter_value_and_grad,
+    "dx+jit": lambda f: jax.jit(dx.filter_value_and_grad(f)),
+    "jax.grad": jax.value_and_grad,
+    "jax.grad+jit": lambda f: jax.jit(jax.value_and_grad(f)),
+}
+
+
+@pytest.mark.parametrize("how", sorted(TRANSFORMS))
+def test_a_compliance_is_solved_once(beam, how):
+    (c, g), steps = counted(TRANSFORMS[how](beam.compliance), DENSITIES)
+    assert steps == {"factor": 1, "solve": 1}
+    want_c, want_g = beam.sensitivity(DENSITIES)
+    assert abs(float(c) - want_c) <= 1e-10 * abs(want_c)
+    np.testing.assert_allclose(np.asarray(g), want_g, rtol=1e-9, atol=1e-12 * np.max(np.abs(want_g)))
+
+
+@pytest.mark.parametrize("how", sorted(TRANSFORMS))
+def test_an_unsymmetric_matrix_on_a_symmetric_pattern_is_solved_twice(beam, how):
+    def values(x):
+        return beam.values(x).at[5].multiply(1.01)  # one entry changed: A != A^T, the pattern as before
+
+    def loss(x):
+        f = jnp.asarray(beam.f)
+        return jnp.dot(f, dx.sparse_solve(values(x), beam.pattern, f))
+
+    def reference(x):
+        f = jnp.asarray(beam.f)
+        return jnp.dot(f, dense(beam.pattern, values(x), f))
+
+    got, steps = counted(TRANSFORMS[how](loss), DENSITIES)
+    assert steps == {"factor": 1, "solve": 2}
+    close(got, jax.value_and_grad(reference)(DENSITIES))
+
+
+def test_a_cotangent_that_is_not_the_right_hand_side_is_solved(beam):
+    w = jnp.asarray(np.random.default_rng(1).normal(size=beam.pattern.n))
+
+    def loss(x, solve):
+        f = jnp.asarray(beam.f)
+        u = solve(beam.values(x), f)
+        return jnp.dot(f, u) ** 2 + jnp.dot(w, u) ** 2  # k = 2: one row is `f` (reused), one is `w`
+
+    def sparse(v, b):
+        return dx.sparse_solve(v, beam.pattern, b)
+
+    fn = dx.filter_value_and_grad(lambda x: loss(x, sparse), max_basis=2)
+    assert dx.explain(fn, DENSITIES).sites[0].schedule == "deferred-basis"
+    got, steps = counted(fn, DENSITIES)
+    assert steps == {"factor": 1, "solve": 2}  # `f` (the forward) and `w`; the row `f` of the adjoint is `x`
+    want = jax.value_and_grad(lambda x: loss(x, lambda v, b: dense(beam.pattern, v, b)))(DENSITIES)
+    close(got, want)
+    got, steps = counted(jax.value_and_grad(lambda x: loss(x, sparse)), DENSITIES)
+    assert steps == {"factor": 1, "solve": 2}  # standard: the forward, and one adjoint (of a combined cotangent)
+    close(got, want)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_complex_symmetric_helmholtz_overlap_with_the_source(jit):
+    """A complex symmetric (not Hermitian) matrix, `A = A^T`, as a reciprocal medium gives:
+    with JAX's plain transposes, a loss `b . x` is self-adjoint too."""
+    m = 6
+    lap = np.diag(-2.0 * np.ones(m)) + np.diag(np.ones(m - 1), 1) + np.diag(np.ones(m - 1), -1)
+    a = np.kron(lap, np.eye(m)) + np.kron(np.eye(m), lap)
+    rows, cols = np.nonzero(a)
+    pattern = dx.SparsePattern(rows, cols, m * m)
+    base = jnp.asarray(a[rows, cols], jnp.complex128)
+    diagonal = jnp.asarray(np.flatnonzero(rows == cols))
+    b = jnp.zeros(m * m, jnp.complex128).at[3].set(1.0)
+
+    def loss(eps, solve):
+        values = base.at[diagonal].add(jnp.asarray(2.0 + 0.1j) * eps.astype(jnp.complex128))
+        z = jnp.dot(b, solve(values, b))
+        return jnp.real(z) + jnp.imag(z)  # (its cotangent: the complex multiple `(1 - 1j) b` of `b`)
+
+    eps = jnp.asarray(np.random.default_rng(2).uniform(1.0, 2.0, m * m))
+    fn = dx.filter_value_and_grad(lambda e: loss(e, lambda v, r: dx.sparse_solve(v, pattern, r)))
+    got, steps = counted(jax.jit(fn) if jit else fn, eps)
+    assert steps == {"factor": 1, "solve": 1}
+    want = jax.value_and_grad(lambda e: loss(e, lambda v, r: dense(pattern, v, r)))(eps)
+    close(got, want)
+
+
+def test_a_zero_right_hand_side_is_not_taken_for_a_multiple(beam):
+    def loss(x):
+        zero = jnp.zeros(beam.pattern.n)
+        return jnp.sum(dx.sparse_solve(beam.values(x), beam.pattern, zero) ** 2) + jnp.sum(x**2)
+
+    got = dx.filter_value_and_grad(loss)(DENSITIES)
+    assert_tree_allclose(got, (jnp.sum(DENSITIES**2), 2 * DENSITIES))
+
+
+# ----------------------------------------------------------------------------- the ordering
+
+
+def test_structural_symmetry_of_patterns():
+    sym = dx.SparsePattern(np.array([0, 0, 1, 1, 0]), np.array([0, 1, 0, 1, 1]), 2)  # a duplicate of (0, 1)
+    assert sym.structurally_symmetric
+    assert not dx.SparsePattern(np.array([0, 0, 1]), np.array([0, 1, 1]), 2).structurally_symmetric
+    assert sym._symmetric(np.array([1.0, 2.0, 3.0, 4.0, 1.0]))  # (0, 1) sums to 3, as (1, 0)
+    assert not sym._symmetric(np.array([1.0, 2.0, 3.0, 4.0, 1.5]))
+    assert not sym._symmetric(np.array([1.0, 2.0, 3.0 + 1e-16j, 4.0, 1.0]))
+
+
+def test_the_ordering_is_chosen_from_the_pattern(beam, monkeypatch):
+    import scipy.sparse.linalg
+
+    seen = []
+    splu = scipy.sparse.linalg.splu
+    monkeypatch.setattr(
+        scipy.sparse.linalg, "splu", lambda m, permc_spec: seen.append(permc_spec) or splu(m, permc_spec=permc_spec)
+    )
+    assert dx.SuperLU().ordering(True) == "MMD_AT_PLUS_A" and dx.SuperLU().ordering(False) == "COLAMD"
+    assert dx.SuperLU(permc_spec="NATURAL").ordering(True) == "NATURAL"
+    beam.compliance(DENSITIES)
+    unsymmetric = dx.SparsePattern(np.array([0, 0, 1]), np.array([0, 1, 1]), 2)
+    dx.sparse_solve(jnp.array([2.0, 1.0, 3.0]), unsymmetric, jnp.array([1.0, 1.0]))
+    beam.compliance(DENSITIES, solver=dx.SuperLU(permc_spec="COLAMD"))
+    assert seen == ["MMD_AT_PLUS_A", "COLAMD", "COLAMD"]
+    # the solver used outside `dx.sparse_solve`, on a matrix: chosen from the matrix
+    import scipy.sparse
+
+    seen.clear()
+    dx.SuperLU().factor(scipy.sparse.csc_matrix(np.array([[2.0, 1.0], [1.0, 3.0]])))
+    dx.SuperLU().factor(scipy.sparse.csc_matrix(np.array([[2.0, 1.0], [0.0, 3.0]])))
+    assert seen == ["MMD_AT_PLUS_A", "COLAMD"]
+
+
+def test_a_bad_ordering_is_rejected():
+    msg = (
+        "`dx.SuperLU`: `permc_spec` must be None (chosen from the pattern) or one of 'COLAMD', 'MMD_AT_PLUS_A', "
+        "'MMD_ATA', 'NATURAL', but got 'AMD'."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        dx.SuperLU(permc_spec="AMD")
