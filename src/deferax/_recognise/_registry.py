@@ -128,9 +128,13 @@ def rules() -> dict[Any, tuple[str, Callable]]:
 
 
 def _builtin():
-    from . import _klujax, _spsolve
+    from . import _klujax, _spsolve, _tesseract
 
-    return (("klujax", _klujax.register), ("jax.experimental.sparse.linalg", _spsolve.register))
+    return (
+        ("klujax", _klujax.register),
+        ("jax.experimental.sparse.linalg", _spsolve.register),
+        ("tesseract_jax", _tesseract.register),
+    )
 
 
 def bad_answer(name: str, where: str, found: Any) -> TypeError:
