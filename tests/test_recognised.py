@@ -361,3 +361,56 @@ def test_registration_errors():
     dx.register_recognition(dense_solve_p, dense_rule, name="mylib.solve")
     with pytest.raises(ValueError, match=r"`recognise` must be True .* \"always\" .* or False .*, but got 'yes'"):
         dx.filter_value_and_grad(loss, recognise="yes")
+
+
+def host_rule(operands, params):
+    """`dense_solve_p` as a `dx.host` site of the rule's own (`Recognition(None, apply, site=)`):
+    NumPy's dense solve forward, the transposed solve as the adjoint (`ct_values = -x ct_b`
+    over the pattern, made by `combine`)."""
+    rows, cols, values, b = operands
+    if not isinstance(rows, np.ndarray) or not isinstance(cols, np.ndarray):
+        return "its indices are traced"
+    n = b.shape[0]
+
+    def dense(v):
+        return np.asarray(_dense(rows, cols, jnp.asarray(v), np.zeros(n)))
+
+    site = dx.host(
+        lambda vb: np.linalg.solve(dense(vb[0]), vb[1]),
+        adjoint=lambda vb, ct: np.linalg.solve(dense(vb[0]).T, ct),
+        combine=lambda vb, x, lam: (-lam[rows] * x[cols], lam),
+        adjoint_out=jax.ShapeDtypeStruct((n,), b.dtype),
+        out=jax.ShapeDtypeStruct((n,), b.dtype),
+    )
+    return dx.Recognition(None, lambda site, rows, cols, values, b: site((values, b)), site=site)
+
+
+def test_a_rule_gives_a_site_of_its_own():
+    dx.register_recognition(dense_solve_p, host_rule, name="mylib.solve")
+    values, b = problem("real")
+
+    def loss(vb):
+        return jnp.sum(MODE * dense_solve_p.bind(ROWS, COLS, *vb))
+
+    try:
+        fn = dx.filter_value_and_grad(loss)  # (no cost rule: the rule decided)
+        plan = dx.explain(fn, (values, b))
+        assert plan.sites[0].name == "mylib.solve (recognised)" and plan.sites[0].schedule == "deferred"
+        with dx.record() as timeline:
+            got = eqx.filter_jit(fn)((values, b))
+        assert timeline.counts() == {"fwd": 1, "adjoint": 1}
+        assert_tree_allclose(got, jax.value_and_grad(loss)((values, b)), rtol=1e-8, atol=1e-10)
+    finally:
+        dx.register_recognition(dense_solve_p, dense_rule, name="mylib.solve")
+
+
+def test_recognition_takes_a_pattern_or_a_site():
+    pattern = dx.SparsePattern(ROWS, COLS, M * M)
+    site = dx.host(np.sin, adjoint=np.cos, out=lambda x: x)
+    expected = r"`dx.Recognition`: give exactly one of `pattern` .* and `site=` .*, but got "
+    with pytest.raises(TypeError, match=expected + r"neither \(pattern=None, site=None\)"):
+        dx.Recognition(None, lambda site, *operands: operands)
+    with pytest.raises(TypeError, match=expected + r"both"):
+        dx.Recognition(pattern, lambda site, *operands: operands, site=site)
+    with pytest.raises(TypeError, match=expected + r"site='sin'"):
+        dx.Recognition(None, lambda site, *operands: operands, site="sin")

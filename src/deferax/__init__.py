@@ -23,6 +23,7 @@ from ._plan._plan import Recognised as Recognised
 from ._plan._plan import Site as Site
 from ._recognise._registry import Recognition as Recognition
 from ._recognise._registry import register_recognition as register_recognition
+from ._recognise._tesseract import recognise_tesseract as recognise_tesseract
 from ._record import Call as Call
 from ._record import Timeline as Timeline
 from ._record import plot_timelines as plot_timelines

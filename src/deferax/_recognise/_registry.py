@@ -1,9 +1,10 @@
-"""The extension point: which primitives are recognised, and how each becomes a sparse solve.
+"""The extension point: which primitives are recognised, and how each becomes a site.
 
 A *rule* looks at one equation of its primitive (its operands known at trace time as NumPy
 arrays, the others as `jax.ShapeDtypeStruct`s, and its parameters) and answers either a
-[`deferax.Recognition`][] (the matrix's pattern, and how the equation's outputs are computed
-from its inputs with `dx.sparse_solve`), or a string: why this call is left as it is.
+[`deferax.Recognition`][] (how the equation's outputs are computed from its inputs: with
+`dx.sparse_solve` on a pattern, or with an `ExpensiveFn` of the rule's, such as a `dx.host`
+site), or a string: why this call is left as it is.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import equinox as eqx
 
 from .. import _jaxpr
 from .._host._sparse_solve import SparsePattern
+from .._implementation._expensive import ExpensiveFn
 
 _BAD_PRIMITIVE = """`dx.register_recognition`: `primitive` must be a `jax.extend.core.Primitive` (the object \
 that the call binds, as `klujax.solve_f64`), but got {found}.
@@ -28,29 +30,50 @@ _BAD_RULE = """`dx.register_recognition(name={name!r})`: `rule` must be a functi
 _BAD_ANSWER = """`dx.register_recognition(name={name!r})`: the rule returned {found} for the call {where}. \
 A rule returns a `dx.Recognition` (to rewrite the call) or a string (why it is left as it is)."""
 
+_BAD_KIND = """`dx.Recognition`: give exactly one of `pattern` (a `dx.SparsePattern`: the call becomes \
+`dx.sparse_solve` sites) and `site=` (a `dx.ExpensiveFn`, such as one made by `dx.host`: the call becomes that \
+site), but got {found}."""
+
 
 class Recognition(eqx.Module):
     """A rule's answer for a call it rewrites: the call becomes [`deferax.sparse_solve`][]
-    sites on `pattern` (see "Faster without rewriting" in the docs).
+    sites on `pattern`, or the site `site` (see "Faster without rewriting" in the docs).
 
     **Arguments:**
 
     - `pattern`: the matrix's [`deferax.SparsePattern`][], built from the call's index
-      operands (which the rule receives as NumPy arrays).
+      operands (which the rule receives as NumPy arrays); `None` with `site=`.
     - `apply`: `apply(solve, *operands) -> outputs`: the call's outputs (one array, or a
       list for a primitive with several) from its operands, as traced arrays, where
       `solve(values, b)` is `dx.sparse_solve(values, pattern, b)` for `values` of shape
-      `(nnz,)` and `b` of shape `(n,)` (it works under `jax.vmap`).
+      `(nnz,)` and `b` of shape `(n,)` (it works under `jax.vmap`). With `site=`, the
+      first argument is that site instead (named after the recognised call).
     - `factorisations`: how many times the original call factors the matrix for one value
       and gradient (for the choice by cost; the rewritten call factors once).
     - `round_trips`: how many host round trips the original makes for one value and
       gradient (0 for a solver compiled into the program; a callback's count otherwise).
+    - `site`: a [`deferax.ExpensiveFn`][] (one made by [`deferax.host`][], say) that
+      computes the call, instead of a `pattern`. Such a call is rewritten whenever the rule
+      answers so (there is no factorisation to weigh: the rule decides, and returns a
+      string where the rewrite would not pay).
     """
 
-    pattern: SparsePattern = eqx.field(static=True)
+    pattern: SparsePattern | None = eqx.field(static=True)
     apply: Callable = eqx.field(static=True)
     factorisations: int = eqx.field(default=2, static=True)
     round_trips: int = eqx.field(default=0, static=True)
+    # (typed `Any` so that a wrong value reaches the check below, whose message says what to give)
+    site: Any = eqx.field(default=None, static=True)
+
+    def __check_init__(self):
+        if (self.pattern is None) == (self.site is None):
+            given = "both" if self.site is not None else "neither"
+            found = f"{given} (pattern={_found(self.pattern)}, site={_found(self.site)})"
+            raise TypeError(_BAD_KIND.format(found=found))
+        if self.pattern is not None and not isinstance(self.pattern, SparsePattern):
+            raise TypeError(_BAD_KIND.format(found=f"pattern={_found(self.pattern)}"))
+        if self.site is not None and not isinstance(self.site, ExpensiveFn):
+            raise TypeError(_BAD_KIND.format(found=f"site={_found(self.site)}"))
 
 
 _RULES: dict[Any, tuple[str, Callable]] = {}
@@ -62,7 +85,7 @@ _BUILTIN_LOADED: set[str] = set()
 def register_recognition(primitive: Any, rule: Any, *, name: str) -> None:
     """Register `rule` for the calls of `primitive`, so that [`deferax.filter_value_and_grad`][],
     [`deferax.filter_grad`][] and [`deferax.explain`][] rewrite them into
-    [`deferax.sparse_solve`][] sites where the rule says they can.
+    [`deferax.sparse_solve`][] sites (or a site of the rule's own) where the rule says they can.
 
     **Arguments:**
 
@@ -105,9 +128,13 @@ def rules() -> dict[Any, tuple[str, Callable]]:
 
 
 def _builtin():
-    from . import _klujax, _spsolve
+    from . import _klujax, _spsolve, _tesseract
 
-    return (("klujax", _klujax.register), ("jax.experimental.sparse.linalg", _spsolve.register))
+    return (
+        ("klujax", _klujax.register),
+        ("jax.experimental.sparse.linalg", _spsolve.register),
+        ("tesseract_jax", _tesseract.register),
+    )
 
 
 def bad_answer(name: str, where: str, found: Any) -> TypeError:

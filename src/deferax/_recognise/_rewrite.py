@@ -1,4 +1,5 @@
-"""The rewrite itself: each recognised call of a traced loss becomes `dx.sparse_solve` sites."""
+"""The rewrite itself: each recognised call of a traced loss becomes `dx.sparse_solve` sites,
+or the site its rule gives (a `dx.host` site for a Tesseract)."""
 
 from __future__ import annotations
 
@@ -46,19 +47,23 @@ def recognise(closed, mode) -> tuple:
             return None
         if not isinstance(answer, _registry.Recognition):
             raise _registry.bad_answer(name, where, answer)
-        complex_ = any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in found.operands)
-        reason = None if mode == "always" else _cost.refusal(answer, complex_)
-        if reason is not None:
-            calls.append(Call(name, where, None, reason))
-            return None
         site = f"{name} (recognised)"
+        if answer.site is not None:  # (the rule's own site: no factorisation to weigh, the rule decided)
+            first = dataclasses.replace(answer.site, name=site)
+        else:
+            complex_ = any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in found.operands)
+            reason = None if mode == "always" else _cost.refusal(answer, complex_)
+            if reason is not None:
+                calls.append(Call(name, where, None, reason))
+                return None
+
+            def first(values, b, pattern=answer.pattern):
+                return sparse_solve(values, pattern, b, name=site)
+
         calls.append(Call(name, where, site, None))
 
-        def solve(values, b):
-            return sparse_solve(values, answer.pattern, b, name=site)
-
         def rewritten(*ins):
-            out = answer.apply(solve, *ins)
+            out = answer.apply(first, *ins)
             outs = list(out) if found.multiple_results else [out]
             got = [jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o)) for o in outs]
             if got != list(found.outs):
