@@ -77,7 +77,8 @@ class Call:
 
     @property
     def duration(self) -> float | None:
-        return None if self.start is None else self.end - self.start
+        """`end - start` in seconds; `None` for a call that was not timed."""
+        return None if self.start is None or self.end is None else self.end - self.start
 
 
 class Timeline:
@@ -111,12 +112,12 @@ class Timeline:
         return len(self.calls)
 
     def __str__(self) -> str:
-        rows = [("site", "impl", "schedule", "start", "end", "ms", "thread", "device")]
+        rows: list[tuple[str, ...]] = [("site", "impl", "schedule", "start", "end", "ms", "thread", "device")]
         for c in sorted(self.calls, key=lambda c: (c.start is None, c.start or 0.0)):
-            if c.start is None:
+            if c.start is None or c.end is None:
                 times = ("-", "-", "not timed")
             else:
-                times = (f"{1e3 * c.start:.2f}", f"{1e3 * c.end:.2f}", f"{1e3 * c.duration:.2f}")
+                times = (f"{1e3 * c.start:.2f}", f"{1e3 * c.end:.2f}", f"{1e3 * (c.end - c.start):.2f}")
             impl = f"- {c.impl}" if c.step else c.impl  # (a step, inside the job before it)
             rows.append((c.site, impl, c.schedule, *times, c.thread, c.device or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -178,17 +179,24 @@ _COLOURS = {
 }
 
 
+def _span(call: Call) -> tuple[float, float]:
+    """`(start, end)` of a call from `Timeline.timed`."""
+    assert call.start is not None and call.end is not None, "only timed calls have a span"
+    return call.start, call.end
+
+
 def _draw(ax, timeline: Timeline, title: str | None) -> None:
     calls = timeline.timed()
     jobs = [c for c in calls if not c.step]
-    threads = sorted({c.thread for c in calls}, key=lambda t: min(c.start for c in calls if c.thread == t))
-    t0 = min((c.start for c in calls), default=0.0)
+    threads = sorted({c.thread for c in calls}, key=lambda t: min(_span(c)[0] for c in calls if c.thread == t))
+    t0 = min((_span(c)[0] for c in calls), default=0.0)
     for c in calls:
         row = threads.index(c.thread)
+        start, end = _span(c)
         ax.barh(
             row + (0.2 if c.step else 0.0),  # (a step: a thin bar along the bottom of its job's)
-            1e3 * c.duration,
-            left=1e3 * (c.start - t0),
+            1e3 * (end - start),
+            left=1e3 * (start - t0),
             height=0.2 if c.step else 0.6,
             color=_COLOURS.get(c.impl, "#999999"),
             edgecolor="black",
@@ -197,7 +205,7 @@ def _draw(ax, timeline: Timeline, title: str | None) -> None:
         if c.step:
             continue
         ax.text(
-            1e3 * (c.start - t0 + c.duration / 2),
+            1e3 * (start - t0 + (end - start) / 2),
             row,
             f"{c.site}: {c.impl}",
             ha="center",
@@ -212,7 +220,7 @@ def _draw(ax, timeline: Timeline, title: str | None) -> None:
     if untimed:
         label += f"{' ' if label else ''}(+{untimed} call(s) inside compiled programs, not timed)"
     if calls:
-        span = 1e3 * (max(c.end for c in calls) - t0)
+        span = 1e3 * (max(_span(c)[1] for c in calls) - t0)
         label += f"{': ' if label else ''}{span:.1f} ms"
     ax.set_title(label, fontsize=9, loc="left")
     ax.set_ylabel("thread", fontsize=8)
@@ -281,7 +289,7 @@ def _add(
             )
         )
     if log.isEnabledFor(logging.DEBUG):
-        took = "inside a compiled program" if start is None else f"{1e3 * (end - start):.3f} ms"
+        took = "inside a compiled program" if start is None or end is None else f"{1e3 * (end - start):.3f} ms"
         log.debug("%s: %s (%s schedule) %s on %s", site, impl, schedule, took, thread)
 
 
@@ -327,7 +335,7 @@ def timed_outside():
     return _jaxpr.setting(_TIMED_OUTSIDE, True)
 
 
-def device_of(tree: Any) -> jax.Device | None:
+def device_of(tree: Any) -> jax.Device | None:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
     """The device of the first array of `tree` (None for no array, or one on several)."""
     for leaf in jtu.tree_leaves(tree):
         if isinstance(leaf, jax.Array):
