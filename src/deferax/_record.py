@@ -48,7 +48,10 @@ _TIMED_OUTSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_t
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One run of an implementation.
+    """One run of an implementation, as [`deferax.record`][] collects it in a
+    [`deferax.Timeline`][] (`timeline.calls`).
+
+    **Fields:**
 
     - `site`: the `ExpensiveFn`'s `name`;
     - `impl`: `"fwd"`, `"bwd"`, `"adjoint"`, `"combine"`, `"fused"`, `"fused_batch"`,
@@ -144,7 +147,31 @@ class Timeline:
 
 def plot_timelines(timelines: Mapping[str, Timeline], width: float = 8.0) -> Any:
     """Several recordings (standard and deferred runs of one step, say), one above the
-    other on a common time axis. Returns the matplotlib `Figure`."""
+    other on a common time axis: for each, a Gantt chart as [`deferax.Timeline`][]'s
+    `plot` draws it (one bar per timed call, one row per thread, coloured by
+    implementation). Needs matplotlib (`pip install deferax[plot]`).
+
+    **Arguments:**
+
+    - `timelines`: the recordings, each under the title shown above its chart, in the
+      order drawn (top to bottom).
+    - `width`: the figure's width in inches; its height grows with the number of threads.
+
+    **Returns:**
+
+    The matplotlib `Figure`.
+
+    !!! Example
+
+        ```python
+        with dx.record() as standard:
+            step_standard(model, data)
+        with dx.record() as deferred:
+            step(model, data)
+        fig = dx.plot_timelines({"standard": standard, "deferred": deferred})
+        fig.savefig("timelines.png")
+        ```
+    """
     try:
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - the plot extra is installed in the tests
