@@ -48,7 +48,10 @@ _TIMED_OUTSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_t
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One run of an implementation.
+    """One run of an implementation, as [`deferax.record`][] collects it in a
+    [`deferax.Timeline`][] (`timeline.calls`).
+
+    **Fields:**
 
     - `site`: the `ExpensiveFn`'s `name`;
     - `impl`: `"fwd"`, `"bwd"`, `"adjoint"`, `"combine"`, `"fused"`, `"fused_batch"`,
@@ -77,7 +80,8 @@ class Call:
 
     @property
     def duration(self) -> float | None:
-        return None if self.start is None else self.end - self.start
+        """`end - start` in seconds; `None` for a call that was not timed."""
+        return None if self.start is None or self.end is None else self.end - self.start
 
 
 class Timeline:
@@ -111,12 +115,12 @@ class Timeline:
         return len(self.calls)
 
     def __str__(self) -> str:
-        rows = [("site", "impl", "schedule", "start", "end", "ms", "thread", "device")]
+        rows: list[tuple[str, ...]] = [("site", "impl", "schedule", "start", "end", "ms", "thread", "device")]
         for c in sorted(self.calls, key=lambda c: (c.start is None, c.start or 0.0)):
-            if c.start is None:
+            if c.start is None or c.end is None:
                 times = ("-", "-", "not timed")
             else:
-                times = (f"{1e3 * c.start:.2f}", f"{1e3 * c.end:.2f}", f"{1e3 * c.duration:.2f}")
+                times = (f"{1e3 * c.start:.2f}", f"{1e3 * c.end:.2f}", f"{1e3 * (c.end - c.start):.2f}")
             impl = f"- {c.impl}" if c.step else c.impl  # (a step, inside the job before it)
             rows.append((c.site, impl, c.schedule, *times, c.thread, c.device or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -143,7 +147,31 @@ class Timeline:
 
 def plot_timelines(timelines: Mapping[str, Timeline], width: float = 8.0) -> Any:
     """Several recordings (standard and deferred runs of one step, say), one above the
-    other on a common time axis. Returns the matplotlib `Figure`."""
+    other on a common time axis: for each, a Gantt chart as [`deferax.Timeline`][]'s
+    `plot` draws it (one bar per timed call, one row per thread, coloured by
+    implementation). Needs matplotlib (`pip install deferax[plot]`).
+
+    **Arguments:**
+
+    - `timelines`: the recordings, each under the title shown above its chart, in the
+      order drawn (top to bottom).
+    - `width`: the figure's width in inches; its height grows with the number of threads.
+
+    **Returns:**
+
+    The matplotlib `Figure`.
+
+    !!! Example
+
+        ```python
+        with dx.record() as standard:
+            step_standard(model, data)
+        with dx.record() as deferred:
+            step(model, data)
+        fig = dx.plot_timelines({"standard": standard, "deferred": deferred})
+        fig.savefig("timelines.png")
+        ```
+    """
     try:
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - the plot extra is installed in the tests
@@ -178,17 +206,24 @@ _COLOURS = {
 }
 
 
+def _span(call: Call) -> tuple[float, float]:
+    """`(start, end)` of a call from `Timeline.timed`."""
+    assert call.start is not None and call.end is not None, "only timed calls have a span"
+    return call.start, call.end
+
+
 def _draw(ax, timeline: Timeline, title: str | None) -> None:
     calls = timeline.timed()
     jobs = [c for c in calls if not c.step]
-    threads = sorted({c.thread for c in calls}, key=lambda t: min(c.start for c in calls if c.thread == t))
-    t0 = min((c.start for c in calls), default=0.0)
+    threads = sorted({c.thread for c in calls}, key=lambda t: min(_span(c)[0] for c in calls if c.thread == t))
+    t0 = min((_span(c)[0] for c in calls), default=0.0)
     for c in calls:
         row = threads.index(c.thread)
+        start, end = _span(c)
         ax.barh(
             row + (0.2 if c.step else 0.0),  # (a step: a thin bar along the bottom of its job's)
-            1e3 * c.duration,
-            left=1e3 * (c.start - t0),
+            1e3 * (end - start),
+            left=1e3 * (start - t0),
             height=0.2 if c.step else 0.6,
             color=_COLOURS.get(c.impl, "#999999"),
             edgecolor="black",
@@ -197,7 +232,7 @@ def _draw(ax, timeline: Timeline, title: str | None) -> None:
         if c.step:
             continue
         ax.text(
-            1e3 * (c.start - t0 + c.duration / 2),
+            1e3 * (start - t0 + (end - start) / 2),
             row,
             f"{c.site}: {c.impl}",
             ha="center",
@@ -212,7 +247,7 @@ def _draw(ax, timeline: Timeline, title: str | None) -> None:
     if untimed:
         label += f"{' ' if label else ''}(+{untimed} call(s) inside compiled programs, not timed)"
     if calls:
-        span = 1e3 * (max(c.end for c in calls) - t0)
+        span = 1e3 * (max(_span(c)[1] for c in calls) - t0)
         label += f"{': ' if label else ''}{span:.1f} ms"
     ax.set_title(label, fontsize=9, loc="left")
     ax.set_ylabel("thread", fontsize=8)
@@ -281,7 +316,7 @@ def _add(
             )
         )
     if log.isEnabledFor(logging.DEBUG):
-        took = "inside a compiled program" if start is None else f"{1e3 * (end - start):.3f} ms"
+        took = "inside a compiled program" if start is None or end is None else f"{1e3 * (end - start):.3f} ms"
         log.debug("%s: %s (%s schedule) %s on %s", site, impl, schedule, took, thread)
 
 
@@ -327,7 +362,7 @@ def timed_outside():
     return _jaxpr.setting(_TIMED_OUTSIDE, True)
 
 
-def device_of(tree: Any) -> jax.Device | None:
+def device_of(tree: Any) -> jax.Device | None:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
     """The device of the first array of `tree` (None for no array, or one on several)."""
     for leaf in jtu.tree_leaves(tree):
         if isinstance(leaf, jax.Array):

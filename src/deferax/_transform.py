@@ -274,7 +274,7 @@ class _GradWrapper(eqx.Module):
 
     @property
     def __wrapped__(self):
-        return self._fun_value_and_grad.__wrapped__
+        return self._fun_value_and_grad.__wrapped__  # pyright: ignore[reportAttributeAccessIssue]  (a field: no `__get__`)
 
     def __call__(self, /, *args, **kwargs):
         value, grad = self._fun_value_and_grad(*args, **kwargs)
@@ -285,7 +285,7 @@ class _GradWrapper(eqx.Module):
 
     def plan(self, *args, **kwargs) -> Plan:
         """The schedule that `self(*args, **kwargs)` would run (see [`deferax.explain`][])."""
-        return self._fun_value_and_grad.plan(*args, **kwargs)
+        return self._fun_value_and_grad.plan(*args, **kwargs)  # pyright: ignore[reportAttributeAccessIssue]  (a field: no `__get__`)
 
     def __get__(self, instance, owner):
         if instance is None:
@@ -300,7 +300,7 @@ class _GradWrapper(eqx.Module):
 DEFAULT_MAX_BASIS = None
 
 
-def _check_settings(schedule, max_basis, recognise=True):
+def _check_settings(schedule, max_basis, recognise: bool | str = True):
     if not (recognise is True or recognise is False or (isinstance(recognise, str) and recognise == "always")):
         raise ValueError(_BAD_RECOGNISE.format(found=recognise))
     if schedule not in _SCHEDULES:
@@ -429,7 +429,7 @@ def _identity(x):
 
 
 # What `jax.jit` and `eqx.filter_jit` make: each keeps the function it compiles as `__wrapped__`.
-_JITTED = (type(jax.jit(_identity)), type(eqx.filter_jit(_identity)))
+_JITTED: tuple[type, ...] = (type(jax.jit(_identity)), type(eqx.filter_jit(_identity)))
 
 
 def _compiled_function(fun):

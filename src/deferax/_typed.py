@@ -41,17 +41,49 @@ def typechecking_enabled() -> bool:
 
 
 def set_typechecking(enabled: bool) -> None:
-    """Turn the run-time checks of typed modules on or off for the current context.
+    """Turn the run-time checks of typed modules on or off, from here on in the current context.
+
+    The checks are those of a [`deferax.TypedModule`][]'s fields and annotated methods, and
+    of the annotated implementations of an [`deferax.ExpensiveFn`][]. The setting is held
+    in a `contextvars.ContextVar`: it holds for the current thread (or asyncio task) from
+    now on, not for threads started elsewhere. Inside a jitted step it matters only while
+    the step is traced. To change it for one block only, use [`deferax.typechecking`][].
 
     The default is on, unless the environment variable `DEFERAX_TYPECHECK` is `0`,
     `false`, `off` or `no` when deferax is imported.
+
+    **Arguments:**
+
+    - `enabled`: `True` to check, `False` not to (read as a bool).
+
+    **Returns:**
+
+    Nothing. [`deferax.typechecking_enabled`][] tells the current state.
+
+    !!! Example
+
+        ```python
+        dx.set_typechecking(False)  # no shape checks from here on
+        ```
     """
     _ENABLED.set(bool(enabled))
 
 
 @contextlib.contextmanager
 def typechecking(enabled: bool) -> Iterator[None]:
-    """Context manager: run the block with the checks turned on or off.
+    """Context manager: run the block with the run-time checks of typed modules turned on or off.
+
+    The checks are those that [`deferax.set_typechecking`][] turns on and off; on leaving
+    the block, the setting from before it is back (also when the block raises). Inside a
+    jitted step it matters only while the step is traced.
+
+    **Arguments:**
+
+    - `enabled`: `True` to check inside the block, `False` not to (read as a bool).
+
+    **Returns:**
+
+    A context manager that yields `None`.
 
     !!! Example
 

@@ -157,7 +157,7 @@ class _Check:
             if decisions[k].schedule == "standard":
                 decisions[k] = _with_forward_basis(decisions[k], self.specs[k])
         deferred = tuple(k for k in range(n) if decisions[k].deferred)
-        basis = {k: decisions[k].basis for k in deferred if decisions[k].basis is not None}
+        basis = {k: b for k in deferred if (b := decisions[k].basis) is not None}
         early = tuple(
             k for k in range(n)
             if deferred and k not in deferred and not self.specs[k].static.autodiff
@@ -302,6 +302,7 @@ class _Check:
         limit = spec.static.max_basis
         limit = limit if limit is not None else self.max_basis
         estimates = _estimate(spec, basis.k)
+        assert estimates.deferred is not None  # (`_cost.estimate` always estimates the deferred schedule)
         if basis.k <= limit if limit is not None else estimates.deferred < estimates.standard:
             ahead = _jaxpr.once_only(basis.program, [True] * len(basis.program.jaxpr.eqns))
             if ahead is not None:
@@ -429,16 +430,19 @@ def _with_forward_basis(decision: Decision, spec: _site.Spec) -> Decision:
     estimates = _forward_basis.estimates(spec)
     decided = _tangents.by_estimate(spec.static, estimates)
     if decided and decision.estimates is not None:  # (the standard estimate is the same)
+        assert estimates is not None  # (`by_estimate` decides only with estimates)
         estimates = _cost.Estimates(
             estimates.standard, decision.estimates.deferred, estimates.source, estimates.forward_basis
         )
     shown = estimates if decided else decision.estimates
     n = _forward_basis.n_inputs(spec)
     if _tangents.strategy(spec.static, n, estimates) == "forward-basis":
+        assert decision.reason is not None  # (a standard decision says why)
         reason = decision.reason + _forward_basis_why(spec, decided)
         return Decision("forward-basis", reason, decision.location, n=n, estimates=shown)
     if not decided:
         return decision
+    assert decision.reason is not None
     reason = decision.reason + f"; the forward-basis strategy with its n={n} tangents is estimated slower: {estimates}"
     return Decision("standard", reason, decision.location, k=decision.k, estimates=shown)
 
@@ -470,7 +474,7 @@ def _estimate(spec: _site.Spec, k: int) -> _cost.Estimates:
         k = math.ceil(k / math.prod(spec.sizes))
     fused = static.fused
     one_job = not isinstance(fused, AbstractImplementation) or fused.batch_in_one_job
-    workers = 1 if one_job else fused.jobs_at_once
+    workers = fused.jobs_at_once if isinstance(fused, AbstractImplementation) and not one_job else 1
     complex_out = any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in spec.y_structs)
     shapes = tuple(s.shape for s in spec.x_structs)
     fused_only = static.fwd is None and static.bwd is None and static.adjoint is None

@@ -92,7 +92,8 @@ def check_tree(call: str, impl: str, what: str, found: PyTree, expected: PyTree,
                 lines.append(f"Expected {_messages.shape_text(e)}{where}, found {_messages.shape_text(fs)}.")
         if not lines:
             return
-        if not jax.config.jax_enable_x64 and any(str(e.dtype) in _WIDE for e in jtu.tree_leaves(expected)):
+        x64 = jax.config.jax_enable_x64  # pyright: ignore[reportAttributeAccessIssue]  (a flag: set at run time)
+        if not x64 and any(str(e.dtype) in _WIDE for e in jtu.tree_leaves(expected)):
             lines.append(_messages.X64_OFF)
         detail = "\n".join(lines)
     rule = _messages.RULES[impl]
@@ -104,7 +105,8 @@ def check_tree(call: str, impl: str, what: str, found: PyTree, expected: PyTree,
 def check_declared_width(call: str, what: str, declared: PyTree) -> None:
     """Refuse a declared 64-bit structure while JAX's 64-bit mode is off (JAX would compute in
     32 bits, and a callback declared wider fails with an error that names nothing of ours)."""
-    if not jax.config.jax_enable_x64 and any(str(s.dtype) in _WIDE for s in jtu.tree_leaves(declared)):
+    x64 = jax.config.jax_enable_x64  # pyright: ignore[reportAttributeAccessIssue]  (a flag: set at run time)
+    if not x64 and any(str(s.dtype) in _WIDE for s in jtu.tree_leaves(declared)):
         raise ValueError(_messages.WIDE_DECLARED.format(call=call, what=what, found=_messages.tree_text(declared)))
 
 

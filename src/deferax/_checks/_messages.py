@@ -4,13 +4,14 @@ the fix; each has a test that matches its text."""
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
 
 def shape_text(a: Any) -> str:
     """`float64[3, 4]` for an array or a `jax.ShapeDtypeStruct` (`key<fry>[]` for a typed PRNG key)."""
-    dtype = a.dtype if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) else np.dtype(a.dtype)
+    dtype = a.dtype if jnp.issubdtype(a.dtype, jax.dtypes.extended) else np.dtype(a.dtype)
     return f"{dtype.name}{list(a.shape)}"
 
 

@@ -52,7 +52,7 @@ def current_slot() -> int:
     return _SLOT.get()
 
 
-def placement() -> tuple[jax.Device | None, jax.Device | None]:
+def placement() -> tuple[jax.Device | None, jax.Device | None]:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
     """`(forward's device, adjoint's device)` for this slot; `(None, None)` on one device."""
     devices = jax.local_devices() if _DEVICES is None else _DEVICES
     if len(devices) < 2:
@@ -61,7 +61,7 @@ def placement() -> tuple[jax.Device | None, jax.Device | None]:
     return devices[first], devices[(first + 1) % len(devices)]
 
 
-def on(device: jax.Device | None, tree: Any) -> Any:
+def on(device: jax.Device | None, tree: Any) -> Any:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
     """`tree` with its arrays on `device` (unchanged for `None`)."""
     if device is None:
         return tree

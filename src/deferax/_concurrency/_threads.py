@@ -13,6 +13,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
@@ -114,14 +115,14 @@ class _Halves:
     run: Callable[..., Any]
     batched: bool
     names: tuple[str, str]
-    devices: tuple[jax.Device | None, jax.Device | None]
+    devices: tuple[jax.Device | None, jax.Device | None]  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
 
-    def fwd(self, arrays: Any, x: PyTree, device: jax.Device | None) -> PyTree:
+    def fwd(self, arrays: Any, x: PyTree, device: jax.Device | None) -> PyTree:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
         f, _ = eqx.combine(arrays, self.static)
         with _record.timed_outside():  # (recorded around this call)
             return self.run(False, *on(device, (f, x)))
 
-    def adjoint(self, arrays: Any, x: PyTree, ct: PyTree, device: jax.Device | None) -> PyTree:
+    def adjoint(self, arrays: Any, x: PyTree, ct: PyTree, device: jax.Device | None) -> PyTree:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
         _, a = eqx.combine(arrays, self.static)
         with _record.timed_outside():
             return self.run(self.batched, *on(device, (a, x, ct)))
@@ -141,7 +142,7 @@ def _ready(thunk: Callable[[], Any]) -> Any:
     return jax.block_until_ready(thunk())
 
 
-def _timed_eager(name: str, device: jax.Device | None, home: jax.Device | None, thunk: Callable[[], Any]) -> Any:
+def _timed_eager(name: str, device: jax.Device | None, home: jax.Device | None, thunk: Callable[[], Any]) -> Any:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
     """`thunk()`, recorded as `name`'s run on `device` until its result is ready, the result
     moved to `home`."""
     return on(home, _record.recorded(name, ft.partial(_ready, thunk), False, device))
@@ -151,7 +152,7 @@ def _to_numpy(half: Callable[..., Any], *args: Any) -> Any:
     return jtu.tree_map(np.asarray, half(*args))
 
 
-def _timed_host(name: str, device: jax.Device, half: Callable[..., Any], *args: Any) -> Any:
+def _timed_host(name: str, device: jax.Device, half: Callable[..., Any], *args: Any) -> Any:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
     """`half(*args)` as NumPy arrays (from the callback), recorded as `name`'s run on `device`."""
     return _record.recorded(name, ft.partial(_to_numpy, half, *args), False, device)
 

@@ -180,7 +180,7 @@ def estimates(fn: AbstractExpensiveFn, shapes: tuple, n: int) -> _cost.Estimates
     batch = fn.jvp_batch
     one_job = not isinstance(batch, AbstractImplementation) or batch.batch_in_one_job
     fused_only = fn.fwd is None and fn.bwd is None and fn.adjoint is None
-    workers = 1 if one_job else batch.jobs_at_once
+    workers = batch.jobs_at_once if isinstance(batch, AbstractImplementation) and not one_job else 1
     return _cost.forward_basis(fn.timings_key, shapes, fn.cost, n, one_job, fused_only, workers)
 
 
@@ -225,5 +225,6 @@ def strategy(fn: AbstractExpensiveFn, n: int, estimates: _cost.Estimates | None 
             return "forward-basis"
         return "standard"  # reverse mode then fails with TOO_MANY_TANGENTS, forward mode works
     if by_estimate(fn, estimates):
+        assert estimates is not None and estimates.forward_basis is not None  # (`_cost.forward_basis`'s)
         return "forward-basis" if estimates.forward_basis < estimates.standard else "standard"
     return "forward-basis" if n <= limit else "standard"

@@ -54,7 +54,7 @@ class Pinned(_executor.DaskClient):
     def submit(self, fn, /, *args, **kwargs):
         values = np.ascontiguousarray(args[0][0])
         key = hashlib.blake2b(values.dtype.str.encode(), digest_size=16)
-        key.update(values)
+        key.update(values.data)
         where = self.client.get_executor(workers=[self._worker(key.digest())], allow_other_workers=True)
         return where.submit(fn, *args, **kwargs)
 

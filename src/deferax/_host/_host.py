@@ -32,14 +32,14 @@ def _raw(tree: PyTree) -> PyTree:
     hands a callback."""
 
     def raw(a):
-        return jax.random.key_data(a) if jax.dtypes.issubdtype(jnp.result_type(a), jax.dtypes.prng_key) else a
+        return jax.random.key_data(a) if jnp.issubdtype(jnp.result_type(a), jax.dtypes.prng_key) else a
 
     return jtu.tree_map(raw, tree)
 
 
 def _check_declared(call: str, what: str, declared: PyTree) -> PyTree:
     _checks.check_declared_width(call, what, declared)
-    keys = [s for s in jtu.tree_leaves(declared) if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)]
+    keys = [s for s in jtu.tree_leaves(declared) if jnp.issubdtype(s.dtype, jax.dtypes.prng_key)]
     if keys:
         raise TypeError(_messages.HOST_KEY_OUT.format(call=call, what=what, found=_messages.shape_text(keys[0])))
     return declared
@@ -150,7 +150,7 @@ class HostImplementation(AbstractImplementation):
 
     host: _Host
     impl: str = eqx.field(static=True)
-    runs_on_host: ClassVar[bool] = True
+    runs_on_host: ClassVar[bool] = True  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
 
     @property
     def batch_in_one_job(self) -> bool:

@@ -146,6 +146,12 @@ def _first(results: list) -> Any:
     return results[0]
 
 
+def _given(fn: Callable[..., Any] | None) -> Callable[..., Any]:
+    """`fn`, a host function that a job is planned for: one the site was given."""
+    assert fn is not None, "a host job was planned for a function the site was not given"
+    return fn
+
+
 @dataclasses.dataclass(frozen=True)
 class _Call:
     """One call of a host function, with the structure its result must have."""
@@ -225,13 +231,13 @@ class Runner:
         }
         if kind in one_call:
             fn, why = one_call[kind]
-            return [_Call(kind, fn, args, result, why)], _first
+            return [_Call(kind, _given(fn), args, result, why)], _first
         x, ct = args
         out_struct, second = result
         if kind == "fwd+adjoint":
             calls = [
-                _Call("fwd", self.fwd, (x,), out_struct, _messages.EXPECTED_BY_OUT),
-                _Call("adjoint", self.adjoint, (x, ct), second, self.adjoint_why),
+                _Call("fwd", _given(self.fwd), (x,), out_struct, _messages.EXPECTED_BY_OUT),
+                _Call("adjoint", _given(self.adjoint), (x, ct), second, self.adjoint_why),
             ]
             return calls, tuple
         k = jtu.tree_leaves(ct)[0].shape[0]
@@ -239,12 +245,14 @@ class Runner:
         row_struct = _unstack(second)
         if kind == "jvp*k":  # `jvp` once per tangent, all submitted together; `y` from the first
             calls = [
-                _Call("jvp", self.jvp, (x, row), (out_struct, row_struct), _messages.EXPECTED_PAIR_JVP) for row in rows
+                _Call("jvp", _given(self.jvp), (x, row), (out_struct, row_struct), _messages.EXPECTED_PAIR_JVP)
+                for row in rows
             ]
             return calls, lambda r: (r[0][0] if r else _zeros(out_struct), _stack([p[1] for p in r], row_struct))
         if kind == "fused*k":  # `fused` once per cotangent; `y` from the first
             calls = [
-                _Call("fused", self.fused, (x, row), (out_struct, row_struct), _messages.EXPECTED_PAIR) for row in rows
+                _Call("fused", _given(self.fused), (x, row), (out_struct, row_struct), _messages.EXPECTED_PAIR)
+                for row in rows
             ]
             return calls, lambda r: (r[0][0] if r else _zeros(out_struct), _stack([p[1] for p in r], row_struct))
         # "fwd+adjoints": the forward once and the adjoints, all at the same time
@@ -252,8 +260,8 @@ class Runner:
             recipe, unique = _multiples(rows, row_struct)
         else:
             recipe, unique = [(j, 1.0) for j in range(k)], list(range(k))
-        calls = [_Call("fwd", self.fwd, (x,), out_struct, _messages.EXPECTED_BY_OUT)]
-        calls += [_Call("adjoint", self.adjoint, (x, rows[j]), row_struct, self.adjoint_why) for j in unique]
+        calls = [_Call("fwd", _given(self.fwd), (x,), out_struct, _messages.EXPECTED_BY_OUT)]
+        calls += [_Call("adjoint", _given(self.adjoint), (x, rows[j]), row_struct, self.adjoint_why) for j in unique]
 
         def assemble(r):
             partials = [
@@ -290,8 +298,8 @@ class Runner:
                 check=check,
                 workers=self.workers,
             )
-            results, seconds = zip(*timed, strict=True) if timed else ((), ())
-            return [self._check(c, r) for c, r in zip(calls, results, strict=True)], list(seconds)
+            results, took = zip(*timed, strict=True) if timed else ((), ())
+            return [self._check(c, r) for c, r in zip(calls, results, strict=True)], list(took)
         # One call per host function, with the arguments of all its calls stacked on a leading axis.
         groups: dict[str, list[int]] = {}
         for i, c in enumerate(calls):

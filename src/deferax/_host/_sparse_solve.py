@@ -59,6 +59,7 @@ class SparsePattern:
     rows: np.ndarray
     cols: np.ndarray
     n: int
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)  # (set in `__post_init__`)
 
     def __post_init__(self):
         n = self.n
@@ -372,7 +373,7 @@ class _Solve:
         """`dA y` for the entries' tangent `t_values` (one, or `k` stacked)."""
         terms = np.asarray(t_values, self.work) * y[self.pattern.cols]
         out = np.zeros((*terms.shape[:-1], self.pattern.n), self.work)
-        np.add.at(out, (..., self.pattern.rows), terms)
+        np.add.at(out, (..., self.pattern.rows), terms)  # pyright: ignore[reportArgumentType]  (NumPy's stub omits `...`)
         return out
 
     def fwd(self, x: tuple) -> np.ndarray:
@@ -467,7 +468,7 @@ class _Solve:
 
 def _like(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """`a` as a cotangent of dtype `dtype`: its real part for a real one."""
-    return np.asarray(a if np.issubdtype(dtype, np.complexfloating) else a.real, dtype)
+    return np.asarray(a if np.issubdtype(dtype, np.complexfloating) else np.real(a), dtype)
 
 
 @ft.lru_cache(maxsize=64)

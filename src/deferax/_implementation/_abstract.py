@@ -38,8 +38,8 @@ class AbstractImplementation(eqx.Module):
     runs_on_host: eqx.AbstractClassVar[bool]
 
     @abc.abstractmethod
-    def __call__(self, *args: Any) -> Any:
-        """Run the implementation."""
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the implementation (each kind with its own arguments)."""
 
     @property
     @abc.abstractmethod
@@ -79,7 +79,7 @@ class AbstractFused(AbstractImplementation):
     # Whether each half is compiled once per function and input structure (`dx.fuse`, as
     # `jax.jit` would), or called as the standard schedule calls it (see `concurrently`).
     compiled: eqx.AbstractClassVar[bool]
-    runs_on_host: ClassVar[bool] = False
+    runs_on_host: ClassVar[bool] = False  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
 
     @property
     def batch_in_one_job(self) -> bool:

@@ -54,10 +54,10 @@ class DerivedFused(AbstractFused):
     standard schedule would call it, so that it reads what it reads afresh (eagerly, on
     every call)."""
 
-    fwd: PrimalHalf
-    adjoint: AdjointHalf
-    combine: CombineStep | None
-    compiled: ClassVar[bool] = False
+    fwd: PrimalHalf  # pyright: ignore[reportIncompatibleMethodOverride]  (an eqx.AbstractVar, frozen: a narrower type is sound)
+    adjoint: AdjointHalf  # pyright: ignore[reportIncompatibleMethodOverride]  (an eqx.AbstractVar, frozen: a narrower type is sound)
+    combine: CombineStep | None  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractVar, frozen: a narrower type is sound)
+    compiled: ClassVar[bool] = False  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
 
     def half_names(self) -> tuple[str, str]:
         return self.fwd.impl, self.adjoint.impl

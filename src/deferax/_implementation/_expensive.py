@@ -212,6 +212,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
             # function, traced each time; `fwd` itself is traced once and cached by JAX.)
             fwd = lambda x_: self._typed_call("fwd", self.fwd, (x_,))  # noqa: E731
         else:
+            assert self.fwd is not None  # (`impl` is "fwd": the first given, above)
             fwd = self.fwd
         try:
             return jax.eval_shape(fwd, x)

@@ -21,7 +21,7 @@ class Fused(AbstractFused):
     fwd: Callable[..., Any]
     adjoint: Callable[..., Any]
     combine: Callable[..., Any] | None = None
-    compiled: ClassVar[bool] = True
+    compiled: ClassVar[bool] = True  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
 
     def half_names(self) -> tuple[str, str]:
         return "fwd", "adjoint"

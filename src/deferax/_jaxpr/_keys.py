@@ -122,7 +122,7 @@ def _param_key(p):
         # keyed by identity, it would never match again and only fill the cache)
         raise _Unkeyable
     if isinstance(p, eqx.Module) or (
-        dataclasses.is_dataclass(p) and not isinstance(p, type) and p.__dataclass_params__.frozen
+        dataclasses.is_dataclass(p) and not isinstance(p, type) and p.__dataclass_params__.frozen  # pyright: ignore[reportAttributeAccessIssue]  (set by @dataclass; typeshed omits it)
     ):
         # field by field (an `ExpensiveFn` and its Module implementations are immutable
         # dataclasses): a number among them by its bits, as a literal, where `==` would take

@@ -37,7 +37,7 @@ def factor_seconds(pattern: SparsePattern, complex_: bool) -> float | None:
     if complex_:
         values = values * np.exp(1j * rng.uniform(0, 2 * np.pi, pattern.nnz))
     matrix = scipy.sparse.csc_matrix((values, (pattern.rows, pattern.cols)), shape=(pattern.n, pattern.n))
-    SuperLU().factor(scipy.sparse.identity(2, values.dtype, format="csc"))  # (imports and warms up the solver)
+    SuperLU().factor(scipy.sparse.identity(2, values.dtype.char, format="csc"))  # (imports and warms up the solver)
     best = np.inf
     for _ in range(3):
         start = time.perf_counter()

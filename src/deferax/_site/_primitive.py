@@ -277,10 +277,10 @@ def bind_site(fn: AbstractExpensiveFn, x: Any) -> Any:
     x_structs = tuple(struct_of(a) for a in x_leaves)
     x_struct = jtu.tree_unflatten(x_tree, list(x_structs))
     y_struct = fn.out_struct(x_struct)
-    if fn.out is not None and _DECLARED.get() is not None:
+    if fn.out is not None and (declared := _DECLARED.get()) is not None:
         # (abstract: the function's arrays may be tracers of this trace, gone if it fails)
         abstract = eqx.combine(jtu.tree_unflatten(fn_tree, [struct_of(a) for a in fn_leaves]), static)
-        _DECLARED.get().append((abstract, x_struct))
+        declared.append((abstract, x_struct))
     y_leaves, y_tree = jtu.tree_flatten(y_struct)
     spec = Spec(
         static, fn_tree, x_tree, x_structs, y_tree, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in y_leaves)

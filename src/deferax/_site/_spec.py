@@ -47,7 +47,9 @@ class Spec:
 
     @property
     def name(self) -> str:
-        return self.static.name
+        name = self.static.name
+        assert name is not None  # (an `ExpensiveFn` names itself when made)
+        return name
 
     @property
     def n_fn(self) -> int:
@@ -108,5 +110,6 @@ def rebind_batched(p, args, dims, spec: Spec):
             moved.append(_jaxpr.move_to_front(a, d))
             in_axes.append(0)
             size = a.shape[d]
+    assert size is not None  # (a batching rule runs with at least one operand batched)
     outs = p.bind(*moved, spec=spec.with_level(tuple(in_axes), size))
     return outs, [0] * len(outs)

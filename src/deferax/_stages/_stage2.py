@@ -220,6 +220,7 @@ def fused_over_levels(spec: Spec, operands: list, ct: list, derived: bool = Fals
         # `dx.fuse` (or one made here): the whole batch's forward and adjoint on two threads
         fn = spec.fn(operands[:n_fn])
         impl = fn.derived_fused() if derived else fn.fused
+        assert isinstance(impl, AbstractFused)  # (as `concurrent` says)
         x, ct_tree = spec.x(operands[n_fn:]), jtu.tree_unflatten(spec.y_tree, list(ct))
         if spec.axes:
             x_axes = [jtu.tree_unflatten(spec.x_tree, list(level[n_fn:])) for level, _ in spec.axes]
