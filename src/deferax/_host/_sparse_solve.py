@@ -142,9 +142,9 @@ class SparsePattern:
         if t is None:
             return False
         inverse, transposed, m = t
-        summed = np.bincount(inverse, weights=values.real, minlength=m)
+        summed = np.bincount(inverse, weights=np.real(values), minlength=m)
         if np.iscomplexobj(values):
-            summed = summed + 1j * np.bincount(inverse, weights=values.imag, minlength=m)
+            summed = summed + 1j * np.bincount(inverse, weights=np.imag(values), minlength=m)
         return bool(np.array_equal(summed, summed[transposed]))
 
     @classmethod

@@ -74,7 +74,7 @@ def recognise_tesseract(tesseract: Any) -> Any:
 
 def _tesseract_class():
     try:
-        from tesseract_core import Tesseract
+        from tesseract_core import Tesseract  # pyright: ignore[reportMissingImports]  (optional: Python 3.12+, the tesseract extra)
     except ImportError:
         return None
     return Tesseract
@@ -93,7 +93,7 @@ class _Slot:
 
 
 def rule(operands, params):
-    from tesseract_jax.tree_util import dummy_output_tree, pytree_to_path_dict, unflatten_args
+    from tesseract_jax.tree_util import dummy_output_tree, pytree_to_path_dict, unflatten_args  # pyright: ignore[reportMissingImports]  (optional: Python 3.12+, the tesseract extra)
 
     p = params["params"]
     if p.eval_func != "apply":
@@ -169,6 +169,6 @@ def _apply(traced: list[int]):
 
 
 def register():
-    from tesseract_jax.primitive import tesseract_dispatch_p
+    from tesseract_jax.primitive import tesseract_dispatch_p  # pyright: ignore[reportMissingImports]  (optional: Python 3.12+, the tesseract extra)
 
     _registry.register_recognition(tesseract_dispatch_p, rule, name=NAME)
