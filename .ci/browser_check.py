@@ -28,8 +28,13 @@ CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 WIDTHS = (1280, 1600)
 # Chromium's own network activity is refused on a closed network: turn it off.
 FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 
 OVERFLOWING = """

@@ -4,6 +4,7 @@ Blocks of one file run in order in one namespace; a block with title="NAME.py" i
 /tmp/deferax-docs/NAME.py and run there as a script (`python NAME.py`). Prints a diff for
 every output block that does not match.
 """
+
 import contextlib
 import difflib
 import io
@@ -54,7 +55,7 @@ for path in [a for a in sys.argv[1:] if a not in ("--fill", "--update")]:
                 bad += 1
             out = buf.getvalue()
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-        if nxt and nxt[0] == "text" and text[end:nxt[3]].strip() == "":
+        if nxt and nxt[0] == "text" and text[end : nxt[3]].strip() == "":
             want = [line.rstrip() for line in nxt[2].rstrip("\n").split("\n")]
             got = [line.rstrip() for line in out.rstrip("\n").split("\n")]
             if (fill and nxt[2].strip() == "") or (update and want != got):

@@ -96,9 +96,11 @@ def main():
     for name, ts in times.items():
         print(f"{name}: {describe(ts)}")
     s = plan.sites[0].estimates
-    print(f"estimated per site: standard {1e3 * s.standard:.2f} ms, deferred-basis {1e3 * s.deferred:.2f} ms "
-          f"-> {plan.sites[0].schedule}; measured deferred-basis / standard = "
-          f"{median(times['deferred-basis']) / median(times['standard']):.2f}")
+    print(
+        f"estimated per site: standard {1e3 * s.standard:.2f} ms, deferred-basis {1e3 * s.deferred:.2f} ms "
+        f"-> {plan.sites[0].schedule}; measured deferred-basis / standard = "
+        f"{median(times['deferred-basis']) / median(times['standard']):.2f}"
+    )
     print(f"at the end: {load()}")
     print(
         result_line(

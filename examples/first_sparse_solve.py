@@ -61,7 +61,7 @@ def matrix_values(p):
 
 def loss(p, solver=None):  # (solver: SciPy's SuperLU unless told otherwise)
     x = dx.sparse_solve(matrix_values(p), pattern, b, solver=solver)
-    return -jnp.abs(jnp.vdot(m, x)) ** 2  # minimise: maximise the power in the beam
+    return -(jnp.abs(jnp.vdot(m, x)) ** 2)  # minimise: maximise the power in the beam
 
 
 # --- what will run
@@ -81,7 +81,7 @@ for step in range(5):
 # --- checks (CI runs this script): the schedule, the work per step, the gradient
 def dense_loss(p):  # the same loss in plain JAX, with a dense solve
     x = jnp.linalg.solve(pattern.todense(matrix_values(p)), b)
-    return -jnp.abs(jnp.vdot(m, x)) ** 2
+    return -(jnp.abs(jnp.vdot(m, x)) ** 2)
 
 
 class CountingSuperLU(dx.AbstractSparseSolver):  # SciPy's SuperLU, counting factorisations

@@ -384,9 +384,8 @@ def test_error_fused_batch_wrong_shape():
     )
     loss = lambda p: jnp.abs(jnp.vdot(M1, f(p))) ** 2  # noqa: E731
     expected = (
-        "`ExpensiveFn(name='bad')`: `fused_batch` returned a batch of cotangents that does not match the input `x` \
-with "
-        "a leading axis of one cotangent each.\nExpected float64[2, 3], found float64[1, 3]."
+        "`ExpensiveFn(name='bad')`: `fused_batch` returned a batch of cotangents that does not match the input `x` "
+        "with a leading axis of one cotangent each.\nExpected float64[2, 3], found float64[1, 3]."
     )
     with pytest.raises(ValueError, match=re.escape(expected)):
         dx.filter_value_and_grad(loss)(P0)

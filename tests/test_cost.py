@@ -289,7 +289,9 @@ def test_a_sparse_solve_is_timed_once_per_part():
     values, pattern, b = COMPLEX
     run(three_overlaps(sparse(pattern)), (values, b))  # standard: factor, solve, solve the adjoint
     assert {what: len(samples) for what, samples in _cost._SAMPLES[solve_key(pattern)].items()} == {
-        "setup": 1, "fwd": 1, "bwd": 1
+        "setup": 1,
+        "fwd": 1,
+        "bwd": 1,
     }
 
 

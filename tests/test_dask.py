@@ -227,9 +227,9 @@ def test_not_picklable_is_refused_before_anything_runs(executor, tmp_path):
             return np.linalg.solve(A0 + np.diag(x), SOURCE)
 
     message = (
-        "`ExpensiveFn(name='locked')`: `fwd` cannot be sent to the worker processes of a Dask cluster: cloudpickle "
-        "failed with TypeError: cannot pickle '_thread.lock' object.\nHost functions that run in other processes \
-must be picklable"
+        "`ExpensiveFn(name='locked')`: `fwd` cannot be sent to the worker processes of a Dask cluster: "
+        "cloudpickle failed with TypeError: cannot pickle '_thread.lock' object.\n"
+        "Host functions that run in other processes must be picklable"
     )
     with pytest.raises(TypeError, match=re.escape(message)):
         dx.host(solve, out=FIELD, executor=executor, name="locked")

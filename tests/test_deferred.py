@@ -39,7 +39,10 @@ def check_against_equinox(loss, p, counter, *, deferred, has_aux=False, jit=Fals
     computes, central differences of the loss's value (`fwd` is the plain reference
     function); count executions of each implementation."""
     transform = dx.filter_value_and_grad(loss, has_aux=has_aux)
-    reference = eqx.filter_value_and_grad(loss, has_aux=has_aux, )
+    reference = eqx.filter_value_and_grad(
+        loss,
+        has_aux=has_aux,
+    )
     if jit:
         transform, reference = eqx.filter_jit(transform), eqx.filter_jit(reference)
         transform(p)  # compile, then count one steady-state call

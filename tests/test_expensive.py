@@ -103,9 +103,7 @@ def test_inside_scan_cond_and_checkpoint(given):
     x = jnp.array([0.3, -0.1, 0.7])
     for build in (scanned, conditioned, checkpointed):
         for point in (x, -x):
-            assert_tree_allclose(
-                jax.value_and_grad(build(f))(point), jax.value_and_grad(build(jnp.sin))(point)
-            )
+            assert_tree_allclose(jax.value_and_grad(build(f))(point), jax.value_and_grad(build(jnp.sin))(point))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
@@ -137,9 +135,7 @@ def test_complex_outputs_follow_jax_convention(given):
 
     x = jnp.array([0.2, 0.4, -0.6])
     assert_tree_allclose(jax.value_and_grad(loss_of(f))(x), jax.value_and_grad(loss_of(ref_complex))(x))
-    assert_tree_allclose(
-        jax.grad(loss_of(f))(x), finite_difference_grad(loss_of(ref_complex), x), rtol=1e-6, atol=1e-7
-    )
+    assert_tree_allclose(jax.grad(loss_of(f))(x), finite_difference_grad(loss_of(ref_complex), x), rtol=1e-6, atol=1e-7)
 
 
 def test_hand_written_complex_bwd_convention():
@@ -495,11 +491,8 @@ for label, run in (
         [sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    hint = (
-        "a 64-bit dtype. JAX's 64-bit mode is off (`jax_enable_x64`), so JAX computes in 32 bits: declare 32-bit \
-dtypes in "
-        '`out=`, or turn it on first with `jax.config.update("jax_enable_x64", True)`.'
-    )
+    hint = 'a 64-bit dtype. JAX\'s 64-bit mode is off (`jax_enable_x64`), so JAX computes in 32 bits: declare 32-bit \
+dtypes in `out=`, or turn it on first with `jax.config.update("jax_enable_x64", True)`.'
     lines = out.stdout.splitlines()
     assert lines == [
         f"grad | `ExpensiveFn(name='f64')`: `out=` declares float64[3], {hint}",

@@ -1,7 +1,6 @@
 """The caller's switches (typechecking, JAX configuration set by a context manager) hold in
 every thread deferax runs work on: the threads of several sites and of a `dx.fuse`."""
 
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp

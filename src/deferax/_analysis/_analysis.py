@@ -159,9 +159,13 @@ class _Check:
         deferred = tuple(k for k in range(n) if decisions[k].deferred)
         basis = {k: b for k in deferred if (b := decisions[k].basis) is not None}
         early = tuple(
-            k for k in range(n)
-            if deferred and k not in deferred and not self.specs[k].static.autodiff
-            and _forward_basis.strategy(self.specs[k]) == "standard" and not upstream[k]
+            k
+            for k in range(n)
+            if deferred
+            and k not in deferred
+            and not self.specs[k].static.autodiff
+            and _forward_basis.strategy(self.specs[k]) == "standard"
+            and not upstream[k]
             and not once.get(k)
         )
         if backward is not None:
@@ -217,8 +221,7 @@ class _Check:
     def _in_structs(self):
         # (a `jax.Ref` from outside by its abstract value: a struct would make it an array)
         return [
-            v.aval if _jaxpr.is_ref(v) else struct_of(v.aval, keep_weak_type=True)
-            for v in self.program.jaxpr.invars
+            v.aval if _jaxpr.is_ref(v) else struct_of(v.aval, keep_weak_type=True) for v in self.program.jaxpr.invars
         ]
 
     def _backward(self, candidates, ready):
@@ -346,8 +349,16 @@ class _Check:
             shapes = {"in_shapes": _describe(spec.x_structs), "out_shapes": _describe(spec.y_structs)}
             row = {"schedule": decision.schedule, "reason": decision.reason, "location": decision.location}
             sites.append(
-                Site(index=index, name=spec.name, **shapes, **row, k=decision.k, n=decision.n, batch=spec.sizes,
-                     estimates=decision.estimates)
+                Site(
+                    index=index,
+                    name=spec.name,
+                    **shapes,
+                    **row,
+                    k=decision.k,
+                    n=decision.n,
+                    batch=spec.sizes,
+                    estimates=decision.estimates,
+                )
             )
         if self.schedule == "deferred":
             refused = [s for s in sites if s.schedule == "standard"]
@@ -375,6 +386,7 @@ class _Check:
             return f"{s.name}: {impl}{batch}"
 
         stages: list[tuple[str, ...]] = []
+
         def fused_label(s):
             static = self.specs[position[s.index]].static
             if static.fused is None and static.fused_batch is None:

@@ -66,4 +66,3 @@ def on(device: jax.Device | None, tree: Any) -> Any:  # pyright: ignore[reportIn
     if device is None:
         return tree
     return jtu.tree_map(lambda a: jax.device_put(a, device) if isinstance(a, jax.Array | np.ndarray) else a, tree)
-

@@ -169,8 +169,14 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
 
     def _impls(self) -> dict[str, Any]:
         return {
-            "fwd": self.fwd, "bwd": self.bwd, "fused": self.fused, "fused_batch": self.fused_batch, "jvp": self.jvp,
-            "jvp_batch": self.jvp_batch, "adjoint": self.adjoint, "combine": self.combine,
+            "fwd": self.fwd,
+            "bwd": self.bwd,
+            "fused": self.fused,
+            "fused_batch": self.fused_batch,
+            "jvp": self.jvp,
+            "jvp_batch": self.jvp_batch,
+            "adjoint": self.adjoint,
+            "combine": self.combine,
         }
 
     @property
@@ -357,7 +363,6 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
     def __call__(self, x: PyTree) -> PyTree:
         x = jtu.tree_map(jnp.asarray, x)
         return _site.bind_site(self, x)
-
 
 
 def _untraceable(error: Exception) -> bool:

@@ -114,6 +114,7 @@ def is_ref(v) -> bool:
 def uses_refs(closed) -> bool:
     """Whether the program holds a `jax.Ref` anywhere: an input, a constant, or one that
     an equation (at any depth) makes or takes."""
+
     def holds(jaxpr) -> bool:
         return any(is_ref(v) for v in [*jaxpr.constvars, *jaxpr.invars]) or any(
             any(is_ref(v) for v in [*e.invars, *e.outvars])

@@ -45,8 +45,14 @@ def _jaxpr_key(jaxpr) -> tuple:
 
     head = (tuple(var(v) for v in jaxpr.constvars), tuple((var(v), _aval_key(v.aval)) for v in jaxpr.invars))
     eqns = tuple(
-        (str(e.primitive), tuple(var(v) for v in e.invars), tuple((var(v), _aval_key(v.aval)) for v in e.outvars),
-         tuple(sorted((k, _jvp_rule_key(e) if k == "jvp_jaxpr_fun" else _param_key(p)) for k, p in e.params.items())))
+        (
+            str(e.primitive),
+            tuple(var(v) for v in e.invars),
+            tuple((var(v), _aval_key(v.aval)) for v in e.outvars),
+            tuple(
+                sorted((k, _jvp_rule_key(e) if k == "jvp_jaxpr_fun" else _param_key(p)) for k, p in e.params.items())
+            ),
+        )
         for e in jaxpr.eqns
     )
     return head, eqns, tuple(var(v) for v in jaxpr.outvars)

@@ -11,9 +11,24 @@ from ._dependence import Location, _inner_jaxpr, _location, written
 
 # Operations that are linear in their (single) data operand and need no coefficient.
 _LINEAR_UNARY = {
-    "neg", "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "reduce_sum",
-    "slice", "rev", "real", "imag", "conj", "convert_element_type", "copy", "copy_p", "fft",
-    "cumsum", "reduce_precision",
+    "neg",
+    "reshape",
+    "transpose",
+    "squeeze",
+    "expand_dims",
+    "broadcast_in_dim",
+    "reduce_sum",
+    "slice",
+    "rev",
+    "real",
+    "imag",
+    "conj",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "fft",
+    "cumsum",
+    "reduce_precision",
 }
 # Sums of data operands (every operand may be linear).
 _ADDITIVE = {"add", "sub", "add_any", "concatenate", "complex"}

@@ -94,9 +94,7 @@ def _linear_axes(spec: Spec, in_axes: tuple) -> tuple:
     return (*in_axes, *([0] * len(spec.y_structs)), *t_axes)
 
 
-site_p = _jaxpr.define_primitive(
-    SITE, impl=_site_impl, abstract_eval=_site_abstract, jvp=_site_jvp, batch=_site_batch
-)
+site_p = _jaxpr.define_primitive(SITE, impl=_site_impl, abstract_eval=_site_abstract, jvp=_site_jvp, batch=_site_batch)
 
 
 # ----------------------------------------------------------------------------- lin_p: t_y = J t_x, transposed to bwd
