@@ -3,6 +3,8 @@
 This is the one file that imports `jax._src`, and the one that knows how JAX releases
 differ. Across the tested range (see `pyproject.toml`):
 
+- jax 0.9 has `DropVar`, `jaxprs_in_params` and `no_effects` in `jax._src.core` only
+  (jax 0.10 exported them from `jax.extend.core`).
 - jax 0.12 merged `ClosedJaxpr` into `Jaxpr` (a `Jaxpr` carries its constants, and
   `.jaxpr` of one returns itself); the old `ClosedJaxpr(jaxpr, consts)` constructor
   survives there only as a deprecated alias. `close` and `is_jaxpr` work on every version.
@@ -27,18 +29,24 @@ from jax._src.callback import OrderedIOEffect as _OrderedIOEffect
 from jax._src.state.types import AbstractRef as AbstractRef
 from jax.core import ShapedArray as ShapedArray
 from jax.core import Tracer as Tracer
-from jax.extend.core import DropVar as DropVar
 from jax.extend.core import Jaxpr as Jaxpr
 from jax.extend.core import Literal as Literal
 from jax.extend.core import Primitive as Primitive
 from jax.extend.core import Var as Var
-from jax.extend.core import jaxprs_in_params as jaxprs_in_params
-from jax.extend.core import no_effects as no_effects
 from jax.extend.linear_util import WrappedFun as WrappedFun
 from jax.extend.source_info_util import current_name_stack as current_name_stack
 from jax.extend.source_info_util import user_context as user_context
 from jax.interpreters.ad import JVPTrace as JVPTrace
 from jax.interpreters.ad import Zero as Zero
+
+try:  # jax >= 0.10
+    from jax.extend.core import DropVar as DropVar
+    from jax.extend.core import jaxprs_in_params as jaxprs_in_params
+    from jax.extend.core import no_effects as no_effects
+except ImportError:  # jax 0.9 (the bottom of the range): in jax._src.core only
+    DropVar = _core.DropVar
+    jaxprs_in_params = _core.jaxprs_in_params
+    no_effects = _core.no_effects
 
 # jax 0.12: one `Jaxpr` type, closed when constants are attached.
 _MERGED = hasattr(_core.Jaxpr, "with_consts")
