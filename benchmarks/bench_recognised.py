@@ -11,6 +11,8 @@ photonic circuit's size), where the rewrite would not pay and the call is left i
     python benchmarks/bench_recognised.py            # n = 22,500 and 90,000
     python benchmarks/bench_recognised.py --small    # n = 400 (a smoke test)
     python benchmarks/bench_recognised.py --sizes 150  # m = 150 only (n = 22,500)
+    python benchmarks/bench_recognised.py --sizes      # the 100-unknown circuit only
+    python benchmarks/bench_recognised.py --sizes 300 --libraries klujax  # n = 90,000, klujax only
 """
 
 from __future__ import annotations
@@ -72,10 +74,11 @@ def compare(name: str, loss, values, b, repeats: int) -> float:
 
 def main():
     p = parser(__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=int, nargs="*", default=None, help="grid sides m (n = m^2)")
+    p.add_argument("--sizes", type=int, nargs="*", default=None, help="grid sides m (n = m^2); none: the circuit only")
+    p.add_argument("--libraries", nargs="*", default=["klujax", "spsolve"], help="klujax, spsolve")
     args = p.parse_args()
     jax.config.update("jax_enable_x64", True)
-    sizes = args.sizes or ([20] if args.small else [150, 300])
+    sizes = args.sizes if args.sizes is not None else ([20] if args.small else [150, 300])
     repeats = args.repeats or (2 if args.small else 7)
     print(f"bench_recognised: {machine()}")
     for m in sizes:
@@ -85,6 +88,8 @@ def main():
             "spsolve": lambda v, b, cols=cols, indptr=indptr: spsolve(v, cols, indptr, b),
         }
         for library, solve in solves.items():
+            if library not in args.libraries:
+                continue
             for loss_name, loss in losses(solve, w).items():
                 case = f"{library} {loss_name} n={m * m}"
                 ratio, times = compare(case, loss, values, b, repeats)
