@@ -134,9 +134,11 @@ def _locations(eqns, chosen, outer: Location | None) -> list[Location]:
 
 
 def _at(eqn, outer: Location | None) -> Location:
-    """Where `eqn` is, the user's line being `outer`'s when its own are all a library's."""
+    """Where `eqn` is, the user's line being `outer`'s when its own innermost line is a
+    library's: a library's `jit` body may come from its cache, traced from another caller,
+    whose lines its equations keep."""
     inner = _location(eqn)
-    if outer is not None and (inner.file is None or _installed(inner.file)):
+    if outer is not None and (inner.library is not None or inner.file is None or _installed(inner.file)):
         library = (inner.file, inner.line) if inner.file is not None else outer.library
         inner = dataclasses.replace(outer, primitive=inner.primitive, library=library)
     return inner
