@@ -440,3 +440,31 @@ def test_scipy_is_needed_only_by_a_solve(monkeypatch):
     msg = "`dx.sparse_solve(name='sparse_solve')`: SciPy is not installed, and the solve needs it"
     with pytest.raises(ImportError, match=re.escape(msg)):
         dx.sparse_solve(values, pattern, b)
+
+
+def test_a_lease_ending_inside_the_stores_lock_does_not_deadlock():
+    """A lease ends in a finalizer, which the garbage collector may run on a thread that
+    holds the store's lock (a job factoring another matrix): it must not take the lock
+    there (it did, and that thread, then every solve, waited forever)."""
+    store = _sparse_solve.Store(limit=8)
+
+    class Output:  # (stands for the forward's output array)
+        pass
+
+    sizes = []
+
+    def scenario():
+        owner = Output()
+        store.acquire("key", lambda: "lu")
+        store.hold("key", 1)
+        store.lease("key", owner)
+        sizes.append(len(store))
+        with store._lock:  # (as inside `acquire`, when a collection runs the finalizer)
+            del owner
+        sizes.append(len(store))  # the ended lease taken in by the next call
+
+    worker = threading.Thread(target=scenario, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the store deadlocked"
+    assert sizes == [1, 0]

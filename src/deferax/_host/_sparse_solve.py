@@ -197,20 +197,28 @@ class Store:
     A factorisation with no users left is dropped. Beyond `limit`, the oldest are dropped
     whatever their users (forward passes whose backward pass never comes). A backward pass
     that finds nothing factors again: the result is always right.
+
+    A lease ends in a finalizer, which runs wherever the garbage collector runs, also on a
+    thread inside this store's lock: it only queues the release (`_ended`), which the next
+    call takes in under the lock (taking the lock there deadlocked that thread).
     """
 
     def __init__(self, limit: int):
         self.limit = limit
         self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._ended: collections.deque[tuple[Any, _Entry]] = collections.deque()  # (leases ended, not yet taken in)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        with self._lock:
+            self._take_ended()
+            return len(self._entries)
 
     def acquire(self, key: Any, make: Any) -> Any:
         """The factorisation for `key` (made with `make()` unless kept or being made), with
         one more user."""
         with self._lock:
+            self._take_ended()
             entry = self._entries.get(key)
             owner = entry is None
             if owner:
@@ -232,6 +240,7 @@ class Store:
         """`n` users fewer for `key`, and with `hold`, one more (a forward request's) if it
         has one; the factorisation is dropped when none is left."""
         with self._lock:
+            self._take_ended()
             entry = self._entries.get(key)
             if entry is not None:
                 if hold and entry.holds > 0:
@@ -259,7 +268,12 @@ class Store:
         weakref.finalize(owner, self._drop_lease, key, entry)
 
     def _drop_lease(self, key: Any, entry: _Entry) -> None:
-        with self._lock:
+        self._ended.append((key, entry))  # (no lock here: see the class's docstring)
+
+    def _take_ended(self) -> None:
+        """The releases of the leases that have ended (under the lock)."""
+        while self._ended:
+            key, entry = self._ended.popleft()
             if self._entries.get(key) is entry:  # (not a later factorisation of the same matrix)
                 entry.users -= 1
                 if entry.users <= 0:
