@@ -4,7 +4,9 @@ adjoint, and a small timing harness. Not part of the library."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import pathlib
 import platform
 import statistics
 import time
@@ -240,3 +242,13 @@ def machine() -> str:
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} logical CPUs, jax {jax.__version__}, backend {jax.default_backend()}; {load()}"
+
+
+def load_example(name: str):
+    """`examples/<name>.py`, imported as a module named `name`."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -25,11 +25,9 @@ Run it with and without `OPENBLAS_NUM_THREADS=1`: the script prints which.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib.util
 import itertools
 import multiprocessing
 import os
-import pathlib
 
 import autograd
 import autograd.numpy as npa
@@ -38,22 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
 import scipy.sparse.linalg as spl
-from _common import describe, interleaved, load, machine, median, parser, result_line
+from _common import describe, interleaved, load, load_example, machine, median, parser, result_line
 
 import deferax as dx
 
 TARGETS = {"default": 0.45, "fused": 1.1}
 
 
-def load_example():
-    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "inverse_design_ceviche.py"
-    spec = importlib.util.spec_from_file_location("inverse_design_ceviche", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-EXAMPLE = load_example()
+EXAMPLE = load_example("inverse_design_ceviche")
 
 
 class Factored:

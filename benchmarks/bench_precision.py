@@ -20,29 +20,19 @@ against the double-precision answer, beside `precision="input"`'s.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import describe, interleaved, load, machine, median, parser, result_line  # noqa: E402
+from _common import describe, interleaved, load, load_example, machine, median, parser, result_line  # noqa: E402
 from bench_cost import helmholtz  # noqa: E402
 
 import deferax as dx  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
-
-
-def topology_mbb():
-    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "topology_mbb.py"
-    spec = importlib.util.spec_from_file_location("topology_mbb", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def bend(n: int):
@@ -68,7 +58,7 @@ def bend(n: int):
 
 
 def mbb(nelx: int, nely: int):
-    beam = topology_mbb().MBB(nelx, nely)
+    beam = load_example("topology_mbb").MBB(nelx, nely)
     x = np.random.default_rng(0).uniform(0.01, 1.0, nelx * nely)
     return (lambda x, precision="double": beam.compliance(x, precision=precision)), x
 
