@@ -408,22 +408,18 @@ class _Solve:
         of another (or zero). For a matrix equal to its transpose, a row that is a multiple
         `c b` of the right-hand side (a self-adjoint loss: compliance) is `c y`, not solved."""
         values, b = x
-        rows = list(cts)
-        recipe, unique = _multiples([np.asarray(b, cts.dtype), *rows], jax.ShapeDtypeStruct((), self.dtype))
-        self_adjoint = (
-            unique[:1] == [0]  # (`b` is not zero)
-            and any(u == 0 for u, _ in recipe[1:])
-            and self.pattern._symmetric(np.asarray(values))
-        )
-        if not self_adjoint:
-            recipe, unique = _multiples(rows, jax.ShapeDtypeStruct((), self.dtype))
-            solved = self._solve(lu, cts[unique], True) if unique else np.zeros((0, self.pattern.n), self.work)
-        else:  # (unique row 0 is `b`, whose solution is `y`)
-            recipe = recipe[1:]
-            others = [j - 1 for j in unique[1:]]
-            solved = np.asarray(y, self.work)[None]
-            if others:
-                solved = np.concatenate([solved, self._solve(lu, cts[others], True)])
+        stacked = [np.asarray(b, cts.dtype), *cts]  # (`b` first: a cotangent may be a multiple of it)
+        recipe, unique = _multiples(stacked, jax.ShapeDtypeStruct((), self.dtype))
+        recipe = recipe[1:]  # (the cotangents')
+        used = sorted({u for u, _ in recipe if u is not None})
+        reuse = bool(used) and used[0] == 0 and unique[0] == 0 and self.pattern._symmetric(np.asarray(values))
+        to_solve = used[1:] if reuse else used
+        solved = {}
+        if to_solve:
+            rhs = np.stack([stacked[unique[u]] for u in to_solve])
+            solved = dict(zip(to_solve, self._solve(lu, rhs, True), strict=True))
+        if reuse:  # (`A^-T c b = c A^-1 b = c y` for a matrix equal to its transpose)
+            solved[0] = np.asarray(y, self.work)
         zero = np.zeros(self.pattern.n, self.work)
         return np.stack([c * solved[u] if u is not None else zero for u, c in recipe])
 
