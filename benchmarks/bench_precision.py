@@ -103,7 +103,7 @@ def main():
     repeats = args.repeats or (2 if args.small else 7)
     n = 24 if args.small else 108
     nelx, nely = (30, 10) if args.small else (180, 60)
-    print(f"bench_precision: {machine()}, {load()}")
+    print(f"bench_precision: {machine()}")
     print(f"the bend-like problem: {n} x {n} grid, two wavelengths")
     loss, x = bend(n)
     compare("bend", loss, x, np.float32, np.float64, repeats)
