@@ -7,6 +7,8 @@ from ._concurrency._serial import set_concurrency as set_concurrency
 from ._host._executor import HostError as HostError
 from ._host._host import host as host
 from ._host._sparse_solve import SparsePattern as SparsePattern
+from ._host._sparse_solve import factorisation_budget as factorisation_budget
+from ._host._sparse_solve import set_factorisation_budget as set_factorisation_budget
 from ._host._sparse_solve import sparse_solve as sparse_solve
 from ._host._sparse_solver import AbstractSparseSolver as AbstractSparseSolver
 from ._host._sparse_solver import SuperLU as SuperLU

@@ -444,7 +444,7 @@ def _with_forward_basis(decision: Decision, spec: _site.Spec) -> Decision:
     if decided and decision.estimates is not None:  # (the standard estimate is the same)
         assert estimates is not None  # (`by_estimate` decides only with estimates)
         estimates = _cost.Estimates(
-            estimates.standard, decision.estimates.deferred, estimates.source, estimates.forward_basis
+            estimates.standard, decision.estimates.deferred, estimates.source, estimates.forward_basis, estimates.note
         )
     shown = estimates if decided else decision.estimates
     n = _forward_basis.n_inputs(spec)

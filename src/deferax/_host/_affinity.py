@@ -29,7 +29,7 @@ import numpy as np
 from . import _executor
 
 # Matrices whose worker is remembered, per client: enough for the forward passes still
-# waiting for their backward pass (`_sparse_solve.FACTORISATIONS` keeps at most 8).
+# waiting for their backward pass (`_sparse_solve.FACTORISATIONS` keeps at most as many).
 REMEMBERED = 64
 
 

@@ -282,7 +282,7 @@ def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[
     for job in jobs:
         done = _record.job(job.impl, where)
         # a job on a thread of this process records its steps as the site's (a sparse solve's factorisations)
-        fn = _record.carrying(job.fn, where) if done is not None and _in_this_process(executor) else job.fn
+        fn = _record.carrying(job.fn, where) if done is not None and in_this_process(executor) else job.fn
         try:
             futures.append(executor.submit(fn, *job.args))
             if done is not None:
@@ -314,7 +314,9 @@ def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[
     return [f.result() for f in futures]
 
 
-def _in_this_process(executor: cf.Executor) -> bool:
+def in_this_process(executor: cf.Executor) -> bool:
+    """Whether jobs submitted to `executor` run on threads of this process (a
+    `ThreadPoolExecutor`, or one deferax wraps around it)."""
     while isinstance(executor, WrappingExecutor):
         executor = executor.wrapped
     return isinstance(executor, cf.ThreadPoolExecutor)

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools as ft
 import importlib.util
+import os
 import threading
 import time
 import weakref
@@ -35,7 +36,7 @@ from .._checks import _messages
 from .._implementation._expensive import ExpensiveFn
 from .._plan import _cost
 from .._plan._cost import Cost
-from . import _affinity
+from . import _affinity, _executor
 from ._host import host, on_executor, timing_its_own
 from ._runner import _multiples
 from ._sparse_solver import AbstractSparseSolver, SuperLU
@@ -169,12 +170,13 @@ class SparsePattern:
 class _Entry:
     """A factorisation (a future: the first caller computes it, the others wait), the number
     of users that still need it (calls running, and forward passes whose backward passes
-    may still come) and how many of those are `holds` (see `Store`)."""
+    may still come), how many of those are `holds` (see `Store`), and its bytes."""
 
     def __init__(self):
         self.future: cf.Future = cf.Future()
         self.users = 0
         self.holds = 0
+        self.nbytes = 0  # (the factorisation's, once made)
 
 
 class Store:
@@ -194,17 +196,23 @@ class Store:
       backward request on that matrix once all its rows are done: a `jax.jacrev` (the
       backward pass vmapped, one request of `n` rows) factors once.
 
-    A factorisation with no users left is dropped. Beyond `limit`, the oldest are dropped
-    whatever their users (forward passes whose backward pass never comes). A backward pass
-    that finds nothing factors again: the result is always right.
+    A factorisation with no users left is dropped. The store is bounded by `budget` bytes
+    (each factorisation's as its solver reports them, `AbstractSparseSolver.nbytes`) and by
+    `limit` factorisations: beyond either, the oldest are dropped whatever their users
+    (forward passes whose backward pass never comes, or has not come yet), and one past the
+    budget on its own is not kept at all (its callers use it, and let it go). A backward
+    pass that finds nothing factors again: the result is always right. The bytes kept
+    (`nbytes`) never exceed the budget: a factorisation counts once made, and is fitted in
+    (or dropped) before anyone can use it.
 
     A lease ends in a finalizer, which runs wherever the garbage collector runs, also on a
     thread inside this store's lock: it only queues the release (`_ended`), which the next
     call takes in under the lock (taking the lock there deadlocked that thread).
     """
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, budget: int | None = None):
         self.limit = limit
+        self.budget = default_budget() if budget is None else budget
         self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._ended: collections.deque[tuple[Any, _Entry]] = collections.deque()  # (leases ended, not yet taken in)
@@ -214,9 +222,27 @@ class Store:
             self._take_ended()
             return len(self._entries)
 
-    def acquire(self, key: Any, make: Any) -> Any:
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the factorisations kept (made; those being made count once made)."""
+        with self._lock:
+            self._take_ended()
+            return self._nbytes()
+
+    def _nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def set_budget(self, budget: int) -> None:
+        """Bound the store by `budget` bytes from now on, dropping the oldest factorisations
+        kept until the others fit."""
+        with self._lock:
+            self._take_ended()
+            self.budget = budget
+            self._fit()
+
+    def acquire(self, key: Any, make: Any, size: Any = None) -> Any:
         """The factorisation for `key` (made with `make()` unless kept or being made), with
-        one more user."""
+        one more user. `size(factorisation)`: its bytes, for the budget (default 0)."""
         with self._lock:
             self._take_ended()
             entry = self._entries.get(key)
@@ -228,12 +254,22 @@ class Store:
             self._trim()
         if owner:
             try:
-                entry.future.set_result(make())
+                made = make()
+                nbytes = 0 if size is None else int(size(made))
             except BaseException as e:  # (the callers waiting for it raise it too)
                 entry.future.set_exception(e)
                 with self._lock:
                     if self._entries.get(key) is entry:
                         del self._entries[key]
+                raise
+            with self._lock:  # (counted, and fitted in or dropped, before anyone can use it)
+                entry.nbytes = nbytes
+                if self._entries.get(key) is entry:
+                    if nbytes > self.budget:  # (alone past the budget: its callers use it, none keeps it)
+                        del self._entries[key]
+                    else:
+                        self._fit(entry)
+                entry.future.set_result(made)
         return entry.future.result()
 
     def release(self, key: Any, n: int = 1, *, hold: bool = False) -> None:
@@ -284,9 +320,103 @@ class Store:
         for key in done[: max(0, len(self._entries) - self.limit)]:
             del self._entries[key]
 
+    def _fit(self, new: _Entry | None = None) -> None:
+        """Drop the oldest factorisations made (not `new`, nor one being made) until those kept
+        fit the budget (under the lock)."""
+        total = self._nbytes()
+        for key, entry in list(self._entries.items()):
+            if total <= self.budget:
+                return
+            if entry is not new and entry.future.done():
+                del self._entries[key]
+                total -= entry.nbytes
 
-# At most this many factorisations are kept for backward passes that have not come yet.
-FACTORISATIONS = Store(limit=8)
+
+# The store's default budget: this fraction of the machine's memory (`os.sysconf`), or
+# `FALLBACK_BUDGET` bytes where it cannot be read.
+BUDGET_FRACTION = 0.25
+FALLBACK_BUDGET = 4 * 2**30
+
+
+def machine_memory() -> int | None:
+    """The machine's physical memory in bytes, None where `os.sysconf` cannot say (Windows)."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return memory if memory > 0 else None
+
+
+def default_budget() -> int:
+    """A quarter of the machine's memory (`BUDGET_FRACTION`), else `FALLBACK_BUDGET`."""
+    memory = machine_memory()
+    return FALLBACK_BUDGET if memory is None else int(memory * BUDGET_FRACTION)
+
+
+# The factorisations kept for backward passes that have not come yet: at most this many
+# (the workers of as many matrices are remembered on Dask, `_affinity.REMEMBERED`), and at
+# most the budget's bytes (`set_factorisation_budget`).
+FACTORISATIONS = Store(limit=_affinity.REMEMBERED)
+
+
+# `nbytes` typed `Any` so that a wrong value reaches the check below, whose message names the call.
+def set_factorisation_budget(nbytes: Any) -> int:
+    """Bound the memory of the factorisations that [`deferax.sparse_solve`][] keeps between
+    the forward and the backward pass, in this process, to `nbytes` bytes.
+
+    On the standard schedule, the forward pass's factorisation waits on the host for the
+    backward pass. The store that keeps them holds at most `nbytes` bytes, the oldest
+    dropped first; a factorisation past the budget on its own is not kept at all, and its
+    backward pass factors again (two factorisations a gradient, the same result). Its site
+    is then planned so: [`deferax.explain`][] says so beside its estimates, which count the
+    second factorisation (the deferred schedules, one job, may then be estimated faster).
+    A factorisation's bytes are its solver's report
+    ([`deferax.AbstractSparseSolver`][]'s `nbytes`: for [`deferax.SuperLU`][], its factors'
+    entries, an index each, and its permutations).
+
+    **Arguments:**
+
+    - `nbytes`: the budget in bytes, a non-negative int (0: never keep one), or None for the
+      default: a quarter of the machine's memory (`os.sysconf`), 4 GiB where it cannot be read.
+
+    **Returns:**
+
+    The budget before, in bytes.
+
+    The budget is this process's: the workers of a Dask cluster keep their factorisations
+    under their own default budget (call this there, in a worker plugin, to change it).
+    Programs already compiled under `jax.jit` keep the plan they were traced with; the
+    store keeps to the new budget at once.
+
+    !!! Example
+
+        ```python
+        import deferax as dx
+
+        before = dx.set_factorisation_budget(2 * 2**30)  # 2 GiB
+        dx.set_factorisation_budget(before)
+        ```
+    """
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int | np.integer) or nbytes < 0):
+        raise ValueError(_BAD_BUDGET.format(found=nbytes, default=_megabytes(default_budget())))
+    before = FACTORISATIONS.budget
+    FACTORISATIONS.set_budget(default_budget() if nbytes is None else int(nbytes))
+    return before
+
+
+def factorisation_budget() -> int:
+    """The bytes that [`deferax.sparse_solve`][]'s factorisations kept for backward passes may
+    take in this process (see [`deferax.set_factorisation_budget`][])."""
+    return FACTORISATIONS.budget
+
+
+_BAD_BUDGET = """`dx.set_factorisation_budget`: `nbytes` must be a non-negative int (bytes), or None for \
+the default ({default}, a quarter of this machine's memory), but got {found!r}.
+Give a number of bytes, for example `dx.set_factorisation_budget(2 * 2**30)` for 2 GiB."""
+
+
+def _megabytes(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.3g} MB" if nbytes < 10**9 else f"{nbytes / 1e9:.3g} GB"
 
 
 # ----------------------------------------------------------------------------- the host functions
@@ -314,9 +444,14 @@ class _Solve:
     dtype: np.dtype
     name: str = "sparse_solve"
     precision: str = "double"
-    # the jobs run in this process, where `request` counts the users of their factorisations
-    # (in a process pool's or Dask's workers, a forward adds a user and its backward removes two)
-    in_process: bool = True
+    # Where a forward's factorisation waits for the backward pass: "here", in this process's
+    # store, where `request` counts its users (the jobs run on threads of this process);
+    # "worker", in the store of the worker that made it, where each job of the matrix is sent
+    # (a Dask client, `_affinity.Pinned`): a forward adds a user, its backward removes two;
+    # "none", nowhere (a process pool, whose jobs go to any of its processes: a factorisation
+    # kept in one would wait there for a backward pass that lands in another, `limit` of
+    # them a process): each job factors and lets it go.
+    kept: str = "here"
 
     @property
     def work(self) -> np.dtype:
@@ -356,13 +491,25 @@ class _Solve:
     def _key(self, values: np.ndarray) -> Any:
         return (self, values.dtype.str, values.tobytes())
 
+    def _nbytes(self, lu: Any) -> int:
+        """The bytes of the factorisation `lu`, as its solver reports them (the first one's
+        kept for the plan: `nbytes_of`)."""
+        nbytes = int(self.solver.nbytes(lu, self.work))
+        with _MEASURED_LOCK:
+            _MEASURED.setdefault(self, nbytes)
+        return nbytes
+
+    def _acquire(self, values: np.ndarray) -> Any:
+        """The factorisation of the matrix, kept or made, with one more user (see `Store`)."""
+        return FACTORISATIONS.acquire(self._key(values), lambda: self._factor(values), self._nbytes)
+
     @contextlib.contextmanager
     def _factorised(self, values: np.ndarray, uses: int) -> Iterator[Any]:
         """The factorisation of the matrix, kept or made; inside, it is used, and after,
         `uses` users fewer for it (this use, and a forward pass's for a backward pass)."""
         key = self._key(values)
         try:
-            yield FACTORISATIONS.acquire(key, lambda: self._factor(values))
+            yield self._acquire(values)
         finally:
             FACTORISATIONS.release(key, uses)
 
@@ -392,15 +539,18 @@ class _Solve:
 
     def fwd(self, x: tuple) -> np.ndarray:
         values, b = x
-        # a user until `request` ends (in a worker process, for `bwd` to remove)
-        lu = FACTORISATIONS.acquire(self._key(values), lambda: self._factor(values))
+        if self.kept == "none":
+            with self._factorised(values, uses=1) as lu:
+                return self._solve(lu, b, False).astype(self.dtype)
+        # a user until `request` ends (in a Dask worker, for `bwd` to remove)
+        lu = self._acquire(values)
         return self._solve(lu, b, False).astype(self.dtype)
 
     def bwd(self, x: tuple, y: np.ndarray, ct_y: np.ndarray) -> tuple:
-        if not self.in_process:  # (a worker's store: this use, and the forward's)
-            with self._factorised(x[0], uses=2) as lu:
+        if self.kept != "here":  # (a Dask worker's store: this use, and the forward's; or this use alone)
+            with self._factorised(x[0], uses=2 if self.kept == "worker" else 1) as lu:
                 return self._cotangents(x, y, self._adjoints(lu, x, y, ct_y[None])[0])
-        lu = FACTORISATIONS.acquire(self._key(x[0]), lambda: self._factor(x[0]))  # a user until `request` ends
+        lu = self._acquire(x[0])  # a user until `request` ends
         return self._cotangents(x, y, self._adjoints(lu, x, y, ct_y[None])[0])
 
     def _adjoints(self, lu: Any, x: tuple, y: np.ndarray, cts: np.ndarray) -> np.ndarray:
@@ -429,7 +579,7 @@ class _Solve:
         `(x,)` or `(x, y, ct_y)`): its rows' uses of each matrix become, after a forward,
         one hold for the backward passes; after a backward, nothing (with the forward's
         hold, if it has one: the rows of one request are all of one backward pass). See `Store`."""
-        if not self.in_process or kind not in ("fwd", "bwd"):
+        if self.kept != "here" or kind not in ("fwd", "bwd"):
             yield
             return
         rows = collections.Counter(self._key(args[0][0]) for args in elements)
@@ -447,7 +597,7 @@ class _Solve:
 
     def adopt(self, kind: str, args: tuple, out: Any) -> None:
         """An eager forward's hold becomes a lease on its output `out` (see `Store`)."""
-        if self.in_process and kind == "fwd":
+        if self.kept == "here" and kind == "fwd":
             FACTORISATIONS.lease(self._key(args[0][0]), out)
 
     def fused(self, x: tuple, ct_y: np.ndarray) -> tuple:
@@ -481,14 +631,67 @@ def _like(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.asarray(a if np.issubdtype(dtype, np.complexfloating) else np.real(a), dtype)
 
 
+# by solve: the bytes of its first factorisation (in this process), for the plan
+_MEASURED: dict[_Solve, int] = {}
+_MEASURED_LOCK = threading.Lock()
+
+
 @ft.lru_cache(maxsize=64)
-def _solve_site(solve: _Solve, timeout: Any, name: str, max_basis: int | None, cost: Cost | None) -> ExpensiveFn:
+def _positions(pattern: SparsePattern) -> int:
+    """The number of distinct positions of `pattern`'s entries."""
+    return int(np.unique(pattern.rows * pattern.n + pattern.cols).size)
+
+
+def nbytes_of(solve: _Solve) -> tuple[int, bool]:
+    """`(bytes, measured)`: the bytes of `solve`'s factorisation, as its first one in this
+    process measured; before any, the least any factorisation takes (its factors hold an
+    entry at least at each position of the matrix's), not `measured`."""
+    with _MEASURED_LOCK:
+        measured = _MEASURED.get(solve)
+    if measured is not None:
+        return measured, True
+    return _positions(solve.pattern) * solve.work.itemsize, False
+
+
+_NOT_KEPT_PROCESSES = """on {where}, whose jobs go to any of its processes, the factorisation is not kept for \
+the backward pass, which factors again"""
+_NOT_KEPT_BUDGET = """its factorisation ({nbytes}) is past the factorisation budget ({budget}, \
+`dx.set_factorisation_budget`): it is not kept for the backward pass, which factors again"""
+
+
+def _not_kept(solve: _Solve, executor: Any) -> str | None:
+    """Why the standard schedule's backward pass factors again, for the plan; None when it
+    finds the forward's factorisation."""
+    if solve.kept == "none":
+        return _NOT_KEPT_PROCESSES.format(where=_executor.name(executor))
+    if solve.kept == "worker":  # (its workers' budgets are theirs: kept as far as this process knows)
+        return None
+    nbytes, measured = nbytes_of(solve)
+    budget = FACTORISATIONS.budget
+    if nbytes <= budget:
+        return None
+    shown = _megabytes(nbytes) if measured else f"at least {_megabytes(nbytes)}, its matrix's entries"
+    return _NOT_KEPT_BUDGET.format(nbytes=shown, budget=_megabytes(budget))
+
+
+@ft.lru_cache(maxsize=64)
+def _solve_site(
+    solve: _Solve, timeout: Any, name: str, max_basis: int | None, cost: Cost | None, not_kept: str | None
+) -> ExpensiveFn:
     # (no executor here: this cache must not keep the caller's alive; `on_executor` adds it)
     c = Cost() if cost is None else cost
-    # one factorisation answers every right-hand side; it waits for the backward pass in
-    # this process (not in a process pool's or Dask's workers: there the backward factors again)
-    keeps = solve.in_process
-    cost = Cost(fwd=c.fwd, bwd=c.bwd, setup=c.setup, keeps_setup=keeps, linear=True, workers=c.workers, stage=c.stage)
+    # one factorisation answers every right-hand side; it waits for the backward pass where
+    # it was made, unless `not_kept` says why not (`_not_kept`): then the backward factors again
+    cost = Cost(
+        fwd=c.fwd,
+        bwd=c.bwd,
+        setup=c.setup,
+        keeps_setup=not_kept is None,
+        linear=True,
+        workers=c.workers,
+        stage=c.stage,
+        note=not_kept,
+    )
     fn = host(
         solve.fwd,
         bwd=solve.bwd,
@@ -626,11 +829,17 @@ lam = ct_x` with the forward's factorisation |
     if precision not in ("double", "input"):
         raise ValueError(_BAD_PRECISION.format(name=name, found=precision))
     executor = _affinity.pinned(executor)
-    keeps = executor is None or isinstance(executor, cf.ThreadPoolExecutor)
+    if executor is None or _executor.in_this_process(executor):
+        kept = "here"
+    elif isinstance(executor, _affinity.Pinned):  # (each matrix's jobs on one worker)
+        kept = "worker"
+    else:  # (a process pool: a backward job may land in any of its processes)
+        kept = "none"
     if isinstance(solver, SuperLU) and solver.permc_spec is None:  # (the ordering chosen once, from the pattern)
         solver = SuperLU(permc_spec=solver.ordering(pattern.structurally_symmetric))
-    solve = _Solve(pattern, solver, dtype, name, precision, keeps)
-    fn = on_executor(_solve_site(solve, timeout, name, max_basis, cost), executor)
+    solve = _Solve(pattern, solver, dtype, name, precision, kept)
+    site = _solve_site(solve, timeout, name, max_basis, cost, _not_kept(solve, executor))
+    fn = on_executor(site, executor)
     return fn((values, b))
 
 

@@ -63,6 +63,27 @@ class AbstractSparseSolver(eqx.Module):
         conjugate one) for `rhs` of shape `(n,)` or `(n, k)` (`k` right-hand sides, in the
         matrix's dtype), and return `x` with `rhs`'s shape and the matrix's dtype."""
 
+    def nbytes(self, factorisation: Any, dtype: np.dtype) -> int:
+        """The memory `factorisation` holds, in bytes, for the budget of the factorisations
+        kept between the forward and the backward pass ([`deferax.set_factorisation_budget`][]);
+        `dtype` is the matrix's. Default: for SciPy's `splu` object, as [`deferax.SuperLU`][]
+        counts it; else the `nbytes` of the NumPy arrays it is or holds (a tuple or list of
+        them, as `scipy.linalg.lu_factor` returns), else 0. Override it for a factorisation
+        held elsewhere (a C library's handle, a GPU's memory): one reported as 0 bytes is
+        kept whatever its size."""
+        if all(hasattr(factorisation, a) for a in ("nnz", "perm_r", "perm_c", "solve")):  # (`splu`'s)
+            return _superlu_nbytes(factorisation, dtype)
+        parts = factorisation if isinstance(factorisation, tuple | list) else (factorisation,)
+        return sum(int(p.nbytes) for p in parts if isinstance(p, np.ndarray))
+
+
+def _superlu_nbytes(factorisation: Any, dtype: np.dtype) -> int:
+    """SuperLU's factors' stored entries (`nnz`: those of `L` and `U`, with their supernodes'
+    padding), each in `dtype` with a 4-byte index, and its two permutations; read without
+    copying the factors out (as its `L` and `U` would)."""
+    perms = factorisation.perm_r.nbytes + factorisation.perm_c.nbytes
+    return int(factorisation.nnz) * (np.dtype(dtype).itemsize + 4) + int(perms)
+
 
 _ORDERINGS = ("COLAMD", "MMD_AT_PLUS_A", "MMD_ATA", "NATURAL")
 
@@ -126,3 +147,8 @@ class SuperLU(AbstractSparseSolver):
     def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
         with _native_threads.capped(1):
             return factorisation.solve(np.ascontiguousarray(rhs), trans="T" if transpose else "N")
+
+    def nbytes(self, factorisation: Any, dtype: np.dtype) -> int:
+        """Its factors' stored entries (`nnz`: those of `L` and `U`, with their supernodes'
+        padding), each in `dtype` with a 4-byte index, and its two permutations."""
+        return _superlu_nbytes(factorisation, dtype)

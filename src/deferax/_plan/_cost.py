@@ -91,6 +91,8 @@ class Cost(eqx.Module):
       jobs also share the cores' native threads among this many.
     - `stage`: the overhead of one stage (a host round trip). Default: 1 ms when any
       number is known, a hundredth of a forward with the equal-cost defaults.
+    - `note`: a remark shown with the site's estimates in [`deferax.explain`][] (a
+      [`deferax.sparse_solve`][] says there why its factorisation is not kept).
 
     !!! Example
 
@@ -109,6 +111,7 @@ class Cost(eqx.Module):
     # (an int, NumPy's made one; `Any` so that a wrong value reaches the check)
     workers: Any = eqx.field(default=None, static=True, converter=lambda w: int(w) if isinstance(w, np.integer) else w)
     stage: float | None = eqx.field(default=None, static=True)
+    note: str | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
         for field, value in self._seconds().items():
@@ -139,19 +142,21 @@ class Estimates(eqx.Module):
       (earlier calls) or `"defaults"` (equal costs, in units of one forward).
     - `forward_basis`: the forward-basis strategy's (`forward_basis` below), for a site
       with `jvp` or `jvp_batch` whose costs are known; None otherwise.
+    - `note`: the site's remark on them (its [`deferax.Cost`][]'s `note`), or None.
     """
 
     standard: float
     deferred: float | None
     source: str
     forward_basis: float | None = None
+    note: str | None = None
 
     def __str__(self) -> str:
         unit = "" if self.source == "defaults" else " s"
         source = {"defaults": "equal costs assumed", "hint": "from cost="}.get(self.source, self.source)
         named = {"standard": self.standard, "deferred": self.deferred, "forward-basis": self.forward_basis}
         shown = ", ".join(f"{name} {value:.4g}{unit}" for name, value in named.items() if value is not None)
-        return f"{shown} ({source})"
+        return f"{shown} ({source}{'; ' + self.note if self.note else ''})"
 
 
 # ----------------------------------------------------------------------------- timings of earlier calls
@@ -265,7 +270,7 @@ def estimate(
         fused_jobs = fused_only if fused_jobs is None else fused_jobs
         jobs = [setup + fwd + bwd] * m if fused_jobs else [setup + fwd] + [setup + bwd] * m
         deferred = max(max(jobs), sum(jobs) / workers) + stage
-    return Estimates(standard=standard, deferred=deferred, source=source)
+    return Estimates(standard=standard, deferred=deferred, source=source, note=hint.note)
 
 
 def forward_basis(
@@ -290,4 +295,10 @@ def forward_basis(
     one_job = one_job or n == 0  # (no tangent: the output alone)
     standard = estimate(key, shapes, hint, 1, False, True, fused_only, workers)
     tangents = estimate(key, shapes, hint, n, False, one_job, not one_job, workers)
-    return Estimates(standard=standard.standard, deferred=None, source=standard.source, forward_basis=tangents.deferred)
+    return Estimates(
+        standard=standard.standard,
+        deferred=None,
+        source=standard.source,
+        forward_basis=tangents.deferred,
+        note=standard.note,
+    )

@@ -1,0 +1,332 @@
+"""The memory of `dx.sparse_solve`'s factorisations kept between the forward and the backward
+pass: the store bounded by bytes (`dx.set_factorisation_budget`), the fallback past the
+budget (the backward pass factors again, and the plan says so), and a process pool, whose
+workers keep none (its backward job may land in another process).
+
+Gradients against a dense `jnp.linalg.solve`; factorisations counted through the solver hook
+(in this process, or by files that the pool's workers leave)."""
+
+import concurrent.futures as cf
+import gc
+import multiprocessing
+import os
+import pathlib
+import re
+import threading
+import uuid
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.sparse
+
+import deferax as dx
+from deferax._host import _sparse_solve
+
+from .helpers import assert_tree_allclose
+
+M = 6  # a 6 x 6 grid: 36 unknowns
+
+
+def operator(m, shift):
+    """A convection-diffusion operator on an `m x m` grid (not symmetric), `(values, pattern)`."""
+    d = scipy.sparse.diags([-1.3, 4.5 + shift, -0.7], [-1, 0, 1], shape=(m, m))
+    e = scipy.sparse.diags([-1.1, -0.9], [-1, 1], shape=(m, m))
+    a = scipy.sparse.kron(scipy.sparse.identity(m), d) + scipy.sparse.kron(e, scipy.sparse.identity(m))
+    values, pattern = dx.SparsePattern.from_scipy(a.tocsc())
+    return jnp.asarray(values), pattern
+
+
+SITES = [operator(M, 0.0), operator(M, 0.5)]  # two matrices, two sites
+B = jnp.linspace(1.0, 2.0, M * M)
+
+
+class Tally:
+    """Thread-safe count of factorisations, and the most bytes the store held at any of them."""
+
+    def __init__(self):
+        self.factor = 0
+        self.most = 0
+        self.lock = threading.Lock()
+
+
+class CountingLU(dx.AbstractSparseSolver):
+    """SciPy's `splu`, counting its factorisations and reading the store's bytes at each."""
+
+    tally: Tally = eqx.field(static=True)
+
+    def factor(self, matrix):
+        held = _sparse_solve.FACTORISATIONS.nbytes
+        with self.tally.lock:
+            self.tally.factor += 1
+            self.tally.most = max(self.tally.most, held)
+        return dx.SuperLU().factor(matrix)
+
+    def solve(self, factorisation, rhs, transpose):
+        return dx.SuperLU().solve(factorisation, rhs, transpose)
+
+
+def loss_of(solve):
+    """Not linear in the solutions (a standard schedule for `jax.grad`, and for
+    `dx.filter_value_and_grad` with `max_basis=0`)."""
+
+    def loss(vs):
+        return sum(jnp.sum(solve(v, p) ** 2) for v, (_, p) in zip(vs, SITES, strict=True))
+
+    return loss
+
+
+def dense(v, p):
+    return jnp.linalg.solve(p.todense(v), B)
+
+
+VALUES = tuple(v for v, _ in SITES)
+EXPECTED = jax.value_and_grad(loss_of(dense))(VALUES)
+
+
+@pytest.fixture(autouse=True)
+def fresh_store():
+    """Each test starts with no factorisation kept and ends with the default budget."""
+    _sparse_solve.FACTORISATIONS._entries.clear()
+    _sparse_solve._MEASURED.clear()
+    yield
+    dx.set_factorisation_budget(None)
+    _sparse_solve.FACTORISATIONS._entries.clear()
+
+
+def one_factorisation_nbytes():
+    """The bytes of one site's factorisation, as the store counts them."""
+    v, p = SITES[0]
+    values = np.asarray(v, np.float64)
+    lu = dx.SuperLU().factor(scipy.sparse.csc_matrix((values, (p.rows, p.cols)), shape=(p.n, p.n)))
+    return dx.SuperLU().nbytes(lu, np.dtype(np.float64))
+
+
+def gradient(how, tally, jit):
+    solve = lambda v, p: dx.sparse_solve(v, p, B, solver=CountingLU(tally), max_basis=0)  # noqa: E731
+    fn = jax.value_and_grad(loss_of(solve)) if how == "jax.grad" else dx.filter_value_and_grad(loss_of(solve))
+    return eqx.filter_jit(fn) if jit else fn
+
+
+# ----------------------------------------------------------------------------- past the budget
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("how", ["jax.grad", "dx.filter_value_and_grad"])
+@pytest.mark.parametrize("past", [False, True], ids=["under the budget", "past the budget"])
+def test_past_the_budget_the_backward_pass_factors_again(how, jit, past):
+    """Two sites on the standard schedule: one factorisation a site per gradient under the
+    budget (the backward pass finds the forward's), two past it (none is kept); the right
+    gradient either way, and the store never holds more than the budget."""
+    nbytes = one_factorisation_nbytes()
+    budget = nbytes // 2 if past else 2 * nbytes  # (past: neither fits; under: both fit, each kept for a while)
+    dx.set_factorisation_budget(budget)
+    tally = Tally()
+    step = gradient(how, tally, jit)
+    for _ in range(2):  # (under `jit`: the first call compiles)
+        tally.factor = 0
+        got = jax.block_until_ready(step(VALUES))
+        assert_tree_allclose(got, EXPECTED, rtol=1e-11, atol=1e-12)
+        assert tally.factor == (4 if past else 2)  # two sites
+        assert tally.most <= budget
+        gc.collect()
+        assert _sparse_solve.FACTORISATIONS.nbytes <= budget
+    gc.collect()  # (eagerly, kept until the forward's output is collected)
+    assert len(_sparse_solve.FACTORISATIONS) == 0
+
+
+def test_the_store_keeps_the_newest_that_fit_the_budget():
+    """Three forward passes whose backward passes have not come (a `jax.vjp` each, its
+    output alive), in a budget for two: the oldest is dropped; a smaller budget drops the
+    next. Their backward passes factor again where theirs is gone, with the right gradient."""
+    nbytes = one_factorisation_nbytes()
+    dx.set_factorisation_budget(2 * nbytes + nbytes // 2)
+    tally = Tally()
+    v, p = SITES[0]
+    solve = lambda v: dx.sparse_solve(v, p, B, solver=CountingLU(tally))  # noqa: E731
+    passes = [jax.vjp(solve, v * (1.0 + 0.1 * i)) for i in range(3)]
+    assert len(_sparse_solve.FACTORISATIONS) == 2
+    assert _sparse_solve.FACTORISATIONS.nbytes <= 2 * nbytes + nbytes // 2
+    assert tally.factor == 3
+    dx.set_factorisation_budget(nbytes + nbytes // 2)  # (room for one: the newest)
+    assert len(_sparse_solve.FACTORISATIONS) == 1
+    assert _sparse_solve.FACTORISATIONS.nbytes <= nbytes + nbytes // 2
+    for i in (2, 1, 0):  # the newest reuses its factorisation, the two others factor again
+        w = v * (1.0 + 0.1 * i)
+        expected = jax.vjp(lambda w: jnp.linalg.solve(p.todense(w), B), w)[1](B)
+        assert_tree_allclose(passes[i][1](B), expected, rtol=1e-11, atol=1e-12)
+    assert tally.factor == 3 + 2
+    assert tally.most <= 2 * nbytes + nbytes // 2
+    del passes
+    gc.collect()
+    assert len(_sparse_solve.FACTORISATIONS) == 0
+
+
+def test_a_store_never_holds_more_than_its_budget():
+    """The store alone, with made-up sizes: each made factorisation is fitted in, dropping
+    the oldest; one past the budget on its own is returned but not kept."""
+    store = _sparse_solve.Store(limit=8, budget=100)
+    sizes = {"a": 40, "b": 40, "c": 40, "big": 150}
+    for key in ("a", "b", "c"):
+        assert store.acquire(key, lambda key=key: f"lu {key}", lambda lu: sizes[lu.split()[1]]) == f"lu {key}"
+        assert store.nbytes <= 100
+    assert list(store._entries) == ["b", "c"]
+    assert store.acquire("big", lambda: "lu big", lambda lu: sizes["big"]) == "lu big"
+    assert list(store._entries) == ["b", "c"] and store.nbytes == 80
+    store.set_budget(50)
+    assert list(store._entries) == ["c"] and store.nbytes == 40
+
+
+def test_explain_says_past_the_budget_and_estimates_the_second_factorisation():
+    """Known before any factorisation (the matrix's own entries are past a tiny budget), then
+    from the first's measured bytes; the standard schedule's estimate counts the second
+    factorisation, so a site whose deferred-basis schedule was estimated slower is deferred."""
+    v, p = SITES[0]
+    cost = dx.Cost(setup=10.0, fwd=1.0, bwd=1.0)
+
+    def loss(v, b):  # two fixed cotangents (k = 2)
+        x = dx.sparse_solve(v, p, b, cost=cost)
+        return x[0] * x[1]
+
+    stage = 1e-3
+    site = dx.explain(loss, v, B).sites[0]
+    assert site.schedule == "standard"  # 10 + 1 + 1 + 2 stages < 10 + 1 + 2 + 1 stage
+    assert site.estimates == dx.Estimates(standard=12.0 + 2 * stage, deferred=13.0 + stage, source="hint")
+
+    dx.set_factorisation_budget(100)
+    site = dx.explain(loss, v, B).sites[0]
+    assert site.schedule == "deferred-basis"  # 10 + 1 + 10 + 1 + 2 stages > 13 + 1 stage
+    assert (site.estimates.standard, site.estimates.deferred) == (22.0 + 2 * stage, 13.0 + stage)
+    nnz_bytes = len(set(zip(p.rows.tolist(), p.cols.tolist(), strict=True))) * 8
+    assert site.estimates.note == (
+        f"its factorisation (at least {nnz_bytes / 1e6:.3g} MB, its matrix's entries) is past the factorisation "
+        "budget (0.0001 MB, `dx.set_factorisation_budget`): it is not kept for the backward pass, which factors again"
+    )
+
+    jax.grad(lambda v: jnp.sum(dx.sparse_solve(v, p, B) ** 2))(v)  # (one factorisation: its bytes measured)
+    note = dx.explain(lambda v: jnp.sum(dx.sparse_solve(v, p, B) ** 2), v).sites[0].estimates.note
+    measured = one_factorisation_nbytes()
+    assert note.startswith(f"its factorisation ({measured / 1e6:.3g} MB) is past the factorisation budget")
+    assert f"{measured / 1e6:.3g} MB" in str(dx.explain(lambda v: jnp.sum(dx.sparse_solve(v, p, B) ** 2), v))
+
+    dx.set_factorisation_budget(None)
+    assert dx.explain(loss, v, B).sites[0].estimates.note is None
+
+
+def test_the_default_budget_is_a_quarter_of_the_machines_memory():
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert dx.factorisation_budget() == memory // 4
+    assert dx.set_factorisation_budget(1000) == memory // 4
+    assert dx.factorisation_budget() == 1000
+    assert dx.set_factorisation_budget(None) == 1000
+    assert dx.factorisation_budget() == memory // 4
+
+
+@pytest.mark.parametrize("found", [-1, 1.5, True, "1GB"])
+def test_a_wrong_budget_is_refused(found):
+    default = _sparse_solve._megabytes(_sparse_solve.default_budget())
+    message = (
+        "`dx.set_factorisation_budget`: `nbytes` must be a non-negative int (bytes), or None for the default "
+        f"({default}, a quarter of this machine's memory), but got {found!r}.\n"
+        "Give a number of bytes, for example `dx.set_factorisation_budget(2 * 2**30)` for 2 GiB."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dx.set_factorisation_budget(found)
+
+
+def test_a_solvers_factorisation_bytes():
+    """SuperLU's: its factors' entries, an index each, and its permutations; a dense LU's
+    (NumPy arrays, the hook's default) their own bytes."""
+    v, p = SITES[0]
+    matrix = scipy.sparse.csc_matrix((np.asarray(v), (p.rows, p.cols)), shape=(p.n, p.n))
+    lu = scipy.sparse.linalg.splu(matrix)
+    assert dx.SuperLU().nbytes(lu, np.dtype(np.complex128)) == lu.nnz * 20 + 2 * 4 * p.n
+    dense_lu = scipy.linalg.lu_factor(matrix.toarray())
+
+    class DenseLU(dx.AbstractSparseSolver):
+        def factor(self, matrix):
+            return scipy.linalg.lu_factor(matrix.toarray())
+
+        def solve(self, factorisation, rhs, transpose):
+            return scipy.linalg.lu_solve(factorisation, rhs, trans=1 if transpose else 0)
+
+    assert DenseLU().nbytes(dense_lu, np.dtype(np.float64)) == p.n * p.n * 8 + dense_lu[1].nbytes
+    assert DenseLU().nbytes(lu, np.dtype(np.float64)) == lu.nnz * 12 + 2 * 4 * p.n  # (`splu`'s, recognised)
+
+
+# ----------------------------------------------------------------------------- a process pool
+
+
+def record(directory, what):
+    """Leave a file per run: `runs/<what>-<pid>-<unique>`."""
+    os.makedirs(os.path.join(directory, "runs"), exist_ok=True)
+    pathlib.Path(directory, "runs", f"{what}-{os.getpid()}-{uuid.uuid4().hex}").touch()
+
+
+def runs(directory):
+    counts, pids = {}, set()
+    for path in pathlib.Path(directory, "runs").iterdir():
+        what, pid, _ = path.name.rsplit("-", 2)
+        counts[what] = counts.get(what, 0) + 1
+        pids.add(int(pid))
+    return counts, pids
+
+
+class RecordingLU(dx.AbstractSparseSolver):
+    """SciPy's `splu`, leaving a file in `directory` at each factorisation (in a worker)."""
+
+    directory: str = eqx.field(static=True)
+
+    def factor(self, matrix):
+        record(self.directory, "factor")
+        return dx.SuperLU().factor(matrix)
+
+    def solve(self, factorisation, rhs, transpose):
+        return dx.SuperLU().solve(factorisation, rhs, transpose)
+
+
+def worker_store(barrier):
+    """In a worker: its process id and the factorisations its store keeps (after waiting for
+    the other worker, so that each worker answers once)."""
+    barrier.wait(timeout=60)
+    from deferax._host import _sparse_solve
+
+    return os.getpid(), len(_sparse_solve.FACTORISATIONS), _sparse_solve.FACTORISATIONS.nbytes
+
+
+@pytest.fixture(scope="module")
+def pool():
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, cf.ProcessPoolExecutor(2, mp_context=context) as pool:
+        barrier = manager.Barrier(2)
+        both = [pool.submit(worker_store, barrier) for _ in range(2)]  # (both workers started)
+        assert len({f.result(timeout=120)[0] for f in both}) == 2
+        yield pool, barrier
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_process_pools_workers_keep_no_factorisation(pool, tmp_path, jit):
+    """A process pool cannot send a backward job to the process that factored: its workers
+    keep nothing (they kept each forward's factorisation, up to the store's limit each, when
+    the backward job landed in the other), and the backward passes factor again: two
+    factorisations a site, the right gradient, and the plan says so."""
+    pool, barrier = pool
+    directory = str(tmp_path)
+    solve = lambda v, p: dx.sparse_solve(v, p, B, solver=RecordingLU(directory), executor=pool)  # noqa: E731
+    fn = jax.value_and_grad(loss_of(solve))
+    fn = jax.jit(fn) if jit else fn
+    for _ in range(3):
+        got = fn(VALUES)
+        assert_tree_allclose(got, EXPECTED, rtol=1e-11, atol=1e-12)
+    stores = [f.result(timeout=120) for f in [pool.submit(worker_store, barrier) for _ in range(2)]]
+    assert len({pid for pid, _, _ in stores}) == 2
+    assert [(kept, nbytes) for _, kept, nbytes in stores] == [(0, 0), (0, 0)]
+    counts, _ = runs(directory)
+    assert counts == {"factor": 3 * 4}  # per gradient: two sites, each factored forward and backward
+    note = dx.explain(loss_of(solve), VALUES).sites[0].estimates.note
+    assert note == (
+        "on a ProcessPoolExecutor, whose jobs go to any of its processes, the factorisation is not kept for the "
+        "backward pass, which factors again"
+    )
