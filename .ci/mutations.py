@@ -207,6 +207,16 @@ MUTATIONS = [
         [("_setter", 'if controller.internal_api == "openblas" and', "if False and")],
         ["tests/test_threads.py"],
     ),
+    (
+        "a factorisation past the store's budget kept",
+        [("Store.acquire", "if nbytes > self.budget:", "if False:")],
+        ["tests/test_memory.py"],
+    ),
+    (
+        "a process pool's workers keep the forward's factorisation",
+        [("sparse_solve", 'kept = "none"', 'kept = "worker"')],
+        ["tests/test_memory.py"],
+    ),
 ]
 
 

@@ -9,6 +9,7 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -229,6 +230,24 @@ def load() -> str:
         return f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
     except OSError:
         return "load average unknown"
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident memory so far, in MB (`resource.getrusage`: the most it
+    has held at once, its factorisations kept between passes among it); None where it
+    cannot be read (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # (KiB on Linux, bytes on macOS)
+    return peak / 1e6 if sys.platform == "darwin" else peak * 1024 / 1e6
+
+
+def memory() -> str:
+    """The peak memory, for a line beside the times."""
+    peak = peak_rss_mb()
+    return "peak memory unknown" if peak is None else f"peak memory {peak:.0f} MB (this process, so far)"
 
 
 def machine() -> str:

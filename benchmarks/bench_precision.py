@@ -27,7 +27,17 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import describe, interleaved, load, load_example, machine, median, parser, result_line  # noqa: E402
+from _common import (  # noqa: E402
+    describe,
+    interleaved,
+    load,
+    load_example,
+    machine,
+    median,
+    memory,
+    parser,
+    result_line,
+)
 from bench_cost import helmholtz  # noqa: E402
 
 import deferax as dx  # noqa: E402
@@ -93,6 +103,7 @@ def compare(name: str, loss, x: np.ndarray, single, double, repeats: int) -> Non
     times = interleaved(sides, repeats)
     for side, ts in times.items():
         print(f"  {side}: {describe(ts)}")
+    print(f"  {memory()}")
     a, b, c = (median(ts) for ts in times.values())
     print(result_line("bench_precision", f"{name} single vs double", a, b, None, "promoted", "double"))
     print(result_line("bench_precision", f"{name} promoted vs single", a, c, None, "promoted", '"input"'))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import klujax
 import numpy as np
-from _common import describe, interleaved, load, machine, median, parser, result_line
+from _common import describe, interleaved, load, machine, median, memory, parser, result_line
 from jax.experimental.sparse.linalg import spsolve
 
 import deferax as dx
@@ -69,6 +69,7 @@ def compare(name: str, loss, values, b, repeats: int) -> float:
     times = interleaved({"plain": lambda: plain(values, b), "deferax": lambda: deferax(values, b)}, repeats)
     for side, ts in times.items():
         print(f"  {side:8s}: {describe(ts)}")
+    print(f"  {memory()}")
     return median(times["deferax"]) / median(times["plain"]), times
 
 

@@ -35,7 +35,7 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import scipy.sparse  # noqa: E402
-from _common import describe, interleaved, load, machine, median, parser, result_line  # noqa: E402
+from _common import describe, interleaved, load, machine, median, memory, parser, result_line  # noqa: E402
 
 import deferax as dx  # noqa: E402
 
@@ -193,6 +193,7 @@ def main():
         times = interleaved(runs, repeats, warmup=1 if args.small else 2)
         for name, ts in times.items():
             print(f"  {name:24s}: {describe(ts)}")
+        print(f"  {memory()}")
         med = {name: median(ts) for name, ts in times.items()}
         base = med["SuperLU COLAMD"]
         results.append(result_line("bench_solvers", case, med["SuperLU MMD_AT_PLUS_A"], base, None, "MMD", "COLAMD"))

@@ -200,16 +200,17 @@ def test_explain_says_past_the_budget_and_estimates_the_second_factorisation():
     assert site.schedule == "deferred-basis"  # 10 + 1 + 10 + 1 + 2 stages > 13 + 1 stage
     assert (site.estimates.standard, site.estimates.deferred) == (22.0 + 2 * stage, 13.0 + stage)
     nnz_bytes = len(set(zip(p.rows.tolist(), p.cols.tolist(), strict=True))) * 8
+    assert nnz_bytes == 1248  # (156 positions of 8 bytes)
     assert site.estimates.note == (
-        f"its factorisation (at least {nnz_bytes / 1e6:.3g} MB, its matrix's entries) is past the factorisation "
-        "budget (0.0001 MB, `dx.set_factorisation_budget`): it is not kept for the backward pass, which factors again"
+        "its factorisation (at least 1.25 KB, its matrix's entries) is past the factorisation budget (100 bytes, "
+        "`dx.set_factorisation_budget`): it is not kept for the backward pass, which factors again"
     )
 
     jax.grad(lambda v: jnp.sum(dx.sparse_solve(v, p, B) ** 2))(v)  # (one factorisation: its bytes measured)
     note = dx.explain(lambda v: jnp.sum(dx.sparse_solve(v, p, B) ** 2), v).sites[0].estimates.note
     measured = one_factorisation_nbytes()
-    assert note.startswith(f"its factorisation ({measured / 1e6:.3g} MB) is past the factorisation budget")
-    assert f"{measured / 1e6:.3g} MB" in str(dx.explain(lambda v: jnp.sum(dx.sparse_solve(v, p, B) ** 2), v))
+    assert note.startswith(f"its factorisation ({measured / 1e3:.3g} KB) is past the factorisation budget")
+    assert f"{measured / 1e3:.3g} KB" in str(dx.explain(lambda v: jnp.sum(dx.sparse_solve(v, p, B) ** 2), v))
 
     dx.set_factorisation_budget(None)
     assert dx.explain(loss, v, B).sites[0].estimates.note is None
@@ -226,7 +227,7 @@ def test_the_default_budget_is_a_quarter_of_the_machines_memory():
 
 @pytest.mark.parametrize("found", [-1, 1.5, True, "1GB"])
 def test_a_wrong_budget_is_refused(found):
-    default = _sparse_solve._megabytes(_sparse_solve.default_budget())
+    default = _sparse_solve._bytes_text(_sparse_solve.default_budget())
     message = (
         "`dx.set_factorisation_budget`: `nbytes` must be a non-negative int (bytes), or None for the default "
         f"({default}, a quarter of this machine's memory), but got {found!r}.\n"
@@ -327,6 +328,6 @@ def test_a_process_pools_workers_keep_no_factorisation(pool, tmp_path, jit):
     assert counts == {"factor": 3 * 4}  # per gradient: two sites, each factored forward and backward
     note = dx.explain(loss_of(solve), VALUES).sites[0].estimates.note
     assert note == (
-        "on a ProcessPoolExecutor, whose jobs go to any of its processes, the factorisation is not kept for the "
-        "backward pass, which factors again"
+        "its jobs run on a ProcessPoolExecutor, which cannot send the backward job to the process that factored: "
+        "the factorisation is not kept for the backward pass, which factors again"
     )

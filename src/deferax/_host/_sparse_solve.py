@@ -398,7 +398,7 @@ def set_factorisation_budget(nbytes: Any) -> int:
         ```
     """
     if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int | np.integer) or nbytes < 0):
-        raise ValueError(_BAD_BUDGET.format(found=nbytes, default=_megabytes(default_budget())))
+        raise ValueError(_BAD_BUDGET.format(found=nbytes, default=_bytes_text(default_budget())))
     before = FACTORISATIONS.budget
     FACTORISATIONS.set_budget(default_budget() if nbytes is None else int(nbytes))
     return before
@@ -415,8 +415,12 @@ the default ({default}, a quarter of this machine's memory), but got {found!r}.
 Give a number of bytes, for example `dx.set_factorisation_budget(2 * 2**30)` for 2 GiB."""
 
 
-def _megabytes(nbytes: int) -> str:
-    return f"{nbytes / 1e6:.3g} MB" if nbytes < 10**9 else f"{nbytes / 1e9:.3g} GB"
+def _bytes_text(nbytes: int) -> str:
+    """`nbytes` for a message: "100 bytes", "9.62 KB", "44.3 MB", "6.32 GB"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} bytes"
 
 
 # ----------------------------------------------------------------------------- the host functions
@@ -497,6 +501,8 @@ class _Solve:
         nbytes = int(self.solver.nbytes(lu, self.work))
         with _MEASURED_LOCK:
             _MEASURED.setdefault(self, nbytes)
+            while len(_MEASURED) > _MEASURED_KEPT:
+                _MEASURED.popitem(last=False)
         return nbytes
 
     def _acquire(self, values: np.ndarray) -> Any:
@@ -631,9 +637,11 @@ def _like(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.asarray(a if np.issubdtype(dtype, np.complexfloating) else np.real(a), dtype)
 
 
-# by solve: the bytes of its first factorisation (in this process), for the plan
-_MEASURED: dict[_Solve, int] = {}
+# by solve: the bytes of its first factorisation (in this process), for the plan; the
+# latest `_MEASURED_KEPT` solves
+_MEASURED: collections.OrderedDict[_Solve, int] = collections.OrderedDict()
 _MEASURED_LOCK = threading.Lock()
+_MEASURED_KEPT = 256
 
 
 @ft.lru_cache(maxsize=64)
@@ -653,8 +661,8 @@ def nbytes_of(solve: _Solve) -> tuple[int, bool]:
     return _positions(solve.pattern) * solve.work.itemsize, False
 
 
-_NOT_KEPT_PROCESSES = """on {where}, whose jobs go to any of its processes, the factorisation is not kept for \
-the backward pass, which factors again"""
+_NOT_KEPT_PROCESSES = """its jobs run on {where}, which cannot send the backward job to the process that \
+factored: the factorisation is not kept for the backward pass, which factors again"""
 _NOT_KEPT_BUDGET = """its factorisation ({nbytes}) is past the factorisation budget ({budget}, \
 `dx.set_factorisation_budget`): it is not kept for the backward pass, which factors again"""
 
@@ -662,16 +670,16 @@ _NOT_KEPT_BUDGET = """its factorisation ({nbytes}) is past the factorisation bud
 def _not_kept(solve: _Solve, executor: Any) -> str | None:
     """Why the standard schedule's backward pass factors again, for the plan; None when it
     finds the forward's factorisation."""
-    if solve.kept == "none":
-        return _NOT_KEPT_PROCESSES.format(where=_executor.name(executor))
+    if solve.kept == "none":  # (not an executor: `on_executor` says so next)
+        return _NOT_KEPT_PROCESSES.format(where=_executor.name(executor)) if isinstance(executor, cf.Executor) else None
     if solve.kept == "worker":  # (its workers' budgets are theirs: kept as far as this process knows)
         return None
     nbytes, measured = nbytes_of(solve)
     budget = FACTORISATIONS.budget
     if nbytes <= budget:
         return None
-    shown = _megabytes(nbytes) if measured else f"at least {_megabytes(nbytes)}, its matrix's entries"
-    return _NOT_KEPT_BUDGET.format(nbytes=shown, budget=_megabytes(budget))
+    shown = _bytes_text(nbytes) if measured else f"at least {_bytes_text(nbytes)}, its matrix's entries"
+    return _NOT_KEPT_BUDGET.format(nbytes=shown, budget=_bytes_text(budget))
 
 
 @ft.lru_cache(maxsize=64)
@@ -745,10 +753,13 @@ lam = ct_x` with the forward's factorisation |
     On the standard schedule, the factorisation waits on the host for the backward passes
     (all of `jax.jacrev`'s rows, or every call of an eager `jax.vjp` function) and is
     dropped when none can come any more: eagerly, when the forward's output is garbage
-    collected; under `jit`, after the first backward pass. At most 8 wait at any time (the
-    oldest are dropped when forward passes have no backward pass), and a backward pass that
-    finds its factorisation dropped factors again. Under `vmap` over `b` alone, the
-    right-hand sides share one factorisation.
+    collected; under `jit`, after the first backward pass. Those waiting take at most the
+    factorisation budget's bytes (a quarter of the machine's memory by default,
+    [`deferax.set_factorisation_budget`][]; the oldest are dropped first), and a backward
+    pass that finds its factorisation dropped factors again. A factorisation past the budget
+    on its own is not kept: its site is planned with a second factorisation in the backward
+    pass, and [`deferax.explain`][] says so beside its estimates. Under `vmap` over `b`
+    alone, the right-hand sides share one factorisation.
 
     The derivatives (JAX's convention for complex arrays: plain transposes, no conjugates;
     a real input's cotangent is the real part):
@@ -770,10 +781,13 @@ lam = ct_x` with the forward's factorisation |
     position summed first), an adjoint right-hand side that is a multiple `c b` of `b` (a
     self-adjoint loss, such as a compliance `b . x`) is not solved: its solution is `c x`.
     - `executor`, `timeout`: where the jobs run and how long to wait, as for
-      [`deferax.host`][] (default: deferax's thread pool). With a process pool or Dask,
-      a factorisation is kept in the worker that made it; a backward pass that runs on
-      another worker factors again. Given a Dask `distributed.Client`, each matrix's jobs
-      go to one worker (by `client.get_executor(workers=...)`).
+      [`deferax.host`][] (default: deferax's thread pool). Given a Dask
+      `distributed.Client`, each matrix's jobs go to one worker (by
+      `client.get_executor(workers=...)`), where its factorisation waits for the backward
+      pass. A process pool (or any executor that does not run its jobs on threads of this
+      process) cannot send the backward job to the process that factored: no factorisation
+      is kept there, and the backward pass factors again (the plan counts it, and
+      [`deferax.explain`][] says so).
     - `name`: shown in errors and in [`deferax.explain`][].
     - `max_basis`: as for [`deferax.ExpensiveFn`][].
     - `precision`: `"double"` (the default) factors and solves in float64 (complex128 for
@@ -829,7 +843,7 @@ lam = ct_x` with the forward's factorisation |
     if precision not in ("double", "input"):
         raise ValueError(_BAD_PRECISION.format(name=name, found=precision))
     executor = _affinity.pinned(executor)
-    if executor is None or _executor.in_this_process(executor):
+    if executor is None or (isinstance(executor, cf.Executor) and _executor.in_this_process(executor)):
         kept = "here"
     elif isinstance(executor, _affinity.Pinned):  # (each matrix's jobs on one worker)
         kept = "worker"
