@@ -8,11 +8,16 @@ wavelengths): one value and gradient of the challenge's loss, timed side by side
   JAX, `dx.sparse_solve`), `jax.jit(dx.filter_value_and_grad(loss))`, no options;
 - deferax max_basis=6: the same with `max_basis=6` (each wavelength's loss sees the field
   through 3 complex amplitudes, k = 6): the deferred-basis schedule;
+- deferax default, COLAMD: the default with `solver=dx.SuperLU(permc_spec="COLAMD")`, the
+  ordering the hand-written sides and the floors use (the default chooses `MMD_AT_PLUS_A`
+  for this structurally symmetric pattern: more fill here);
 - hand-written fused: the best a user can write by hand, a `dx.host` site per wavelength
   whose `fused_batch` factors `A` once and solves the forward and the 6 adjoint right-hand
   sides with it (`max_basis=6`);
 - serial floor: the least work any schedule does, one job after the other: per wavelength,
-  one `splu`, the forward solve and one adjoint solve;
+  one `splu`, the forward solve and one adjoint solve, with one BLAS thread (threadpoolctl's
+  `threadpool_limits(1)`: on OpenBLAS's default threads, on a loaded machine, these took
+  up to 30 times longer);
 - parallel floor (the true floor): the same two jobs at once, on two bare Python threads
   (SuperLU releases the GIL), inside threadpoolctl's `threadpool_limits(1)`: one BLAS thread
   each. No schedule on two cores can do less: the targets are against this one.
@@ -44,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
 import scipy.sparse.linalg as spl
-from _common import describe, interleaved, load, load_example, machine, median, parser, result_line
+from _common import describe, fmt, interleaved, load, load_example, machine, median, parser, result_line
 
 import deferax as dx
 
@@ -94,6 +99,14 @@ class HandWritten(EXAMPLE.Wavelength):
         return self.site(values)
 
 
+class Colamd(EXAMPLE.Wavelength):
+    """A wavelength of the example whose solve orders the columns with COLAMD."""
+
+    def solve(self, values):
+        solver = dx.SuperLU(permc_spec="COLAMD")
+        return dx.sparse_solve(values, self.pattern, self.source, solver=solver, executor=self.executor)
+
+
 def at_once(jobs):
     """Run the thunks `jobs` at once, one bare Python thread each, with one BLAS thread per
     native library (threadpoolctl's limit, set here for the whole process), and return their
@@ -114,10 +127,17 @@ def at_once(jobs):
     return out
 
 
+def one_thread(fn):
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):
+        return fn()
+
+
 def spread(times: list[float]) -> str:
-    """Max - min and the interquartile range, in ms."""
+    """Max - min and the interquartile range."""
     q1, _, q3 = statistics.quantiles(times, n=4) if len(times) >= 2 else (times[0],) * 3
-    return f"spread {1e3 * (max(times) - min(times)):.1f} ms, IQR {1e3 * (q3 - q1):.1f} ms"
+    return f"spread {fmt(max(times) - min(times))}, IQR {fmt(q3 - q1)}"
 
 
 def main():
@@ -147,6 +167,7 @@ def main():
     steps = {
         "default": (loss, {}),
         "max_basis=6": (loss, {"max_basis": 6}),
+        "default, COLAMD": (EXAMPLE.make_loss(model, [Colamd(model, w) for w in model.output_wavelengths]), {}),
         "hand-written fused": (EXAMPLE.make_loss(model, [HandWritten(model, w) for w in model.output_wavelengths]), {}),
     }
     pool = None
@@ -177,7 +198,9 @@ def main():
     eps = model.epsilon_r(design).ravel()
     values = [np.r_[-EXAMPLE.EPSILON_0 * w.omega**2 * eps, np.asarray(w.curl)] for w in floor]
     ct = np.ones((1, floor[0].pattern.n), complex)
-    sides["serial floor"] = lambda: [w.factored.fused_batch(v, ct) for w, v in zip(floor, values, strict=True)]
+    sides["serial floor"] = lambda: one_thread(
+        lambda: [w.factored.fused_batch(v, ct) for w, v in zip(floor, values, strict=True)]
+    )
     sides["parallel floor"] = lambda: at_once(
         [lambda w=w, v=v: w.factored.fused_batch(v, ct) for w, v in zip(floor, values, strict=True)]
     )
@@ -210,6 +233,7 @@ def main():
     for name, case, label in (
         ("default", "default-vs-floor", "deferax"),
         ("max_basis=6", "max-basis-6-vs-floor", "max_basis=6"),
+        ("default, COLAMD", "default-colamd-vs-floor", "deferax COLAMD"),
         ("hand-written fused", "fused-vs-floor", "fused"),
     ):
         target = TARGETS["floor"] if name == "default" else None
