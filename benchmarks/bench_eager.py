@@ -1,4 +1,4 @@
-"""The price of `dx.filter_value_and_grad` called eagerly on a program with no expensive function.
+"""The price of `dx.filter_value_and_grad` called eagerly: per call, against Equinox on the same program.
 
 Both sides without any outer jit, as a user would call them in a notebook:
 `dx.filter_value_and_grad(loss)(params, ...)` against `eqx.filter_value_and_grad(loss)(params, ...)`.
@@ -8,6 +8,13 @@ on the traced program. Steady state: after warm-up, `inner` calls per timing.
 
 Case `mlp`: the mean squared error of a small `eqx.nn.MLP` (`jax.vmap` over a batch).
 Case `ops`: a few operations on 192 x 192 arrays (a matrix product, `tanh`, sums).
+Case `wave`: `bench_wave`'s stepper as an `ExpensiveFn` with `fused` (deferred), on a grid
+small enough (32 x 32, 4 steps) that what is timed is the overhead: Equinox runs the same
+loss with the site standard.
+Case `site`: the same with `fwd` and `bwd` only (deferred with a `fused` made from them,
+which deferax checks `bwd` for on every call).
+
+Each case prints the overhead per call, deferax's time minus Equinox's, in ms.
 
     python benchmarks/bench_eager.py            # full size
     python benchmarks/bench_eager.py --small    # smoke test
@@ -20,7 +27,18 @@ import functools as ft
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from _common import describe, interleaved, load, machine, median, parser, result_line, time_once
+from _common import (
+    describe,
+    interleaved,
+    load,
+    machine,
+    make_wave,
+    median,
+    parser,
+    result_line,
+    time_once,
+    wave_sites,
+)
 
 import deferax as dx
 
@@ -52,6 +70,29 @@ def ops_case(small: bool):
         return jnp.sum(h**2) / n + 1e-3 * jnp.sum(params["a"] ** 2)
 
     return f"{n}x{n} arrays: tanh(a @ x + b), sums", loss, (params, x)
+
+
+def wave_case(small: bool, with_fused: bool = True):
+    n, steps = (16, 2) if small else (32, 4)
+    forward, adjoint = make_wave(n, steps)
+    kx, kw = jax.random.split(jax.random.key(2))
+    params = {"source": jax.random.normal(kx, (n, n))}
+    w = jax.random.normal(kw, (n, n))
+    if with_fused:
+        wave, _ = wave_sites(forward, adjoint)
+    else:
+        fwd_jit, adj_jit = jax.jit(forward), jax.jit(adjoint)
+        wave = dx.ExpensiveFn(fwd=fwd_jit, bwd=lambda x, y, ct: adj_jit(x, ct), name="wave")
+
+    def loss(params, w):
+        return jnp.sum(w * wave(params["source"])) + 1e-3 * jnp.sum(params["source"] ** 2)
+
+    what = "`fwd`, `bwd` and `fused`" if with_fused else "`fwd` and `bwd` only"
+    return f"wave stepper {n}x{n}, {steps} steps, an ExpensiveFn with {what}", loss, (params, w)
+
+
+def site_case(small: bool):
+    return wave_case(small, with_fused=False)
 
 
 def repeat(fn, args, k):
@@ -90,12 +131,16 @@ def run_case(case, what, loss, call_args, repeats, inner) -> str:
     )
     for side, ts in times.items():
         print(f"{case} steady {side:3s} ({inner} calls): {describe(ts)}")
+    over = [(a - b) / inner * 1e3 for a, b in zip(times["dx"], times["eqx"], strict=True)]
+    print(
+        f"{case} overhead per call, dx - eqx: median {median(over):.3f} ms (min {min(over):.3f}, max {max(over):.3f})"
+    )
     return result_line(
         "bench_eager",
         f"{case} steady call",
         median(times["dx"]) / inner,
         median(times["eqx"]) / inner,
-        TARGETS[case],
+        TARGETS.get(case),
         new_name="dx",
         old_name="eqx",
     )
@@ -105,10 +150,9 @@ def main():
     args = parser(__doc__.split("\n\n")[0]).parse_args()
     repeats = args.repeats or (2 if args.small else 21)
     inner = 2 if args.small else 20
-    print(f"bench_eager: no outer jit, no ExpensiveFn, float32, {inner} calls per timing; {machine()}")
-    results = [
-        run_case(case, *make(args.small), repeats, inner) for case, make in (("mlp", mlp_case), ("ops", ops_case))
-    ]
+    print(f"bench_eager: no outer jit, float32, {inner} calls per timing; {machine()}")
+    cases = (("mlp", mlp_case), ("ops", ops_case), ("wave", wave_case), ("site", site_case))
+    results = [run_case(case, *make(args.small), repeats, inner) for case, make in cases]
     print(f"at the end: {load()}")
     for line in results:
         print(line)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools as ft
+import struct
+import types
 
 import equinox as eqx
+import jax.tree_util as jtu
 import numpy as np
 
 from . import _internals as _core
@@ -26,9 +30,12 @@ def structural_key(closed) -> tuple | None:
 
 
 def _aval_key(aval) -> tuple:
+    # (the dtype object itself, hashable and compared by value: `str(dtype)` cost a third
+    # of the key of a small program)
+    dtype = getattr(aval, "dtype", None)
     return (
         tuple(getattr(aval, "shape", ())),
-        str(getattr(aval, "dtype", type(aval).__name__)),
+        ("type", type(aval).__name__) if dtype is None else ("dtype", dtype),
         getattr(aval, "weak_type", False),
     )
 
@@ -46,7 +53,7 @@ def _jaxpr_key(jaxpr) -> tuple:
     head = (tuple(var(v) for v in jaxpr.constvars), tuple((var(v), _aval_key(v.aval)) for v in jaxpr.invars))
     eqns = tuple(
         (
-            str(e.primitive),
+            e.primitive,  # (a singleton: by identity, finer than its name and cheaper)
             tuple(var(v) for v in e.invars),
             tuple((var(v), _aval_key(v.aval)) for v in e.outvars),
             tuple(
@@ -106,6 +113,11 @@ def _jvp_rule_key(eqn) -> tuple:
 
 def _value_key(value) -> tuple:
     """By type and exact bits: `-0.0` differs from `0.0`, `1` from `True`."""
+    kind = type(value)
+    if kind is bool or kind is int:
+        return (kind.__name__, value)
+    if kind is float:
+        return ("float", struct.pack("<d", value))
     try:
         a = np.asarray(value)
     except TypeError:  # an extended dtype (a PRNG key) has no bytes to compare
@@ -113,7 +125,21 @@ def _value_key(value) -> tuple:
     return (type(value).__name__, str(a.dtype), a.shape, a.tobytes())
 
 
+# Parameter types keyed by value as they are (hashable, immutable): the common ones,
+# answered before the checks below.
+_PLAIN = (str, type(None), types.FunctionType, types.BuiltinFunctionType, jtu.PyTreeDef)
+
+
 def _param_key(p):
+    kind = type(p)
+    if kind in _PLAIN:
+        return (kind, p)
+    if kind is bool or kind is int or kind is float:
+        return _value_key(p)
+    if kind is tuple:
+        return ("tuple", tuple(_param_key(q) for q in p))
+    if isinstance(p, np.dtype):
+        return (kind, p)
     if _core.is_jaxpr(p):
         jaxpr, consts = _core.open_and_consts(p)
         return ("jaxpr", _jaxpr_key(jaxpr), tuple(_value_key(c) for c in consts))
@@ -134,9 +160,19 @@ def _param_key(p):
         # dataclasses): a number among them by its bits, as a literal, where `==` would take
         # 0.0 for -0.0 and 1 for True. (A mutable one can change after its program is
         # cached: by identity below, or not keyed at all.)
-        return ("dataclass", type(p), tuple((f.name, _param_key(getattr(p, f.name))) for f in dataclasses.fields(p)))
+        # (read as stored: `eqx.Module.__getattribute__` only wraps a method bound to `p`)
+        return (
+            "dataclass",
+            type(p),
+            tuple((n, _param_key(object.__getattribute__(p, n))) for n in _field_names(type(p))),
+        )
     try:
         hash(p)
     except TypeError:
         raise _Unkeyable from None
     return (type(p), p)
+
+
+@ft.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))

@@ -1,0 +1,199 @@
+"""What an eager call does again on a cache hit (counted: one trace of the loss, one cache
+key, one trace of a `fwd` + `bwd` site's `bwd` for the check that it does not read `y`; no
+analysis, no compilation), that a changed program misses the cache, and that the cache key
+tells apart what a cheaper key could take for equal. Gradients against plain JAX."""
+
+import collections
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deferax as dx
+from deferax import _jaxpr, _transform
+from deferax._jaxpr import _keys
+
+from .helpers import P0, W, assert_tree_allclose
+
+
+@pytest.fixture
+def spied(monkeypatch):
+    """Counts of the analysis, the cache keys and the compiled stages made by eager calls."""
+    counts: collections.Counter = collections.Counter()
+    analyse, key, compiled = _transform.analyse, _jaxpr.structural_key, _transform._Compiled
+
+    def counted_analyse(*args, **kwargs):
+        counts["analyse"] += 1
+        return analyse(*args, **kwargs)
+
+    def counted_key(program):
+        counts["key"] += 1
+        return key(program)
+
+    class CountedCompiled(compiled):
+        def __init__(self, *args, **kwargs):
+            counts["compiled"] += 1
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(_transform, "analyse", counted_analyse)
+    monkeypatch.setattr(_jaxpr, "structural_key", counted_key)
+    monkeypatch.setattr(_transform, "_Compiled", CountedCompiled)
+    return counts
+
+
+def _site(runs: collections.Counter, scale=1.0, reads_y: bool = False):
+    """`sin` with `fwd` and `bwd` only, counting in Python how often each body runs (a trace,
+    or an eager run op by op)."""
+
+    def fwd(x):
+        runs["fwd"] += 1
+        return scale * jnp.sin(x)
+
+    def bwd(x, y, ct):
+        runs["bwd"] += 1
+        return ct * (jnp.sqrt(scale**2 - y**2) if reads_y else scale * jnp.cos(x))
+
+    return dx.ExpensiveFn(fwd=fwd, bwd=bwd, name="sin")
+
+
+def _plain(scale=1.0):
+    return lambda p: jnp.sum(W * scale * jnp.sin(p)) + jnp.sum(p**2)
+
+
+def test_a_cache_hit_traces_once_and_analyses_nothing(spied):
+    """Over N eager calls of a loss with a `fwd` + `bwd` site (deferred, with a `fused` made
+    from them): the first analyses and compiles; every later one traces the loss once,
+    computes one key, traces `bwd` once for the check (and runs it once), runs `fwd` once."""
+    runs: collections.Counter = collections.Counter()
+    f = _site(runs)
+
+    def loss(p):
+        runs["loss"] += 1
+        return jnp.sum(W * f(p)) + jnp.sum(p**2)
+
+    step = dx.filter_value_and_grad(loss)
+    assert dx.explain(step, P0).sites[0].schedule == "deferred"
+    spied.clear()
+    expected = jax.value_and_grad(_plain())(P0)
+    assert_tree_allclose(step(P0), expected)
+    assert (spied["analyse"], spied["compiled"]) == (1, 1)
+    n = 4
+    runs.clear()
+    spied.clear()
+    for _ in range(n):
+        assert_tree_allclose(step(P0), expected)
+    jax.effects_barrier()
+    assert dict(spied) == {"key": n}
+    assert dict(runs) == {"loss": n, "bwd": 2 * n, "fwd": n}
+
+
+def test_a_replaced_bwd_misses_the_cache(spied):
+    """The site in a global dict is replaced by one whose `bwd` reads `y`: the program
+    changed (standard now), and replaced back, the first plan is found again."""
+    runs: collections.Counter = collections.Counter()
+    sites = {"sin": _site(runs)}
+    step = dx.filter_value_and_grad(lambda p: jnp.sum(W * sites["sin"](p)) + jnp.sum(p**2))
+    expected = jax.value_and_grad(_plain())(P0)
+    first = sites["sin"]
+    for f, schedule, analysed in (
+        (first, "deferred", 1),
+        (_site(runs, reads_y=True), "standard", 1),
+        (first, "deferred", 0),
+    ):
+        sites["sin"] = f
+        spied.clear()
+        assert_tree_allclose(step(P0), expected)
+        assert spied["analyse"] == analysed
+        assert dx.explain(step, P0).sites[0].schedule == schedule
+
+
+@pytest.mark.parametrize("how", ["numpy changed in place", "closure rebound"])
+def test_a_closure_whose_captured_array_changes(how, spied):
+    """`fwd` and `bwd` close over an array that changes between eager calls: each call
+    uses the new values (the same program: the cache is hit; the values reach it afresh)."""
+    scale_np = np.array([1.0, 2.0, 3.0, 4.0])
+    box = {"scale": jnp.asarray(scale_np)}
+
+    def current():
+        return jnp.asarray(scale_np) if how == "numpy changed in place" else box["scale"]
+
+    f = dx.ExpensiveFn(
+        fwd=lambda x: current() * jnp.sin(x), bwd=lambda x, y, ct: ct * current() * jnp.cos(x), name="scaled"
+    )
+    step = dx.filter_value_and_grad(lambda p: jnp.sum(W * f(p)) + jnp.sum(p**2))
+    for new in ([1.0, 2.0, 3.0, 4.0], [-0.5, 4.0, 0.25, 1.5]):
+        if how == "numpy changed in place":
+            scale_np[:] = new
+        else:
+            box["scale"] = jnp.asarray(new)
+        expected = jax.value_and_grad(_plain(jnp.asarray(new)))(P0)
+        assert_tree_allclose(step(P0), expected)
+    assert dx.explain(step, P0).sites[0].schedule == "deferred"
+
+
+# ----------------------------------------------------------------------------- the key tells apart
+
+
+def _key(fun, *args):
+    return _keys.structural_key(jax.make_jaxpr(fun)(*args))
+
+
+def test_key_equal_for_the_same_program_traced_twice():
+    def fun(x):
+        return jnp.sum(jnp.tanh(x) * 2.0) + jax.lax.integer_pow(x, 3)[0]
+
+    assert _key(fun, P0) is not None
+    assert _key(fun, P0) == _key(fun, P0)
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (lambda x: x * 0.0, lambda x: x * -0.0),  # a literal by its bits
+        (lambda x: jax.lax.integer_pow(x, 2), lambda x: jax.lax.integer_pow(x, 3)),  # an int parameter
+        (lambda x: jnp.sum(x, axis=0), lambda x: jnp.max(x, axis=0)),  # the operation
+    ],
+)
+def test_key_tells_programs_apart(first, second):
+    assert _key(first, P0) != _key(second, P0)
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (jnp.zeros(3, jnp.float32), jnp.zeros(3, jnp.float64)),
+        (jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.float32)),
+        (jnp.zeros(3), jnp.zeros(4)),
+        (jax.ShapeDtypeStruct((), jnp.float64, weak_type=True), jax.ShapeDtypeStruct((), jnp.float64)),
+    ],
+)
+def test_key_tells_inputs_apart(first, second):
+    def fun(x):
+        return x + 1
+
+    assert _key(fun, first) != _key(fun, second)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    value: Any
+
+
+class _ModuleSetting(eqx.Module):
+    value: Any
+
+
+@pytest.mark.parametrize("kind", [_Setting, _ModuleSetting])
+@pytest.mark.parametrize(
+    "first, second",
+    [(0.0, -0.0), (1, True), (1, 1.0), (1.0, np.float32(1.0)), (2**70, 2**70 + 1), ("a", "b"), (np.sin, np.cos)],
+)
+def test_key_tells_settings_apart(kind, first, second):
+    """A parameter (an immutable dataclass or Module, such as a site's `ExpensiveFn`) field by
+    field: values that `==` takes for equal, by type and bits."""
+    assert _keys._param_key(kind(first)) != _keys._param_key(kind(second))
+    assert _keys._param_key(kind(first)) == _keys._param_key(kind(first))
