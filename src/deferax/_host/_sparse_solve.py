@@ -17,7 +17,6 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
-import functools as ft
 import importlib.util
 import threading
 import time
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Inexact
 
-from .. import _record
+from .. import _record, _runtime
 from .._checks import _messages
 from .._implementation._expensive import ExpensiveFn
 from .._plan import _cost
@@ -481,7 +480,7 @@ def _like(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.asarray(a if np.issubdtype(dtype, np.complexfloating) else np.real(a), dtype)
 
 
-@ft.lru_cache(maxsize=64)
+@_runtime.cached(maxsize=64)
 def _solve_site(solve: _Solve, timeout: Any, name: str, max_basis: int | None, cost: Cost | None) -> ExpensiveFn:
     # (no executor here: this cache must not keep the caller's alive; `on_executor` adds it)
     c = Cost() if cost is None else cost

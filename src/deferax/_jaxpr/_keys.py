@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 
 import equinox as eqx
 import numpy as np
 
+from .. import _runtime
 from . import _internals as _core
 
 
@@ -74,7 +74,7 @@ def equation_key(eqn, inputs) -> tuple | None:
     return str(eqn.primitive), ins, params
 
 
-_IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_keying_a_rule", default=False)
+_IN_RULE = _runtime.IN_RULE
 
 
 def _jvp_rule_key(eqn) -> tuple:
