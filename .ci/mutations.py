@@ -217,6 +217,11 @@ MUTATIONS = [
         [("sparse_solve", 'kept = "none"', 'kept = "worker"')],
         ["tests/test_memory.py"],
     ),
+    (
+        "the runtime's reset forgetting the stores registered with it (a feature's cache kept across tests)",
+        [("reset", "for clear in _CLEARS:", "for clear in []:")],
+        ["tests/test_runtime.py"],
+    ),
 ]
 
 

@@ -22,15 +22,16 @@ def counter():
 
 
 @pytest.fixture(autouse=True)
-def no_timings():
-    """Each test starts with no timings of earlier calls (every host site times its jobs,
-    and a site's timings, kept by its host functions and input shapes, would change another
-    test's plan where the same functions are used)."""
-    import deferax as dx
+def fresh_runtime():
+    """Each test starts from the process state of a fresh import (`_runtime.reset`): no
+    timings of earlier calls (every host site times its jobs, and a site's timings, kept by
+    its host functions and input shapes, would change another test's plan where the same
+    functions are used), the switches at their defaults, empty caches and registries."""
+    from deferax import _runtime
 
-    dx.forget_timings()
+    _runtime.reset()
     yield
-    dx.forget_timings()
+    _runtime.reset()
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
 import dataclasses
 import logging
 import threading
@@ -31,19 +30,19 @@ from typing import Any
 import jax
 import jax.tree_util as jtu
 
-from . import _jaxpr
+from . import _jaxpr, _runtime
 
 log = logging.getLogger("deferax")
 log.addHandler(logging.NullHandler())
 
-_ACTIVE: list[Timeline] = []
+_ACTIVE: list[Timeline] = _runtime.RECORDERS
 _LOCK = threading.Lock()
 # (site name, schedule) of the calls made here; set by the stages and by `ExpensiveFn`
-_SITE: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("deferax_site", default=None)
+_SITE = _runtime.SITE
 # Where the job running here was submitted to (for its steps' rows)
-_WHERE: contextvars.ContextVar[str | None] = contextvars.ContextVar("deferax_where", default=None)
+_WHERE = _runtime.WHERE
 # Inside the halves of a `Fused`, which are timed around their compiled calls.
-_TIMED_OUTSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_timed_outside", default=False)
+_TIMED_OUTSIDE = _runtime.TIMED_OUTSIDE
 
 
 @dataclasses.dataclass(frozen=True)

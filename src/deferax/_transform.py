@@ -10,7 +10,6 @@ every call and a change of it either changes the program or reaches it as a new 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools as ft
@@ -23,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _jaxpr, _record
+from . import _jaxpr, _record, _runtime
 from ._analysis._analysis import Analysis, analyse
 from ._analysis._bwd import bwd_decisions
 from ._checks import _checks, _messages
@@ -135,7 +134,7 @@ class _Compiled:
         self.stage3 = None if analysis.live else jax.jit(ft.partial(_stage3.stage3, analysis, has_diff))
 
 
-_CACHE: collections.OrderedDict = collections.OrderedDict()
+_CACHE = _runtime.EAGER_CACHE
 _CACHE_SIZE = 256
 _CACHE_LOCK = threading.Lock()
 

@@ -9,12 +9,10 @@ its return value share one set of bindings.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools as ft
 import inspect
 import io
-import os
 import sys
 import typing
 from collections.abc import Callable, Iterator
@@ -24,11 +22,10 @@ import equinox as eqx
 import jaxtyping
 from beartype.door import is_bearable
 
+from . import _runtime
 from ._checks import _messages
 
-_ENV = "DEFERAX_TYPECHECK"
-_DEFAULT = os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
-_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_typecheck", default=_DEFAULT)
+_ENABLED = _runtime.TYPECHECKING
 
 
 class AnnotationError(TypeError):
@@ -46,8 +43,12 @@ def set_typechecking(enabled: bool) -> None:
     The checks are those of a [`deferax.TypedModule`][]'s fields and annotated methods, and
     of the annotated implementations of an [`deferax.ExpensiveFn`][]. The setting is held
     in a `contextvars.ContextVar`: it holds for the current thread (or asyncio task) from
-    now on, not for threads started elsewhere. Inside a jitted step it matters only while
-    the step is traced. To change it for one block only, use [`deferax.typechecking`][].
+    now on, and for the threads deferax runs this context's work on, not for threads
+    started elsewhere (a new thread starts with the default). Inside a jitted step it
+    matters only while the step is traced, in the caller's thread: so, unlike
+    [`deferax.set_concurrency`][] and [`deferax.set_devices`][] (read when the calls run,
+    on any thread, for every thread), it can differ between two threads that trace. To
+    change it for one block only, use [`deferax.typechecking`][].
 
     The default is on, unless the environment variable `DEFERAX_TYPECHECK` is `0`,
     `false`, `off` or `no` when deferax is imported.
@@ -100,7 +101,7 @@ def typechecking(enabled: bool) -> Iterator[None]:
 
 
 # The module whose fields share the current bindings (set while a typed call is checked).
-_FIELDS: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_fields", default=None)
+_FIELDS = _runtime.FIELDS
 
 
 @typing.no_type_check  # runs in the caller's jaxtyping bindings
@@ -163,7 +164,7 @@ def check(value: Any, hint: Any, where: str, what: str) -> None:
         )
 
 
-@ft.cache
+@_runtime.cached(maxsize=None)
 def _field_hints(cls: type) -> tuple[tuple[str, Any], ...]:
     try:
         hints = typing.get_type_hints(cls, include_extras=True)
@@ -197,7 +198,7 @@ def _check_fields(module: Any, where: str) -> None:
         check(getattr(module, name), hint, where, f"field `{name}`")
 
 
-@ft.lru_cache(maxsize=4096)
+@_runtime.cached(maxsize=4096)
 def _signature(fn: Callable) -> tuple[inspect.Signature, dict[str, Any]]:
     return inspect.signature(fn), typing.get_type_hints(fn, include_extras=True)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,11 +9,10 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from .. import _jaxpr
+from .. import _jaxpr, _runtime
 from .._checks import _messages
 
-_DEVICES: list | None = None  # `set_devices`; None: every local device of the default backend
-_SLOT: contextvars.ContextVar[int] = contextvars.ContextVar("deferax_slot", default=0)
+_SLOT = _runtime.SLOT
 
 
 def set_devices(devices: Any = None) -> None:  # (`Any`: a wrong value must reach the message below)
@@ -30,17 +28,20 @@ def set_devices(devices: Any = None) -> None:  # (`Any`: a wrong value must reac
 
     - `devices`: a list of `jax.Device`s to use, in order; `None` (the default) for all
       of `jax.local_devices()`. A list of one device keeps all the work on that device.
+
+    Like [`deferax.set_concurrency`][], the setting is the process's, for every thread
+    (it is read when the calls run, on deferax's threads), and holds for steps compiled
+    before it was called too.
     """
-    global _DEVICES
     if devices is None:
-        _DEVICES = None
+        _runtime.SWITCHES.devices = None
         return
     if isinstance(devices, str | jax.Device) or not isinstance(devices, Sequence) or not devices:
         raise TypeError(_messages.BAD_DEVICES.format(found=repr(devices)[:80]))
     bad = [d for d in devices if not isinstance(d, jax.Device)]
     if bad:
         raise TypeError(_messages.BAD_DEVICES.format(found=f"{bad[0]!r:.80} among them"))
-    _DEVICES = list(devices)
+    _runtime.SWITCHES.devices = list(devices)
 
 
 def slot(index: int):
@@ -54,7 +55,8 @@ def current_slot() -> int:
 
 def placement() -> tuple[jax.Device | None, jax.Device | None]:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
     """`(forward's device, adjoint's device)` for this slot; `(None, None)` on one device."""
-    devices = jax.local_devices() if _DEVICES is None else _DEVICES
+    chosen = _runtime.SWITCHES.devices
+    devices = jax.local_devices() if chosen is None else chosen
     if len(devices) < 2:
         return None, None
     first = (2 * _SLOT.get()) % len(devices)

@@ -6,13 +6,12 @@ traced (`running_prepared`)."""
 
 from __future__ import annotations
 
-import contextvars
 from typing import Any
 
-from .. import _jaxpr
+from .. import _jaxpr, _runtime
 
-_PREPARING: contextvars.ContextVar[dict | None] = contextvars.ContextVar("deferax_preparing", default=None)
-_PREPARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("deferax_prepared", default=None)
+_PREPARING = _runtime.PREPARING
+_PREPARED = _runtime.PREPARED
 
 
 def preparing(prepared: dict):

@@ -33,16 +33,13 @@ import contextlib
 import itertools
 import os
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-_LOCK = threading.Lock()
-_running = 0  # host jobs running at once on threads of this process, over all batches
-_caps: list[int] = []  # the caps of the code running inside `capped` now, in any thread
-# (a library's path, its setter, its setting before deferax limited it, its setting now)
-_saved: list[list[Any]] = []
-_found: tuple[int, list] | None = None  # (how many modules were imported, the libraries loaded then)
+from .. import _runtime
+
+_LOCK = _runtime.NATIVE_LOCK
+_NATIVE = _runtime.NATIVE  # the jobs running, the caps and the settings saved, over all threads
 
 
 def cores() -> int:
@@ -55,15 +52,14 @@ def shared(jobs: int) -> Iterator[None]:
     """Around `jobs` host jobs that run at once on threads of this process: while they (and
     the jobs of other batches) run, each native thread pool has at most `cores // running`
     threads."""
-    global _running
     with _LOCK:
-        _running += jobs
+        _NATIVE.running += jobs
         _update()
     try:
         yield
     finally:
         with _LOCK:
-            _running -= jobs
+            _NATIVE.running -= jobs
             _update()
 
 
@@ -73,13 +69,13 @@ def capped(threads: int) -> Iterator[None]:
     nothing from more: SuperLU, whose calls into BLAS are too small to share). The setting
     is the process's: other code running at the same time gets the cap too."""
     with _LOCK:
-        _caps.append(threads)
+        _NATIVE.caps.append(threads)
         _update()
     try:
         yield
     finally:
         with _LOCK:
-            _caps.remove(threads)
+            _NATIVE.caps.remove(threads)
             _update()
 
 
@@ -87,18 +83,19 @@ def _update() -> None:
     """Set the libraries to what the jobs and caps running now allow (under `_LOCK`): while
     any limit holds, the setting only goes down; when none is left, each library gets back
     its setting from before the first."""
-    limits = list(_caps) + ([max(1, cores() // _running)] if _running >= 2 else [])
+    running, saved_all = _NATIVE.running, _NATIVE.saved
+    limits = list(_NATIVE.caps) + ([max(1, cores() // running)] if running >= 2 else [])
     if not limits:
-        for _, setter, before, now in _saved:
+        for _, setter, before, now in saved_all:
             if now != before:
                 setter(before)
-        _saved.clear()
+        saved_all.clear()
         return
-    known = {saved[0] for saved in _saved}  # (a library loaded while limited joins them)
+    known = {saved[0] for saved in saved_all}  # (a library loaded while limited joins them)
     for c in _libraries():
         if c.filepath not in known:
-            _saved.append([c.filepath, _setter(c), c.num_threads, c.num_threads])
-    for saved in _saved:
+            saved_all.append([c.filepath, _setter(c), c.num_threads, c.num_threads])
+    for saved in saved_all:
         _, setter, before, now = saved
         if min(before, *limits) < now:
             saved[3] = min(before, *limits)
@@ -109,12 +106,12 @@ def _libraries() -> list:
     """threadpoolctl's controllers of the native thread pools loaded in this process. Finding
     them takes a millisecond or two, so they are found again only when a module has been
     imported since (a library comes with the module that loads it: NumPy, SciPy, ...)."""
-    global _found
-    if _found is None or _found[0] != len(sys.modules):
+    found = _NATIVE.found
+    if found is None or found[0] != len(sys.modules):
         from threadpoolctl import ThreadpoolController
 
-        _found = (len(sys.modules), ThreadpoolController().lib_controllers)
-    return _found[1]
+        found = _NATIVE.found = (len(sys.modules), ThreadpoolController().lib_controllers)
+    return found[1]
 
 
 def _setter(controller: Any) -> Callable[[int], Any]:

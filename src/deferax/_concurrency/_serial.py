@@ -3,18 +3,15 @@ that keeps implementations that are not thread-safe apart, and the per-function 
 
 from __future__ import annotations
 
-import contextvars
 import threading
 
-from .. import _jaxpr
+from .. import _jaxpr, _runtime
 
-# Whether deferax may run two implementation calls at once (`set_concurrency`).
-_CONCURRENT = True
 # Held around every call of an implementation declared not thread-safe that deferax runs
 # on its own threads (JAX-native halves and host jobs alike): no two such calls overlap.
 SERIAL_LOCK = threading.RLock()
 # Inside: the function being run is not thread-safe (`ExpensiveFn(thread_safe=False)`).
-_SERIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_serial", default=False)
+_SERIAL = _runtime.SERIAL
 
 
 def set_concurrency(enabled: bool) -> None:
@@ -28,13 +25,17 @@ def set_concurrency(enabled: bool) -> None:
     or for all of them here; the schedules stay the same, their calls run one at a time.
     It is read when the calls run, so it holds for steps compiled (`jax.jit`,
     `eqx.filter_jit`) before it was called too.
+
+    The setting is the process's, for every thread: the calls run on deferax's threads and
+    on those XLA runs a compiled step's callbacks on, which the caller's context does not
+    reach. (Unlike [`deferax.set_typechecking`][], which holds in the caller's context: the
+    checks run while a step is traced, in the caller's thread.)
     """
-    global _CONCURRENT
-    _CONCURRENT = bool(enabled)
+    _runtime.SWITCHES.concurrent = bool(enabled)
 
 
 def concurrency_enabled() -> bool:
-    return _CONCURRENT
+    return _runtime.SWITCHES.concurrent
 
 
 def serial():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools as ft
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -18,16 +17,11 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .. import _jaxpr, _record
+from .. import _jaxpr, _record, _runtime
 from .._misc import is_concrete
 from . import _gathered
 from ._devices import current_slot, on, placement
 from ._serial import SERIAL_LOCK, concurrency_enabled, is_serial
-
-# The threads mostly wait for compiled programs; several sites each need two at once.
-_POOL = concurrent.futures.ThreadPoolExecutor(
-    max_workers=max(16, 2 * (os.cpu_count() or 2)), thread_name_prefix="deferax"
-)
 
 
 # Compiled once per implementation and input structure; an `eqx.Module` implementation's
@@ -96,7 +90,7 @@ def _both(first, second, serial_: bool):
     if serial_ or not concurrency_enabled():
         with SERIAL_LOCK:
             return first(), second()
-    other = _POOL.submit(second)
+    other = _runtime.POOLS.get("halves").submit(second)
     try:
         mine = first()
     except BaseException:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _runtime
 from . import _executor
 
 # Matrices whose worker is remembered, per client: enough for the forward passes still
@@ -43,7 +44,7 @@ class _Workers:
         self.lock = threading.Lock()
 
 
-_WORKERS: weakref.WeakKeyDictionary[Any, _Workers] = weakref.WeakKeyDictionary()
+_WORKERS: weakref.WeakKeyDictionary[Any, _Workers] = _runtime.store(weakref.WeakKeyDictionary())
 _WORKERS_LOCK = threading.Lock()
 
 

@@ -12,32 +12,22 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import os
 import pickle
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from .. import _record
+from .. import _record, _runtime
 from .._checks import _messages
 from .._concurrency import _native_threads
 from .._concurrency._serial import SERIAL_LOCK, concurrency_enabled
 
-_DEFAULT: cf.Executor | None = None
-_DEFAULT_LOCK = threading.Lock()
-# The size of deferax's thread pool: Python's default for a `ThreadPoolExecutor`, given
-# explicitly, so that deferax knows it (a pool's size is not public).
-DEFAULT_WORKERS = min(32, (os.cpu_count() or 1) + 4)
+DEFAULT_WORKERS = _runtime.HOST_WORKERS  # (the size of deferax's thread pool)
 
 
 def default_executor() -> cf.Executor:
     """The thread pool that host jobs run on when no `executor=` is given (created on first use)."""
-    global _DEFAULT
-    with _DEFAULT_LOCK:
-        if _DEFAULT is None:
-            _DEFAULT = cf.ThreadPoolExecutor(DEFAULT_WORKERS, thread_name_prefix="deferax-host")
-        return _DEFAULT
+    return _runtime.POOLS.get("host")
 
 
 class HostError(RuntimeError):
@@ -271,7 +261,7 @@ def _at_once(executor: cf.Executor, jobs: int, workers: int | None = None) -> in
     caller's hides its size, so all of them, unless told."""
     if not isinstance(executor, cf.ThreadPoolExecutor):
         return 0
-    if workers is None and executor is _DEFAULT:
+    if workers is None and executor is _runtime.POOLS.made("host"):
         workers = DEFAULT_WORKERS
     return jobs if workers is None else min(jobs, workers)
 
@@ -341,7 +331,7 @@ def jobs_at_once(executor: cf.Executor | None) -> int:
     other executor (`client.get_executor()`'s among them: it does not make its client
     public)."""
     cores = _native_threads.cores()
-    if executor is None or executor is _DEFAULT:
+    if executor is None or executor is _runtime.POOLS.made("host"):
         return max(1, min(DEFAULT_WORKERS, cores))
     if isinstance(executor, DaskClient):
         try:

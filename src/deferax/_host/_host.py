@@ -16,7 +16,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .. import _jaxpr
+from .. import _jaxpr, _runtime
 from .._checks import _checks, _messages
 from .._implementation._abstract import AbstractImplementation, Implementation
 from .._implementation._expensive import ExpensiveFn
@@ -399,7 +399,7 @@ def _checked_executor(call: str, executor: Any) -> Any:
     return executor
 
 
-@ft.lru_cache(maxsize=64)
+@_runtime.cached(maxsize=64)
 def _check_picklable(runner: Runner, transport: tuple[str, str] | None) -> None:
     """Raise if a host function of `runner` (one with no executor) cannot travel by `transport`."""
     if transport is not None:

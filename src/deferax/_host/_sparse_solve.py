@@ -17,7 +17,6 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
-import functools as ft
 import importlib.util
 import os
 import threading
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Inexact
 
-from .. import _record
+from .. import _record, _runtime
 from .._checks import _messages
 from .._implementation._expensive import ExpensiveFn
 from .._plan import _cost
@@ -357,6 +356,8 @@ def default_budget() -> int:
 # (the workers of as many matrices are remembered on Dask, `_affinity.REMEMBERED`), and at
 # most the budget's bytes (`set_factorisation_budget`).
 FACTORISATIONS = Store(limit=_affinity.REMEMBERED)
+# (a test's budget is not the next one's: reset puts the default back)
+_runtime.on_reset(lambda: FACTORISATIONS.set_budget(default_budget()))
 
 
 # `nbytes` typed `Any` so that a wrong value reaches the check below, whose message names the call.
@@ -639,12 +640,12 @@ def _like(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 # by solve: the bytes of its first factorisation (in this process), for the plan; the
 # latest `_MEASURED_KEPT` solves
-_MEASURED: collections.OrderedDict[_Solve, int] = collections.OrderedDict()
+_MEASURED: collections.OrderedDict[_Solve, int] = _runtime.store(collections.OrderedDict())
 _MEASURED_LOCK = threading.Lock()
 _MEASURED_KEPT = 256
 
 
-@ft.lru_cache(maxsize=64)
+@_runtime.cached(maxsize=64)
 def _positions(pattern: SparsePattern) -> int:
     """The number of distinct positions of `pattern`'s entries."""
     return int(np.unique(pattern.rows * pattern.n + pattern.cols).size)
@@ -682,7 +683,7 @@ def _not_kept(solve: _Solve, executor: Any) -> str | None:
     return _NOT_KEPT_BUDGET.format(nbytes=shown, budget=_bytes_text(budget))
 
 
-@ft.lru_cache(maxsize=64)
+@_runtime.cached(maxsize=64)
 def _solve_site(
     solve: _Solve, timeout: Any, name: str, max_basis: int | None, cost: Cost | None, not_kept: str | None
 ) -> ExpensiveFn:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools as ft
 import struct
@@ -12,6 +11,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
 
+from .. import _runtime
 from . import _internals as _core
 
 
@@ -81,7 +81,7 @@ def equation_key(eqn, inputs) -> tuple | None:
     return str(eqn.primitive), ins, params
 
 
-_IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_keying_a_rule", default=False)
+_IN_RULE = _runtime.IN_RULE
 
 
 def _jvp_rule_key(eqn) -> tuple:

@@ -14,11 +14,11 @@ would happen twice.
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import jax
 import numpy as np
 
+from .. import _runtime
 from . import _internals as _core
 from ._dependence import Location, _location, is_ref, written
 from ._program import bind_equation
@@ -98,7 +98,7 @@ def _differentiable_alone(eqn) -> bool:
     return True
 
 
-_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ALONE = _runtime.REPLAY_ALONE
 
 
 def _stale(value) -> bool:

@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from collections.abc import Hashable, Iterator
 from typing import Any
 
 import equinox as eqx
 import numpy as np
 
+from .. import _runtime
 from .._checks import _messages
 
 # A host round trip between two stages (a `pure_callback` out of a compiled program and back,
@@ -161,12 +161,10 @@ class Estimates(eqx.Module):
 
 # ----------------------------------------------------------------------------- timings of earlier calls
 
-_LOCK = threading.Lock()
-# by (site identity, input shapes): the timings decisions are made from, decided once
-_DECIDED: dict[tuple, dict[str, float]] = {}
-# by (site identity, input shapes): for each of `setup`, `fwd`, `bwd`, one sample a call, until decided
-_SAMPLES: dict[tuple, dict[str, list[float]]] = {}
-_GATHERING = threading.local()  # `gathering`'s timings on this thread
+_LOCK = _runtime.TIMINGS_LOCK
+_DECIDED = _runtime.DECIDED  # the timings decisions are made from, decided once
+_SAMPLES = _runtime.SAMPLES  # one sample a call of each kind, until decided
+_GATHERING = _runtime.GATHERING  # `gathering`'s timings on this thread
 
 
 def observe(key: Hashable, shapes: tuple, **seconds: float) -> None:

@@ -16,17 +16,17 @@ rewrite always pays).
 
 from __future__ import annotations
 
-import functools as ft
 import time
 
 import numpy as np
 
+from .. import _runtime
 from .._host._sparse_solve import SparsePattern
 from .._host._sparse_solver import SuperLU
 from .._plan import _cost
 
 
-@ft.lru_cache(maxsize=256)
+@_runtime.cached(maxsize=256)
 def factor_seconds(pattern: SparsePattern, complex_: bool) -> float | None:
     """One factorisation's time for `pattern` (random values), or None when it fails
     (a structurally singular pattern)."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import equinox as eqx
 
-from .. import _jaxpr
+from .. import _jaxpr, _runtime
 from .._host._sparse_solve import SparsePattern
 from .._implementation._expensive import ExpensiveFn
 
@@ -76,9 +76,9 @@ class Recognition(eqx.Module):
             raise TypeError(_BAD_KIND.format(found=f"site={_found(self.site)}"))
 
 
-_RULES: dict[Any, tuple[str, Callable]] = {}
+_RULES = _runtime.RECOGNITION_RULES
 _LOCK = threading.Lock()
-_BUILTIN_LOADED: set[str] = set()
+_BUILTIN_LOADED = _runtime.RECOGNITION_BUILTINS
 
 
 # (`rule` typed `Any` so that a wrong value reaches the check below, whose message names the call)

@@ -17,18 +17,18 @@ order, and at once. An undeclared Tesseract's calls are left as they are.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 import jax
 import numpy as np
 
+from .. import _runtime
 from .._host._host import host
 from . import _registry
 
 NAME = "tesseract_jax.apply_tesseract"
 
-_DECLARED: weakref.WeakSet = weakref.WeakSet()
+_DECLARED = _runtime.TESSERACTS
 _LOCK = threading.Lock()
 
 _BAD_TESSERACT = """`dx.recognise_tesseract`: `tesseract` must be a `tesseract_core.Tesseract` (the object \

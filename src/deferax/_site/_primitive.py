@@ -15,7 +15,6 @@ Everything else (the implementations, the structures) is the static `Spec`.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from typing import Any
 
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .. import _jaxpr
+from .. import _jaxpr, _runtime
 from .._checks import _messages
 from .._forward_basis import _primitive as _forward_basis
 from .._forward_basis import _tangents
@@ -244,7 +243,7 @@ lin_p = _jaxpr.define_primitive(
 # ----------------------------------------------------------------------------- binding
 
 
-_DECLARED: contextvars.ContextVar[list | None] = contextvars.ContextVar("deferax_declared", default=None)
+_DECLARED = _runtime.DECLARED
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .. import _jaxpr, _record
+from .. import _jaxpr, _record, _runtime
 from .._analysis._analysis import Analysis
 from .._concurrency._devices import slot
 from .._concurrency._gathered import all_runnable, preparing, running_prepared
@@ -22,10 +22,6 @@ from .._concurrency._serial import SERIAL_LOCK, concurrency_enabled, serial
 from .._implementation._abstract import AbstractFused, AbstractImplementation
 from .._site import _primitive as _site
 from .._site._spec import Spec
-
-# The threads that run the sites of one step together; each waits for its site's calls
-# (which `dx.fuse` halves run on another pool, so that no thread waits for its own pool).
-_SITES = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="deferax-site")
 
 
 def _stage2_impl(analysis: Analysis, k: int) -> Callable[..., Any] | None:
@@ -117,7 +113,8 @@ class _Stage2:
         if len(positions) <= 1:
             return [self.guarded(k, operands, cts, size) for k in positions]
         placed = _jaxpr.carry_context(self.placed)
-        futures = [_SITES.submit(placed, i, k, operands, cts, size) for i, k in enumerate(positions[1:], 1)]
+        sites = _runtime.POOLS.get("sites")
+        futures = [sites.submit(placed, i, k, operands, cts, size) for i, k in enumerate(positions[1:], 1)]
         try:
             first = self.placed(0, positions[0], operands, cts, size)
         except BaseException:
