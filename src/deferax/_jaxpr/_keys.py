@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools as ft
 import struct
 import types
 
@@ -173,6 +172,6 @@ def _param_key(p):
     return (type(p), p)
 
 
-@ft.cache
+@_runtime.cached(maxsize=None)
 def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
