@@ -60,6 +60,9 @@ class Analysis:
     basis: dict[int, Basis]
     backward: Any  # G, pruned to what stage 1 needs: (consts, leaves, ys, seed) -> (cts, operands)
     backward_out: tuple  # for each output of `backward`: ("ct", position, leaf) or ("op", position, leaf)
+    # the reverse-mode strategy planned for each site not deferred ("standard" or "forward-basis"), by `Spec`:
+    # stage 3 differentiates them so (`_site.planned`), whatever timings came in since
+    strategies: dict = dataclasses.field(default_factory=dict)
 
     def derived(self, position: int) -> bool:
         """Whether a deferred site's `fused` is made from its `fwd` and its `adjoint` or
@@ -173,7 +176,14 @@ class _Check:
             backward = _jaxpr.prune(backward, keep)
             backward_out = tuple(o for o, u in zip(backward_out, keep, strict=True) if u)
         plan = self._plan(decisions, deferred, basis, early)
-        return Analysis(plan, self.program, self.sites, self.nested, deferred, early, basis, backward, backward_out)
+        strategies = {
+            spec: s.schedule
+            for (_, spec, _), s in zip(self._entries(), plan.sites, strict=True)
+            if s.schedule in ("standard", "forward-basis")
+        }
+        return Analysis(
+            plan, self.program, self.sites, self.nested, deferred, early, basis, backward, backward_out, strategies
+        )
 
     def _structural(self, k, upstream, feeds) -> str | None:
         spec = self.specs[k]

@@ -10,6 +10,7 @@ from ._primitive import declared_outputs_checked as declared_outputs_checked
 from ._primitive import lin_p as lin_p
 from ._primitive import operand_cotangents as operand_cotangents
 from ._primitive import outputs as outputs
+from ._primitive import planned as planned
 from ._primitive import site_p as site_p
 from ._primitive import strategy as strategy
 from ._primitive import unbatch as unbatch

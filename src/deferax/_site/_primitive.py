@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import equinox as eqx
@@ -84,9 +85,26 @@ def _site_jvp(primals, tangents, spec: Spec):
     return y, t_y
 
 
+# The strategy of each site whose differentiation deferax planned (`planned`): by `Spec`.
+_PLANNED: contextvars.ContextVar[Mapping[Spec, str] | None] = contextvars.ContextVar("deferax_planned", default=None)
+
+
+@contextlib.contextmanager
+def planned(strategies: Mapping[Spec, str]):
+    """Inside: the sites of `strategies` are differentiated on the strategy given there
+    (`"standard"` or `"forward-basis"`), as the analysis planned it, whatever timings came
+    in since. Any other site (and every site outside) chooses in its JVP rule (`strategy`)."""
+    with _jaxpr.setting(_PLANNED, strategies):
+        yield
+
+
 def strategy(spec: Spec) -> str:
-    """How reverse mode differentiates this site: `"standard"` or `"forward-basis"`, as its
-    function chooses from its estimates now."""
+    """How reverse mode differentiates this site: `"standard"` or `"forward-basis"`, as
+    planned (`planned`), else as its function chooses from its estimates now."""
+    fixed = _PLANNED.get()
+    chosen = None if fixed is None else fixed.get(spec)
+    if chosen is not None:
+        return chosen
     fn = spec.static
     return fn.strategy(spec.n_tangents, fn.forward_basis_estimates(spec.x_shapes, spec.n_tangents))
 

@@ -133,6 +133,7 @@ def stage3(analysis: Analysis, has_diff: list[bool], ins: list, results) -> tupl
         outs = _jaxpr.interpret(analysis.program, full, *_replacements(analysis, results))
         return outs[0], outs[1:]
 
-    value, vjp, aux = jax.vjp(program, diff, has_aux=True)
-    (grads,) = vjp(jnp.ones((), value.dtype))
+    with _site.planned(analysis.strategies):  # (the sites' JVP rules run here: as planned)
+        value, vjp, aux = jax.vjp(program, diff, has_aux=True)
+        (grads,) = vjp(jnp.ones((), value.dtype))
     return [value, *aux], grads
