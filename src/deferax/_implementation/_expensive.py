@@ -475,7 +475,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         - `"standard"`: `fwd` on the forward pass, `bwd` on the backward pass (two stages).
 
         `prefer` forces either. [`deferax.filter_value_and_grad`][] decides it once, in its
-        plan; a site's JVP rule decides it only outside (`_site.strategy`)."""
+        plan; a site's JVP rule decides it only outside (`_site._primitive._jvp_strategy`)."""
         if self.prefer in STRATEGIES:
             return self.prefer
         if self.jvp is None and self.jvp_batch is None:

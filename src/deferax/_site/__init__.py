@@ -12,7 +12,6 @@ from ._primitive import operand_cotangents as operand_cotangents
 from ._primitive import outputs as outputs
 from ._primitive import planned as planned
 from ._primitive import site_p as site_p
-from ._primitive import strategy as strategy
 from ._primitive import unbatch as unbatch
 from ._spec import FORWARD_BASIS as FORWARD_BASIS
 from ._spec import LINEAR as LINEAR

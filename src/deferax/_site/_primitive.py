@@ -73,7 +73,7 @@ def _site_jvp(primals, tangents, spec: Spec):
             _jaxpr.instantiate(t, jax.typeof(x)) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d
         ]
         return jax.jvp(of_diff, (d_primals,), (d_tangents,))
-    if strategy(spec) == "forward-basis":
+    if _jvp_strategy(spec) == "forward-basis":
         return forward_basis_jvp(spec, fn_leaves, x_leaves, x_tangents)
     y = site_p.bind(*primals, spec=spec)
     d_tangents = [(x, t) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d]
@@ -93,12 +93,12 @@ _PLANNED: contextvars.ContextVar[Mapping[Spec, str] | None] = contextvars.Contex
 def planned(strategies: Mapping[Spec, str]):
     """Inside: the sites of `strategies` are differentiated on the strategy given there
     (`"standard"` or `"forward-basis"`), as the analysis planned it, whatever timings came
-    in since. Any other site (and every site outside) chooses in its JVP rule (`strategy`)."""
+    in since. Any other site (and every site outside) chooses in its JVP rule (`_jvp_strategy`)."""
     with _jaxpr.setting(_PLANNED, strategies):
         yield
 
 
-def strategy(spec: Spec) -> str:
+def _jvp_strategy(spec: Spec) -> str:
     """How reverse mode differentiates this site: `"standard"` or `"forward-basis"`, as
     planned (`planned`), else as its function chooses from its estimates now."""
     fixed = _PLANNED.get()
