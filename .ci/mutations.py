@@ -203,6 +203,11 @@ MUTATIONS = [
         ["tests/test_basis.py"],
     ),
     (
+        "a site's strategy chosen again in stage 3 (from timings newer than its plan)",
+        [("_jvp_strategy", "chosen = None if fixed is None else fixed.get(spec)", "chosen = None")],
+        ["tests/test_strategy_planned.py"],
+    ),
+    (
         "OpenBLAS limited through threadpoolctl's setter (which ignores threads that do not control it)",
         [("_setter", 'if controller.internal_api == "openblas" and', "if False and")],
         ["tests/test_threads.py"],

@@ -8,15 +8,15 @@ from typing import Any
 
 import equinox as eqx
 
+from . import _site
 from ._checks import _messages
-from ._forward_basis import _tangents
 
 _MODES = ("auto", "forward", "reverse")
 
 
 def _count(tree: Any) -> int:
     """The real numbers of the inexact arrays of `tree` (complex counts twice)."""
-    return _tangents.n_inputs(eqx.filter(tree, eqx.is_inexact_array))
+    return _site.n_inputs(eqx.filter(tree, eqx.is_inexact_array))
 
 
 def jacobian(fun: Callable | None = None, *, has_aux: bool = False, mode: str = "auto") -> Callable:
@@ -53,7 +53,7 @@ def jacobian(fun: Callable | None = None, *, has_aux: bool = False, mode: str = 
         if chosen == "auto":
             out = eqx.filter_eval_shape(fun, x, *args, **kwargs)
             out = out[0] if has_aux else out
-            chosen = "forward" if _count(x) <= _tangents.n_inputs(out) else "reverse"
+            chosen = "forward" if _count(x) <= _site.n_inputs(out) else "reverse"
         transform = eqx.filter_jacfwd if chosen == "forward" else eqx.filter_jacrev
         return transform(fun, has_aux=has_aux)(x, *args, **kwargs)
 

@@ -73,6 +73,8 @@ IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_keying_a
 SITE: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("deferax_site", default=None)
 WHERE: contextvars.ContextVar[str | None] = contextvars.ContextVar("deferax_where", default=None)
 TIMED_OUTSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_timed_outside", default=False)
+# the strategy the plan chose for each site that stage 3 differentiates, by `Spec` (`_site/_primitive.py`)
+PLANNED: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_planned", default=None)
 
 CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     TYPECHECKING,
@@ -86,6 +88,7 @@ CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     SITE,
     WHERE,
     TIMED_OUTSIDE,
+    PLANNED,
 )
 
 # ----------------------------------------------------------------------------- thread pools

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _jaxpr, _record, _runtime
+from . import _jaxpr, _record, _runtime, _site
 from ._analysis._analysis import Analysis, analyse
 from ._analysis._bwd import bwd_decisions
 from ._checks import _checks, _messages
@@ -30,7 +30,6 @@ from ._misc import is_concrete, struct_of
 from ._plan import _cost
 from ._plan._plan import Plan
 from ._recognise import _rewrite as _recognise
-from ._site import _primitive as _site
 from ._site._spec import PRIMITIVES, SITE, spec_of
 from ._stages import _stage1, _stage2, _stage3
 

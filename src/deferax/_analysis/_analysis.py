@@ -31,16 +31,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _jaxpr
+from .. import _jaxpr, _site
 from .._checks import _messages
-from .._forward_basis import _primitive as _forward_basis
-from .._forward_basis import _tangents
 from .._implementation._abstract import AbstractImplementation
 from .._misc import struct_of, structs
 from .._plan import _cost
 from .._plan._decision import Basis, Decision
 from .._plan._plan import Plan, Site
-from .._site import _spec as _site
 from ._bwd import bwd_decisions
 
 
@@ -63,6 +60,9 @@ class Analysis:
     basis: dict[int, Basis]
     backward: Any  # G, pruned to what stage 1 needs: (consts, leaves, ys, seed) -> (cts, operands)
     backward_out: tuple  # for each output of `backward`: ("ct", position, leaf) or ("op", position, leaf)
+    # the reverse-mode strategy planned for each site not deferred ("standard" or "forward-basis"), by `Spec`:
+    # stage 3 differentiates them so (`_site.planned`), whatever timings came in since
+    strategies: dict = dataclasses.field(default_factory=dict)
 
     def derived(self, position: int) -> bool:
         """Whether a deferred site's `fused` is made from its `fwd` and its `adjoint` or
@@ -164,7 +164,7 @@ class _Check:
             if deferred
             and k not in deferred
             and not self.specs[k].static.autodiff
-            and _forward_basis.strategy(self.specs[k]) == "standard"
+            and decisions[k].schedule == "standard"
             and not upstream[k]
             and not once.get(k)
         )
@@ -176,7 +176,14 @@ class _Check:
             backward = _jaxpr.prune(backward, keep)
             backward_out = tuple(o for o, u in zip(backward_out, keep, strict=True) if u)
         plan = self._plan(decisions, deferred, basis, early)
-        return Analysis(plan, self.program, self.sites, self.nested, deferred, early, basis, backward, backward_out)
+        strategies = {
+            spec: s.schedule
+            for (_, spec, _), s in zip(self._entries(), plan.sites, strict=True)
+            if s.schedule in ("standard", "forward-basis")
+        }
+        return Analysis(
+            plan, self.program, self.sites, self.nested, deferred, early, basis, backward, backward_out, strategies
+        )
 
     def _structural(self, k, upstream, feeds) -> str | None:
         spec = self.specs[k]
@@ -439,16 +446,16 @@ def _with_forward_basis(decision: Decision, spec: _site.Spec) -> Decision:
     """A site's standard `decision`, on the forward-basis strategy where `strategy` chooses
     it. Where the estimates choose (`by_estimate`), the forward-basis estimate is put beside
     the others and the reason says which was estimated faster."""
-    estimates = _forward_basis.estimates(spec)
-    decided = _tangents.by_estimate(spec.static, estimates)
+    n = spec.n_tangents
+    estimates = spec.static.forward_basis_estimates(spec.x_shapes, n)
+    decided = spec.static.by_estimate(estimates)
     if decided and decision.estimates is not None:  # (the standard estimate is the same)
         assert estimates is not None  # (`by_estimate` decides only with estimates)
         estimates = _cost.Estimates(
             estimates.standard, decision.estimates.deferred, estimates.source, estimates.forward_basis, estimates.note
         )
     shown = estimates if decided else decision.estimates
-    n = _forward_basis.n_inputs(spec)
-    if _tangents.strategy(spec.static, n, estimates) == "forward-basis":
+    if spec.static.strategy(n, estimates) == "forward-basis":
         assert decision.reason is not None  # (a standard decision says why)
         reason = decision.reason + _forward_basis_why(spec, decided)
         return Decision("forward-basis", reason, decision.location, n=n, estimates=shown)
@@ -462,7 +469,7 @@ def _with_forward_basis(decision: Decision, spec: _site.Spec) -> Decision:
 def _forward_basis_why(spec, decided: bool) -> str:
     """Why a site not deferred is differentiated on the forward-basis strategy (`decided`:
     by the estimates)."""
-    static, n = spec.static, _forward_basis.n_inputs(spec)
+    static, n = spec.static, spec.n_tangents
     if static.prefer == "forward-basis":
         return ""
     if not static.has_vjp:

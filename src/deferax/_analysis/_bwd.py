@@ -5,9 +5,8 @@ from __future__ import annotations
 import jax
 import jax.tree_util as jtu
 
-from .. import _jaxpr
+from .. import _jaxpr, _site
 from .._misc import structs
-from .._site import _spec as _site
 
 _READS_Y = "its `bwd` reads `y`{through} (give `adjoint` and `combine`, or `fused`)"
 

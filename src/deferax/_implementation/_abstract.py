@@ -1,12 +1,11 @@
-"""The interfaces that the site, tangent and stage code call by name.
+"""The interface of the implementations deferax makes, which `ExpensiveFn` and the stages
+call by name.
 
-- `AbstractExpensiveFn`: an expensive function with its implementations, as the site
-  primitive, the forward-mode code and the stages see it ([`deferax.ExpensiveFn`][] is
-  the one final implementation).
 - `AbstractImplementation`: a callable that deferax made to stand for an implementation
   (a [`deferax.Fused`][], a `fused` derived from `fwd` and `adjoint`, a host function's JAX
   side). It records its own runs where they happen (on its threads, or as host jobs), so
   the `ExpensiveFn` that calls it does not record around it.
+- `AbstractFused`: one of them that runs a forward and an adjoint at the same time.
 """
 
 from __future__ import annotations
@@ -135,94 +134,3 @@ class _Vmapped(eqx.Module):
         for treedef, leaves in reversed(self.levels):
             g = jax.vmap(g, in_axes=jtu.tree_unflatten(treedef, list(leaves)))
         return g(*args)
-
-
-class AbstractExpensiveFn(eqx.Module):
-    """An expensive function with hand-written derivatives, as the rest of deferax calls it."""
-
-    fwd: eqx.AbstractVar[Callable[..., Any] | None]
-    bwd: eqx.AbstractVar[Callable[..., Any] | None]
-    fused: eqx.AbstractVar[Callable[..., Any] | None]
-    fused_batch: eqx.AbstractVar[Callable[..., Any] | None]
-    jvp: eqx.AbstractVar[Callable[..., Any] | None]
-    jvp_batch: eqx.AbstractVar[Callable[..., Any] | None]
-    adjoint: eqx.AbstractVar[Callable[..., Any] | None]
-    combine: eqx.AbstractVar[Callable[..., Any] | None]
-    out: eqx.AbstractVar[Any]
-    name: eqx.AbstractVar[str | None]
-    max_basis: eqx.AbstractVar[int | None]
-    max_tangents: eqx.AbstractVar[int | None]
-    prefer: eqx.AbstractVar[str | None]
-    thread_safe: eqx.AbstractVar[bool]
-    cost: eqx.AbstractVar[Any]  # a `dx.Cost` hint, or None
-
-    @property
-    @abc.abstractmethod
-    def title(self) -> str:
-        """How messages name the function: "`ExpensiveFn(name='fdtd')`"."""
-
-    @property
-    def timings_key(self) -> Any:
-        """The identity under which the timings of its calls are kept, with its input shapes
-        (`_cost`): that of the host functions its jobs run, never its name (which another
-        function may share); None when nothing of it is timed."""
-        for impl in (self.fwd, self.fused, self.fused_batch, self.bwd, self.jvp, self.jvp_batch):
-            key = impl.timings_key if isinstance(impl, AbstractImplementation) else None
-            if key is not None:
-                return key
-        return None
-
-    @property
-    @abc.abstractmethod
-    def autodiff(self) -> bool:
-        """Whether JAX differentiates `fwd` itself: no other implementation is given."""
-
-    @property
-    @abc.abstractmethod
-    def has_vjp(self) -> bool:
-        """Whether a hand-written reverse-mode derivative is given (`bwd`, `adjoint` or `fused`)."""
-
-    @abc.abstractmethod
-    def out_struct(self, x: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
-        """The structure of the output for an input `x` (arrays or structures)."""
-
-    @abc.abstractmethod
-    def check_out(self, x: PyTree, error: Exception) -> None:
-        """After `error` in a trace that used the declared `out=`: raise the mismatch between
-        `out=` and what `fwd` returns, if there is one."""
-
-    @abc.abstractmethod
-    def invoke(self, impl: str, *args: Any) -> Any:
-        """Call the implementation named `impl` (checked and recorded)."""
-
-    @abc.abstractmethod
-    def check_result(self, impl: str, what: str, found: PyTree, expected: PyTree, against: str) -> None:
-        """Raise, naming the function and `impl`, where `found` does not match `expected`."""
-
-    @abc.abstractmethod
-    def checked_ct_x(self, impl: str, ct_x: PyTree, x: PyTree) -> PyTree:
-        """The input cotangent `impl` returned, checked (float0 zeros for integer inputs)."""
-
-    @abc.abstractmethod
-    def combined(self, x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
-        """`combine(x, y, partial)` (the adjoint's result itself without `combine`), checked."""
-
-    @abc.abstractmethod
-    def primal(self, x: PyTree) -> PyTree:
-        """`y = f(x)`."""
-
-    @abc.abstractmethod
-    def cotangent(self, x: PyTree, y: PyTree, ct_y: PyTree) -> PyTree:
-        """`ct_x` for the cotangent `ct_y` of the output `y`."""
-
-    @abc.abstractmethod
-    def run_fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
-        """`(y, ct_x)` in one call."""
-
-    @abc.abstractmethod
-    def run_fused_batch(self, x: PyTree, cts: PyTree) -> tuple[PyTree, PyTree]:
-        """`y` once and `ct_x` for each of `k` cotangents stacked on a leading axis."""
-
-    @abc.abstractmethod
-    def derived_fused(self) -> AbstractFused:
-        """A `fused` made from `fwd` and `adjoint` (or a `bwd` that does not read `y`)."""

@@ -1,21 +1,22 @@
 """The `fused` that the deferred schedule makes from `fwd` and `adjoint` (or a `bwd` that
-does not read `y`), and its halves."""
+does not read `y`), and its halves. Each half holds the `ExpensiveFn` that made it
+(`ExpensiveFn.derived_fused`, in the module that imports this one) and calls it by name."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import equinox as eqx
 from jaxtyping import PyTree
 
 from .._misc import zeros
-from ._abstract import AbstractExpensiveFn, AbstractFused
+from ._abstract import AbstractFused
 
 
 class PrimalHalf(eqx.Module):
     """`fn.primal`, as a Module that compares by value (its compiled form is reused)."""
 
-    fn: AbstractExpensiveFn
+    fn: Any  # the `ExpensiveFn`
     impl: ClassVar[str] = "fwd"  # (for the recording)
 
     def __call__(self, x: PyTree) -> PyTree:
@@ -26,7 +27,7 @@ class AdjointHalf(eqx.Module):
     """The part of the reverse-mode derivative that does not need `y`: `adjoint(x, ct)`, or
     `bwd(x, zeros, ct)` for a `bwd` that does not read `y`."""
 
-    fn: AbstractExpensiveFn
+    fn: Any  # the `ExpensiveFn`
 
     @property
     def impl(self) -> str:  # (for the recording)
@@ -42,7 +43,7 @@ class AdjointHalf(eqx.Module):
 class CombineStep(eqx.Module):
     """`combine(x, y, partial)`, checked: the step after both halves, which needs `y`."""
 
-    fn: AbstractExpensiveFn
+    fn: Any  # the `ExpensiveFn`
 
     def __call__(self, x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
         return self.fn.combined(x, y, partial)

@@ -12,17 +12,23 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .. import _record, _typed
+from .. import _record, _site, _typed
 from .._checks import _checks, _messages
-from .._forward_basis import _tangents
-from .._misc import is_concrete, structs, zeros
+from .._misc import is_concrete, stacked, structs, zero_like, zeros
+from .._plan import _cost
 from .._plan._cost import Cost
-from .._site import _primitive as _site
-from ._abstract import AbstractExpensiveFn, AbstractFused, AbstractImplementation, Implementation
+from ._abstract import AbstractFused, AbstractImplementation, Implementation
 from ._derived import AdjointHalf, CombineStep, DerivedFused, PrimalHalf
 
+# The most tangents the forward-basis strategy takes by default, when the function also has
+# a reverse-mode implementation (`bwd` or `fused`) and its costs are not known (a `cost=`
+# hint or timings of earlier calls decide instead); `ExpensiveFn(max_tangents=...)` sets it.
+DEFAULT_MAX_TANGENTS = 8
 
-class ExpensiveFn(AbstractExpensiveFn):
+STRATEGIES = ("standard", "forward-basis")
+
+
+class ExpensiveFn(eqx.Module):
     """An expensive function with hand-written derivatives that behaves as a JAX function.
 
     Give any of three implementations; each is a callable (a function, or an `eqx.Module`
@@ -154,7 +160,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
             raise TypeError(_messages.BAD_COST_HINT.format(call=call, found=self.cost))
         if self.max_tangents is not None and not _checks.is_count(self.max_tangents):
             raise ValueError(_messages.BAD_MAX_TANGENTS.format(call=call, found=self.max_tangents))
-        if self.prefer is not None and self.prefer not in _tangents.STRATEGIES:
+        if self.prefer is not None and self.prefer not in STRATEGIES:
             raise ValueError(_messages.BAD_PREFER.format(call=call, found=self.prefer))
         if self.prefer == "forward-basis" and self.jvp is None and self.jvp_batch is None:
             raise TypeError(_messages.PREFER_WITHOUT.format(call=call, prefer=self.prefer, give="`jvp` or `jvp_batch`"))
@@ -185,6 +191,17 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         return _checks.title(self.name)
 
     @property
+    def timings_key(self) -> Any:
+        """The identity under which the timings of its calls are kept, with its input shapes
+        (`_cost`): that of the host functions its jobs run, never its name (which another
+        function may share); None when nothing of it is timed."""
+        for impl in (self.fwd, self.fused, self.fused_batch, self.bwd, self.jvp, self.jvp_batch):
+            key = impl.timings_key if isinstance(impl, AbstractImplementation) else None
+            if key is not None:
+                return key
+        return None
+
+    @property
     def autodiff(self) -> bool:
         """Whether JAX differentiates `fwd` itself: no other implementation is given."""
         impls = self._impls()
@@ -212,7 +229,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
                 self._no_out("no `fwd` or `jvp` was given, and `fused` takes a cotangent shaped like the output")
             )
         if impl != "fwd":
-            fwd = lambda x_: _tangents.unchecked_output(self, x_)[1]  # noqa: E731
+            fwd = lambda x_: self._forward_mode_output(x_)[1]  # noqa: E731
         elif _typed.typechecking_enabled() and _annotated(self.fwd):
             # `fwd`'s annotations checked, as when it runs: a wrong shape is its error. (A new
             # function, traced each time; `fwd` itself is traced once and cached by JAX.)
@@ -294,7 +311,10 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
                 self.check_result("fwd", "an output", y, self.out_struct(x), "the output structure")
             return y
         if self.fused is None:
-            return _tangents.output(self, x)
+            impl, y = self._forward_mode_output(x)
+            if self.out is not None:  # (without one, the structure *is* theirs)
+                self.check_result(impl, "an output `y`", y, self.out_struct(x), "the output structure")
+            return y
         return self.run_fused(x, zeros(self.out_struct(x)))[0]
 
     def cotangent(self, x: PyTree, y: PyTree, ct_y: PyTree) -> PyTree:
@@ -304,7 +324,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         if self.adjoint is not None:
             return self.combined(x, y, self.invoke("adjoint", x, ct_y))
         if self.fused is None:
-            n = _tangents.n_inputs(x)
+            n = _site.n_inputs(x)
             raise TypeError(_messages.TOO_MANY_TANGENTS.format(call=self.title, n=n, limit=self.max_tangents))
         return self.run_fused(x, ct_y)[1]
 
@@ -350,19 +370,152 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         def one(ct):
             return self.run_fused(x, ct)
 
-        separable = _tangents.output_once(one, cts)
+        separable = _output_once(one, cts)
         if separable is not None:
             # one (vmapped) run of `fused`: recorded here, around the batch
             with _record.site(self.name):
                 return _record.recorded("fused", lambda: separable(cts), not is_concrete((x, cts)))
         warnings.warn(_messages.NOT_SEPARABLE.format(call=self.title, k=k), stacklevel=2)
-        return _tangents.output_each(one, cts)
+        return _output_each(one, cts)
+
+    # ------------------------------------------------------------------ forward mode
+
+    def _jvp(self, x: PyTree, t_x: PyTree, y_struct: PyTree) -> tuple[PyTree, PyTree]:
+        """`jvp(x, t_x)`, checked against the output structure."""
+        y, t_y = _checks.checked_pair(self.title, "jvp", self.invoke("jvp", x, t_x))
+        self.check_result("jvp", "an output `y`", y, y_struct, "the output structure")
+        self.check_result("jvp", "a tangent `t_y`", t_y, _site.tangent_struct(y_struct), "the output structure")
+        return y, t_y
+
+    def tangent(self, x: PyTree, t_x: PyTree) -> PyTree:
+        """`t_y = J t_x`: `jvp(x, t_x)[1]`, or `jvp_batch` on one tangent."""
+        if self.jvp is not None:
+            return self._jvp(x, t_x, self.out_struct(x))[1]
+        _, t_ys = self.tangents(x, jtu.tree_map(lambda t: t[None], t_x))
+        return jtu.tree_map(lambda t: t[0], t_ys)
+
+    def tangents(self, x: PyTree, t_xs: PyTree) -> tuple[PyTree, PyTree]:
+        """`(y, t_ys)` for `k` tangents stacked on a leading axis: `jvp_batch` once, or `jvp`
+        batched with `jax.vmap` over the tangent (the primal computed once where `vmap` can
+        see that it does not depend on the tangent)."""
+        y_struct = self.out_struct(x)
+        k = jtu.tree_leaves(t_xs)[0].shape[0]
+        if self.jvp_batch is not None:
+            y, t_ys = _checks.checked_pair(self.title, "jvp_batch", self.invoke("jvp_batch", x, t_xs))
+            self.check_result("jvp_batch", "an output `y`", y, y_struct, "the output structure")
+            against = "the output with a leading axis of one tangent each"
+            t_struct = stacked(_site.tangent_struct(y_struct), k)
+            self.check_result("jvp_batch", "a batch of tangents", t_ys, t_struct, against)
+            return y, t_ys
+
+        def one(t):
+            return self._jvp(x, t, y_struct)
+
+        separable = _output_once(one, t_xs)
+        if separable is not None:
+            return separable(t_xs)
+        warnings.warn(_messages.NOT_SEPARABLE_JVP.format(call=self.title, k=k), stacklevel=2)
+        return _output_each(one, t_xs)
+
+    def output_and_jacobian(self, x: PyTree) -> tuple[PyTree, PyTree]:
+        """`(y, J)`: the output and its tangents along the `n` unit tangents of `x` (stacked
+        on a leading axis), in one batched call: the forward-basis strategy's call."""
+        return self.tangents(x, _site.unit_tangents(x))
+
+    def _forward_mode_output(self, x: PyTree) -> tuple[str, PyTree]:
+        """`(impl, y)`: `y` from the forward-mode implementation `impl` alone (a wasted zero
+        tangent), unchecked."""
+        zero = jtu.tree_map(zero_like, x)
+        if self.jvp is not None:
+            return "jvp", _checks.checked_pair(self.title, "jvp", self.invoke("jvp", x, zero))[0]
+        zeros_ = jtu.tree_map(lambda t: t[None], zero)
+        return "jvp_batch", _checks.checked_pair(self.title, "jvp_batch", self.invoke("jvp_batch", x, zeros_))[0]
+
+    # ------------------------------------------------------------------ the forward-basis choice
+
+    def forward_basis_estimates(self, shapes: tuple, n: int) -> _cost.Estimates | None:
+        """The estimates of the standard schedule and the forward-basis strategy on an input
+        of leaves of `shapes` with `n` numbers (`_cost.forward_basis`); None without `jvp`
+        or `jvp_batch`. One job computes the output and all `n` tangents, unless a host
+        function's `jvp` runs once per tangent."""
+        if self.jvp is None and self.jvp_batch is None:
+            return None
+        batch = self.jvp_batch
+        one_job = not isinstance(batch, AbstractImplementation) or batch.batch_in_one_job
+        fused_only = self.fwd is None and self.bwd is None and self.adjoint is None
+        workers = batch.jobs_at_once if isinstance(batch, AbstractImplementation) and not one_job else 1
+        return _cost.forward_basis(self.timings_key, shapes, self.cost, n, one_job, fused_only, workers)
+
+    def by_estimate(self, estimates: _cost.Estimates | None) -> bool:
+        """Whether `estimates` (what `forward_basis_estimates` returned) choose between the
+        standard schedule and the forward-basis strategy: both are possible (`jvp` or
+        `jvp_batch`, and `bwd` or `fused`), the user set neither `prefer` nor
+        `max_tangents`, and the costs are known (a `cost=` hint or timings of earlier
+        calls, not the equal-cost defaults)."""
+        return (
+            estimates is not None
+            and estimates.source != "defaults"
+            and self.has_vjp
+            and self.prefer is None
+            and self.max_tangents is None
+        )
+
+    def strategy(self, n: int, estimates: _cost.Estimates | None) -> str:
+        """The reverse-mode strategy of a call whose input has `n` numbers, given its
+        `estimates` (what `forward_basis_estimates` returned):
+
+        - `"forward-basis"`: the primal and `n` tangents in one batched call during the
+          forward pass (one stage), `ct_x = J^T ct_y` after; possible with `jvp` or
+          `jvp_batch`. Chosen when the function has nothing else for reverse mode (within
+          `max_tangents` if given); else when `n <= max_tangents` if given; else, where
+          costs are known (`by_estimate`), when its estimate is below the standard
+          schedule's; else, with the equal-cost defaults, by the fixed rule
+          `n <= DEFAULT_MAX_TANGENTS` (fewest sequential expensive stages, then fewest
+          expensive calls);
+        - `"standard"`: `fwd` on the forward pass, `bwd` on the backward pass (two stages).
+
+        `prefer` forces either. [`deferax.filter_value_and_grad`][] decides it once, in its
+        plan; a site's JVP rule decides it only outside (`_site._primitive._jvp_strategy`)."""
+        if self.prefer in STRATEGIES:
+            return self.prefer
+        if self.jvp is None and self.jvp_batch is None:
+            return "standard"
+        limit = self.max_tangents if self.max_tangents is not None else DEFAULT_MAX_TANGENTS
+        if not self.has_vjp:
+            if self.max_tangents is None or n <= limit:
+                return "forward-basis"
+            return "standard"  # reverse mode then fails with TOO_MANY_TANGENTS, forward mode works
+        if self.by_estimate(estimates):
+            assert estimates is not None and estimates.forward_basis is not None  # (`_cost.forward_basis`'s)
+            return "forward-basis" if estimates.forward_basis < estimates.standard else "standard"
+        return "forward-basis" if n <= limit else "standard"
 
     # ------------------------------------------------------------------ calling
 
     def __call__(self, x: PyTree) -> PyTree:
         x = jtu.tree_map(jnp.asarray, x)
         return _site.bind_site(self, x)
+
+
+def _output_once(one: Any, stacked_: Any) -> Any:
+    """`jax.vmap(one)` over the leading axis of `stacked`, where `one(s) -> (y, out)`, with
+    `y` computed once (not batched); None when `vmap` cannot see that `y` does not depend
+    on `s` (a host callback computes it, say). Only traces to find out."""
+    separable = jax.vmap(one, out_axes=(None, 0))
+    try:
+        jax.eval_shape(separable, stacked_)  # traces only: nothing expensive runs
+    except ValueError as error:
+        if "out_axes" not in str(error):
+            raise
+        return None
+    return separable
+
+
+def _output_each(one: Any, stacked_: Any) -> tuple[Any, Any]:
+    """`jax.vmap(one)` over the leading axis of `stacked`, `y` computed for each element (the
+    first one kept): correct, but the primal runs once per element."""
+    y, outs = jax.vmap(one)(stacked_)
+    return jtu.tree_map(lambda a: a[0], y), outs
 
 
 def _untraceable(error: Exception) -> bool:

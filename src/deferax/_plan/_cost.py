@@ -21,7 +21,7 @@ in place of `k` cotangents (see `forward_basis`).
 The numbers come from the site's `cost=` hint, else from timings of its earlier calls
 (`observe`), else from equal-cost defaults (`fwd = bwd = 1`, no setup, and a stage worth a
 hundredth of a forward: a tie goes to the schedule with fewer stages). Timings are kept by
-the site's identity (`AbstractExpensiveFn.timings_key`: its host functions, or a
+the site's identity (`ExpensiveFn.timings_key`: its host functions, or a
 `dx.sparse_solve`'s solve) and input shapes, never by name: another site that happens to
 share a name (`solve`, `<lambda>`) has its own. They are used once both `fwd` and `bwd`
 are known (seconds are not mixed with the defaults' units). A decision must not
@@ -168,7 +168,7 @@ _GATHERING = _runtime.GATHERING  # `gathering`'s timings on this thread
 
 
 def observe(key: Hashable, shapes: tuple, **seconds: float) -> None:
-    """One call's timings of the site `key` (`AbstractExpensiveFn.timings_key`) on inputs of
+    """One call's timings of the site `key` (`ExpensiveFn.timings_key`) on inputs of
     `shapes` (`setup`, `fwd`, `bwd`: seconds). Inside `gathering` on this thread they are
     gathered there instead. Once `SAMPLES` calls have given `fwd` and `bwd`, the least of
     each kind is decided: then, and only then, the site's decisions change (one new plan,
@@ -287,8 +287,8 @@ def forward_basis(
     solve share the forward's factorisation alike. These are the deferred-basis estimates
     with `k = n` tangents in place of cotangents (`fused_only`'s separate jobs for `jvp`'s,
     which compute the output each), so they are `estimate`'s. `deferred` is None.
-    With the equal-cost defaults the fixed rule decides, not this estimate (`strategy` in
-    `_forward_basis._tangents`): `n` unit tangents estimated as `n` adjoints would never
+    With the equal-cost defaults the fixed rule decides, not this estimate
+    (`ExpensiveFn.strategy`): `n` unit tangents estimated as `n` adjoints would never
     be chosen, yet a tangent solve beside the forward is often nearly free."""
     one_job = one_job or n == 0  # (no tangent: the output alone)
     standard = estimate(key, shapes, hint, 1, False, True, fused_only, workers)

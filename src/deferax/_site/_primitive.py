@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import equinox as eqx
@@ -26,12 +27,9 @@ import numpy as np
 
 from .. import _jaxpr, _runtime
 from .._checks import _messages
-from .._forward_basis import _primitive as _forward_basis
-from .._forward_basis import _tangents
-from .._forward_basis._primitive import _split_fn_x
-from .._implementation._abstract import AbstractExpensiveFn
 from .._misc import is_concrete, struct_of, zero_like
-from ._spec import LINEAR, SITE, Spec, rebind_batched
+from ._forward_basis import forward_basis_jvp
+from ._spec import LINEAR, SITE, Spec, rebind_batched, split_fn_x
 
 
 def outputs(spec: Spec, *operands):
@@ -42,7 +40,7 @@ def outputs(spec: Spec, *operands):
         y = spec.fn(fn_leaves).primal(spec.x(x_leaves))
         return jtu.tree_leaves(y)
 
-    return spec.over_levels(one, _split_fn_x(spec.n_fn))(list(fn_leaves), list(x_leaves))
+    return spec.over_levels(one, split_fn_x(spec.n_fn))(list(fn_leaves), list(x_leaves))
 
 
 def _site_impl(*operands, spec: Spec):
@@ -74,8 +72,8 @@ def _site_jvp(primals, tangents, spec: Spec):
             _jaxpr.instantiate(t, jax.typeof(x)) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d
         ]
         return jax.jvp(of_diff, (d_primals,), (d_tangents,))
-    if _forward_basis.strategy(spec) == "forward-basis":
-        return _forward_basis.forward_basis_jvp(spec, fn_leaves, x_leaves, x_tangents)
+    if _jvp_strategy(spec) == "forward-basis":
+        return forward_basis_jvp(spec, fn_leaves, x_leaves, x_tangents)
     y = site_p.bind(*primals, spec=spec)
     d_tangents = [(x, t) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d]
     if all(_jaxpr.is_zero(t) for _, t in d_tangents):
@@ -84,6 +82,30 @@ def _site_jvp(primals, tangents, spec: Spec):
     lin_spec = dataclasses.replace(spec, axes=tuple((_linear_axes(spec, in_axes), size) for in_axes, size in spec.axes))
     t_y = lin_p.bind(*fn_leaves, *x_leaves, *y, *ts, spec=lin_spec)
     return y, t_y
+
+
+# The strategy of each site whose differentiation deferax planned (`planned`): by `Spec`.
+_PLANNED = _runtime.PLANNED
+
+
+@contextlib.contextmanager
+def planned(strategies: Mapping[Spec, str]):
+    """Inside: the sites of `strategies` are differentiated on the strategy given there
+    (`"standard"` or `"forward-basis"`), as the analysis planned it, whatever timings came
+    in since. Any other site (and every site outside) chooses in its JVP rule (`_jvp_strategy`)."""
+    with _jaxpr.setting(_PLANNED, strategies):
+        yield
+
+
+def _jvp_strategy(spec: Spec) -> str:
+    """How reverse mode differentiates this site: `"standard"` or `"forward-basis"`, as
+    planned (`planned`), else as its function chooses from its estimates now."""
+    fixed = _PLANNED.get()
+    chosen = None if fixed is None else fixed.get(spec)
+    if chosen is not None:
+        return chosen
+    fn = spec.static
+    return fn.strategy(spec.n_tangents, fn.forward_basis_estimates(spec.x_shapes, spec.n_tangents))
 
 
 def _linear_axes(spec: Spec, in_axes: tuple) -> tuple:
@@ -145,11 +167,11 @@ def _linear_impl(*operands, spec: Spec):
             t if d else np.zeros((k, *jnp.shape(x_)), jax.dtypes.float0)
             for x_, t, d in zip(x_leaves, full_tangent(x_leaves, t_leaves), diff, strict=True)
         ]
-        return jtu.tree_leaves(_tangents.tangents(fn, x, spec.x(t_xs))[1])
+        return jtu.tree_leaves(fn.tangents(x, spec.x(t_xs))[1])
 
     def one(fn_leaves, x_leaves, t_leaves):
         fn = spec.fn(fn_leaves)
-        return jtu.tree_leaves(_tangents.tangent(fn, spec.x(x_leaves), spec.x(full_tangent(x_leaves, t_leaves))))
+        return jtu.tree_leaves(fn.tangent(spec.x(x_leaves), spec.x(full_tangent(x_leaves, t_leaves))))
 
     def axes_of(level):
         return (list(level[:n_fn]), list(level[n_fn : n_fn + n_x]), list(level[n_fn + n_x + n_y :]))
@@ -214,9 +236,7 @@ def _linear_transpose(cts, *operands, spec: Spec):
     static = spec.static
     if not static.has_vjp:  # forward-basis was not possible
         raise TypeError(
-            _messages.TOO_MANY_TANGENTS.format(
-                call=static.title, n=_forward_basis.n_inputs(spec), limit=static.max_tangents
-            )
+            _messages.TOO_MANY_TANGENTS.format(call=static.title, n=spec.n_tangents, limit=static.max_tangents)
         )
     fn_leaves, x_leaves, y_leaves, t_leaves = _split_linear(spec, operands)
     nones = [None] * (len(operands) - len(t_leaves))
@@ -263,7 +283,7 @@ def declared_outputs_checked():
             raise
 
 
-def bind_site(fn: AbstractExpensiveFn, x: Any) -> Any:
+def bind_site(fn: Any, x: Any) -> Any:
     """`fn(x)` as one `site_p` equation (on concrete arrays outside any transformation,
     simply `fwd(x)`: no output structure is needed to run it)."""
     if _jaxpr.is_eager() and is_concrete((fn, x)):

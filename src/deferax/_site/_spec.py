@@ -1,5 +1,12 @@
 """What a site equation knows statically (`Spec`), and what its primitives share: their
-names and their batching rule."""
+names and their batching rule.
+
+A site's function (an `ExpensiveFn`, from the layer above) is held in the `Spec` and
+called by name; the site's rules call only `primal`, `cotangent`, `tangent`, `tangents`,
+`output_and_jacobian`, `strategy` and `forward_basis_estimates` (with `out`, `out_struct` and
+`check_out` when a call is bound), and read the implementations it was given (`jvp`,
+`jvp_batch`, `bwd`, `adjoint`), `autodiff`, `has_vjp`, `max_tangents`, `name` and `title`.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +18,14 @@ import jax
 import jax.tree_util as jtu
 
 from .. import _jaxpr
-from .._implementation._abstract import AbstractExpensiveFn
 from .._misc import is_inexact
+from ._tangents import n_inputs
 
 SITE = "deferax_site"
 LINEAR = "deferax_site_linear"
-BASIS = "deferax_site_forward_basis"
+FORWARD_BASIS = "deferax_site_forward_basis"
 # Every primitive whose equations are expensive calls (or their derivatives).
-PRIMITIVES = (SITE, LINEAR, BASIS)
+PRIMITIVES = (SITE, LINEAR, FORWARD_BASIS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +37,7 @@ class Spec:
     primitive it belongs to. Every output is batched at axis 0 of every level.
     """
 
-    static: AbstractExpensiveFn  # the ExpensiveFn with its arrays partitioned out
+    static: Any  # the `ExpensiveFn` with its arrays partitioned out (called by name: see above)
     fn_tree: Any
     x_tree: Any
     x_structs: tuple
@@ -68,7 +75,18 @@ class Spec:
     def sizes(self) -> tuple[int, ...]:
         return tuple(size for _, size in self.axes)
 
-    def fn(self, fn_leaves) -> AbstractExpensiveFn:
+    @property
+    def x_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes of one example's leaves of `x` (what its timings are kept by)."""
+        return tuple(s.shape for s in self.x_structs)
+
+    @property
+    def n_tangents(self) -> int:
+        """How many unit tangents one example's `x` has: the real numbers of its
+        differentiable leaves (`n_inputs`), the `n` of the forward-basis strategy."""
+        return n_inputs(self.x(self.x_structs))
+
+    def fn(self, fn_leaves) -> Any:
         return eqx.combine(jtu.tree_unflatten(self.fn_tree, list(fn_leaves)), self.static)
 
     def x(self, x_leaves) -> Any:
@@ -95,6 +113,15 @@ class Spec:
 
 def spec_of(eqn) -> Spec:
     return eqn.params["spec"]
+
+
+def split_fn_x(n_fn: int):
+    """`axes_of` for a function of `(fn_leaves, x_leaves)`: a level's `in_axes` split in two."""
+
+    def axes_of(level):
+        return list(level[:n_fn]), list(level[n_fn:])
+
+    return axes_of
 
 
 def rebind_batched(p, args, dims, spec: Spec):

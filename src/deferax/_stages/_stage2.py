@@ -14,13 +14,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .. import _jaxpr, _record, _runtime
+from .. import _jaxpr, _record, _runtime, _site
 from .._analysis._analysis import Analysis
 from .._concurrency._devices import slot
 from .._concurrency._gathered import all_runnable, preparing, running_prepared
 from .._concurrency._serial import SERIAL_LOCK, concurrency_enabled, serial
 from .._implementation._abstract import AbstractFused, AbstractImplementation
-from .._site import _primitive as _site
 from .._site._spec import Spec
 
 

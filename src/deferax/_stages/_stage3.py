@@ -10,11 +10,9 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .. import _jaxpr
+from .. import _jaxpr, _site
 from .._analysis._analysis import Analysis
-from .._forward_basis import _tangents
 from .._misc import zero_like
-from .._site import _primitive as _site
 from .._site._spec import Spec
 
 
@@ -60,7 +58,7 @@ def given(spec: Spec):
 
 def _frontier_cotangents(spec: Spec, rows: slice, args, ct_z):
     _, operands, ct_xs = args
-    a = _tangents.flatten_tangent(ct_z, ct_z)  # the order of the basis rows
+    a = _site.flatten_tangent(ct_z, ct_z)  # the order of the basis rows
 
     def combine(c):
         c = c[rows]
@@ -135,6 +133,7 @@ def stage3(analysis: Analysis, has_diff: list[bool], ins: list, results) -> tupl
         outs = _jaxpr.interpret(analysis.program, full, *_replacements(analysis, results))
         return outs[0], outs[1:]
 
-    value, vjp, aux = jax.vjp(program, diff, has_aux=True)
-    (grads,) = vjp(jnp.ones((), value.dtype))
+    with _site.planned(analysis.strategies):  # (the sites' JVP rules run here: as planned)
+        value, vjp, aux = jax.vjp(program, diff, has_aux=True)
+        (grads,) = vjp(jnp.ones((), value.dtype))
     return [value, *aux], grads

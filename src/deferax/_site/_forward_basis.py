@@ -10,36 +10,12 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .. import _jaxpr, _record
-from .._site._spec import BASIS, Spec, rebind_batched
-from . import _tangents
-
-
-def _split_fn_x(n_fn: int):
-    """`axes_of` for a function of `(fn_leaves, x_leaves)`: a level's `in_axes` split in two."""
-
-    def axes_of(level):
-        return list(level[:n_fn]), list(level[n_fn:])
-
-    return axes_of
-
-
-def n_inputs(spec: Spec) -> int:
-    """The real numbers of the differentiable leaves of one example's `x`."""
-    return _tangents.n_inputs(spec.x(spec.x_structs))
-
-
-def estimates(spec: Spec):
-    """The standard and forward-basis estimates of one example's call (`_tangents.estimates`)."""
-    return _tangents.estimates(spec.static, tuple(s.shape for s in spec.x_structs), n_inputs(spec))
-
-
-def strategy(spec: Spec) -> str:
-    """How reverse mode differentiates this site: `"standard"` or `"forward-basis"`."""
-    return _tangents.strategy(spec.static, n_inputs(spec), estimates(spec))
+from ._spec import FORWARD_BASIS, Spec, rebind_batched, split_fn_x
+from ._tangents import flatten_tangent
 
 
 def _basis_avals(spec: Spec) -> list:
-    n = n_inputs(spec)
+    n = spec.n_tangents
     stacked = [
         _jaxpr.shaped(jax.ShapeDtypeStruct((*spec.sizes, n, *a.shape[len(spec.sizes) :]), a.dtype))
         for a in spec.t_avals()
@@ -52,10 +28,10 @@ def _basis_impl(*operands, spec: Spec):
 
     def one(fn_leaves, x_leaves):
         with _record.site(spec.name, "forward-basis"):  # (the recording names the strategy as `explain` does)
-            y, jac = _tangents.output_and_jacobian(spec.fn(fn_leaves), spec.x(x_leaves))
+            y, jac = spec.fn(fn_leaves).output_and_jacobian(spec.x(x_leaves))
         return [*jtu.tree_leaves(y), *jtu.tree_leaves(jac)]
 
-    return spec.over_levels(one, _split_fn_x(spec.n_fn))(list(operands[: spec.n_fn]), list(operands[spec.n_fn :]))
+    return spec.over_levels(one, split_fn_x(spec.n_fn))(list(operands[: spec.n_fn]), list(operands[spec.n_fn :]))
 
 
 def _basis_abstract(*avals, spec: Spec):
@@ -63,7 +39,7 @@ def _basis_abstract(*avals, spec: Spec):
 
 
 def _basis_batch(args, dims, spec: Spec):
-    return rebind_batched(basis_p, args, dims, spec)
+    return rebind_batched(forward_basis_p, args, dims, spec)
 
 
 def _basis_jvp(primals, tangents, spec: Spec):
@@ -76,15 +52,15 @@ def _basis_jvp(primals, tangents, spec: Spec):
     return jax.jvp(lambda *ops: _basis_impl(*ops, spec=spec), tuple(primals), tuple(tangents))
 
 
-basis_p = _jaxpr.define_primitive(
-    BASIS, impl=_basis_impl, abstract_eval=_basis_abstract, jvp=_basis_jvp, batch=_basis_batch
+forward_basis_p = _jaxpr.define_primitive(
+    FORWARD_BASIS, impl=_basis_impl, abstract_eval=_basis_abstract, jvp=_basis_jvp, batch=_basis_batch
 )
 
 
 def _contract(jac_leaves, d_tangents) -> list:
     """`t_y = J t_x` for one example, with `J` stacked along the unit tangents and `t_x`
     the tangents of the differentiable leaves of `x` (their order is that of the units)."""
-    flat = _tangents.flatten_tangent(d_tangents, d_tangents)
+    flat = flatten_tangent(d_tangents, d_tangents)
     return [
         np.zeros(j.shape[1:], jax.dtypes.float0)
         if j.dtype == jax.dtypes.float0
@@ -95,7 +71,7 @@ def _contract(jac_leaves, d_tangents) -> list:
 
 def forward_basis_jvp(spec: Spec, fn_leaves, x_leaves, x_tangents):
     """The JVP rule of a site on the forward-basis strategy: `y` and `J` in one call, `t_y = J t_x`."""
-    outs = basis_p.bind(*fn_leaves, *x_leaves, spec=spec)
+    outs = forward_basis_p.bind(*fn_leaves, *x_leaves, spec=spec)
     n_y = len(spec.y_structs)
     y, jac = outs[:n_y], outs[n_y:]
     ts = [_jaxpr.instantiate(t, jax.typeof(x)) for x, t, d in zip(x_leaves, x_tangents, spec.diff, strict=True) if d]

@@ -1,0 +1,76 @@
+"""The layers of docs/design.md read true: a module of the package imports only modules of
+its own layer or of a layer further down the table, never one higher up (read from the
+modules' import statements, nothing run)."""
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "deferax"
+
+
+def layers() -> list[tuple[str, set[str]]]:
+    """The table's rows, top first: (layer, the package paths its "where" names: a folder as
+    `_site`, a top-level file as `_misc.py`)."""
+    rows = []
+    in_table = False
+    for line in (ROOT / "docs" / "design.md").read_text().splitlines():
+        if line.startswith("| layer | where |"):
+            in_table = True
+            continue
+        if in_table and not line.startswith("|"):
+            break
+        if not in_table or line.startswith("| ---"):
+            continue
+        layer, where = (cell.strip() for cell in line.strip("|").split("|")[:2])
+        places, in_folder = set(), False
+        for name in re.findall(r"`([^`]+)`", where):
+            if "/" in name:
+                places.add(name.split("/")[0])
+                in_folder = True  # (the files after it are that folder's)
+            elif not in_folder:
+                places.add(name)  # a top-level file
+        rows.append((layer, places))
+    return rows
+
+
+def place_of(module: pathlib.Path) -> str:
+    """`_site` for `_site/_spec.py`, `_misc.py` for `_misc.py`."""
+    return module.relative_to(PACKAGE).parts[0]
+
+
+def imported(module: pathlib.Path) -> set[str]:
+    """The package places that `module` imports (relative imports resolved)."""
+    package = module.relative_to(PACKAGE).parent.parts  # () for a top-level module
+    found = set()
+    for node in ast.walk(ast.parse(module.read_text())):
+        if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            continue
+        base = list(package[: len(package) - (node.level - 1)])
+        names = (node.module.split(".") if node.module else []) or [alias.name for alias in node.names]
+        for name in [names[0]] if node.module else names:
+            target = [*base, name] if not base else base
+            head = target[0]
+            found.add(head if (PACKAGE / head).is_dir() else f"{head}.py")
+    return found
+
+
+def test_the_layer_table_names_the_families_it_orders():
+    places = [p for _, ps in layers() for p in ps]
+    for place in ("_site", "_implementation", "_stages", "_analysis", "_plan", "_jaxpr", "_transform.py"):
+        assert place in places, (place, places)
+    assert "_forward_basis" not in places and not (PACKAGE / "_forward_basis").exists()
+
+
+def test_no_import_runs_up_the_layers():
+    row = {place: i for i, (_, places) in enumerate(layers()) for place in places}
+    upward = []
+    for module in sorted(PACKAGE.rglob("*.py")):
+        source = place_of(module)
+        if source not in row:
+            continue  # (a family the table does not order)
+        for target in imported(module) - {source}:
+            if target in row and row[target] < row[source]:
+                upward.append(f"{module.relative_to(PACKAGE)} imports {target}")
+    assert upward == []
