@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,11 +9,9 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from .. import _jaxpr
 from .._checks import _messages
 
 _DEVICES: list | None = None  # `set_devices`; None: every local device of the default backend
-_SLOT: contextvars.ContextVar[int] = contextvars.ContextVar("deferax_slot", default=0)
 
 
 def set_devices(devices: Any = None) -> None:  # (`Any`: a wrong value must reach the message below)
@@ -43,21 +40,13 @@ def set_devices(devices: Any = None) -> None:  # (`Any`: a wrong value must reac
     _DEVICES = list(devices)
 
 
-def slot(index: int):
-    """Inside: the `Fused` calls use the `index`-th pair of devices (one site of several)."""
-    return _jaxpr.setting(_SLOT, index)
-
-
-def current_slot() -> int:
-    return _SLOT.get()
-
-
-def placement() -> tuple[jax.Device | None, jax.Device | None]:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
-    """`(forward's device, adjoint's device)` for this slot; `(None, None)` on one device."""
+def pair(slot: int) -> tuple[jax.Device | None, jax.Device | None]:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
+    """`(forward's device, adjoint's device)` for the `slot`-th site of one step;
+    `(None, None)` on one device."""
     devices = jax.local_devices() if _DEVICES is None else _DEVICES
     if len(devices) < 2:
         return None, None
-    first = (2 * _SLOT.get()) % len(devices)
+    first = (2 * slot) % len(devices)
     return devices[first], devices[(first + 1) % len(devices)]
 
 

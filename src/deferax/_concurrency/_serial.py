@@ -3,18 +3,14 @@ that keeps implementations that are not thread-safe apart, and the per-function 
 
 from __future__ import annotations
 
-import contextvars
+import contextlib
 import threading
-
-from .. import _jaxpr
 
 # Whether deferax may run two implementation calls at once (`set_concurrency`).
 _CONCURRENT = True
 # Held around every call of an implementation declared not thread-safe that deferax runs
 # on its own threads (JAX-native halves and host jobs alike): no two such calls overlap.
 SERIAL_LOCK = threading.RLock()
-# Inside: the function being run is not thread-safe (`ExpensiveFn(thread_safe=False)`).
-_SERIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_serial", default=False)
 
 
 def set_concurrency(enabled: bool) -> None:
@@ -37,11 +33,14 @@ def concurrency_enabled() -> bool:
     return _CONCURRENT
 
 
-def serial():
-    """Inside: `Fused` runs its two halves one after the other (the function is not thread-safe)."""
-    return _jaxpr.setting(_SERIAL, True)
+def serialised(serial: bool) -> bool:
+    """Whether a call of an implementation runs alone, under `SERIAL_LOCK`: for a function
+    that is not thread-safe (`serial`) or while concurrency is switched off (read now, when
+    the call runs, also from a program compiled before `set_concurrency` was called). The
+    one place that decides it."""
+    return serial or not _CONCURRENT
 
 
-def is_serial() -> bool:
-    """Whether the function run here is not thread-safe (read while tracing, if traced)."""
-    return _SERIAL.get()
+def one_at_a_time(serial: bool):
+    """Inside: `SERIAL_LOCK` is held where `serialised(serial)`."""
+    return SERIAL_LOCK if serialised(serial) else contextlib.nullcontext()
