@@ -281,7 +281,7 @@ class _Check:
         spec = self.specs[p]
         sources, outputs = ct_dep
         if not sources:  # (the same work as standard's in one stage fewer: never slower)
-            return Deferred(spec=spec, position=p, estimates=DeferredBasis.estimate(spec, 1))
+            return Deferred(spec=spec, position=p, estimates=Deferred.estimate(spec))
         location = None
         uses = _jaxpr.nonlinear_uses(*self._tail(p))  # (to name the culprit as the user wrote it)
         for index in outputs:

@@ -1,5 +1,5 @@
 """Whether deferax may run two implementation calls at once: `set_concurrency`, the lock
-that keeps implementations that are not thread-safe apart, and the per-function switch."""
+that keeps implementations that are not thread-safe apart, and whether a call takes it."""
 
 from __future__ import annotations
 
@@ -27,10 +27,6 @@ def set_concurrency(enabled: bool) -> None:
     """
     global _CONCURRENT
     _CONCURRENT = bool(enabled)
-
-
-def concurrency_enabled() -> bool:
-    return _CONCURRENT
 
 
 def serialised(serial: bool) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 from .. import _record
 from .._checks import _messages
 from .._concurrency import _native_threads
-from .._concurrency._serial import SERIAL_LOCK, concurrency_enabled
+from .._concurrency._serial import SERIAL_LOCK, serialised
 
 _DEFAULT: cf.Executor | None = None
 _DEFAULT_LOCK = threading.Lock()
@@ -235,7 +235,7 @@ def run(
     `workers`: how many jobs the executor runs at once, when the caller knows (`dx.Cost(workers=)`):
     a thread pool of this process shares the native threads among them.
     """
-    if (serial or not concurrency_enabled()) and len(jobs) > 1:
+    if serialised(serial) and len(jobs) > 1:
         results = []
         for i, job in enumerate(jobs):
             (result,) = run(call, executor, timeout, [job], serial=True)
@@ -243,7 +243,7 @@ def run(
                 check(i, result)
             results.append(result)
         return results
-    if serial or not concurrency_enabled():
+    if serialised(serial):
         with SERIAL_LOCK:
             return _run(call, executor, timeout, jobs, check, workers)
     return _run(call, executor, timeout, jobs, check, workers)

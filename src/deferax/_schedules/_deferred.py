@@ -94,6 +94,11 @@ class Deferred(AbstractAhead):
     defers: ClassVar[bool] = True  # pyright: ignore[reportIncompatibleVariableOverride]
     from_backward: ClassVar[tuple[str, ...]] = ("ct", "op")  # pyright: ignore[reportIncompatibleVariableOverride]
 
+    @staticmethod
+    def estimate(spec: Spec) -> Estimates:
+        """The estimates of the standard and the deferred schedule."""
+        return estimate(spec, 1)
+
     def stage_rows(self) -> tuple[str | None, str | None, str | None]:
         return fused_label(self.spec), None, None
 

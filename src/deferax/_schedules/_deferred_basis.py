@@ -42,7 +42,7 @@ class Basis(eqx.Module):
     program: Any
 
 
-def _basis_cotangents(program, variables, ins, ys, k):
+def _basis_cotangents(program, variables, ins, ys, position):
     """The basis cotangents of a basis site: for each real number of each frontier variable
     (a complex number counts twice: its real, then its imaginary direction), the cotangent
     of the site's output that the variable's *direct* dependence on it gives, stacked.
@@ -56,9 +56,9 @@ def _basis_cotangents(program, variables, ins, ys, k):
     ns = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in program.jaxpr.invars[n_in:]]
     wanted = set(variables)
 
-    def frontier_of(y_k):
+    def frontier_of(y_p):
         ys_ = list(ys)
-        ys_[k] = y_k
+        ys_[position] = y_p
         seen = {}
 
         def record(v):
@@ -71,7 +71,7 @@ def _basis_cotangents(program, variables, ins, ys, k):
         _jaxpr.interpret(program, [*ins, *jtu.tree_leaves(ys_), *ns], wrap={v: record(v) for v in wanted})
         return [seen[v] for v in variables]
 
-    values, vjp = jax.vjp(frontier_of, ys[k])
+    values, vjp = jax.vjp(frontier_of, ys[position])
     seeds = []
     for i, v in enumerate(values):
         units = [jnp.eye(v.size, dtype=v.dtype)]
