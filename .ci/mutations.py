@@ -104,7 +104,7 @@ MUTATIONS = [
         [
             ("cotangents", "return unbatch(spec, out)", "return unbatch(spec, [2 * o for o in out])"),
             (
-                "fused_over_levels",
+                "Deferred.call",
                 "return y, _site.unbatch(spec, ct_x)",
                 "return y, _site.unbatch(spec, [2 * c for c in ct_x])",
             ),
@@ -153,7 +153,7 @@ MUTATIONS = [
         "the adjoint placed on the forward's device",
         [
             (
-                "placement",
+                "pair",
                 "return devices[first], devices[(first + 1) % len(devices)]",
                 "return devices[first], devices[first]",
             )
@@ -191,8 +191,8 @@ MUTATIONS = [
         [
             (
                 "_Check.run",
-                'Decision("standard", once[k]) if once[k] else',
-                'Decision("standard", once[k]) if False else',
+                "Standard(spec=self.specs[p], position=p, reason=reason) if reason else",
+                "Standard(spec=self.specs[p], position=p, reason=reason) if False else",
             )
         ],
         ["tests/test_replay_safety.py"],

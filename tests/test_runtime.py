@@ -19,7 +19,7 @@ from jaxtyping import Array, Float
 
 import deferax as dx
 from deferax import _jaxpr, _runtime, _typed
-from deferax._concurrency import _devices, _native_threads
+from deferax._concurrency import _devices, _native_threads, _serial
 from deferax._host import _affinity, _executor, _host, _sparse_solve
 from deferax._plan import _cost
 from deferax._recognise import _cost as _recognise_cost
@@ -155,10 +155,10 @@ def test_reset_resets_every_piece():
     pools = _fill_everything()
     caches = [value for _, value in _module_state() if hasattr(value, "cache_clear")]
     assert sum(cache.cache_info().currsize for cache in caches) >= 3
-    assert not _executor.concurrency_enabled() and _runtime.SWITCHES.devices is not None
+    assert _serial.serialised(False) and _runtime.SWITCHES.devices is not None
     _runtime.reset()
     # the switches
-    assert _runtime.SWITCHES == _runtime.Switches() and _executor.concurrency_enabled()
+    assert _runtime.SWITCHES == _runtime.Switches() and not _serial.serialised(False)
     assert _runtime.SWITCHES.devices is None
     assert {var.name: var.get() for var in _runtime.CONTEXT_VARS} == {
         var.name: contextvars.Context().run(var.get) for var in _runtime.CONTEXT_VARS
@@ -240,8 +240,8 @@ def test_concurrency_and_devices_are_process_wide():
     got = dx.filter_value_and_grad(loss)(x)
     assert peak.peak == 1  # (set on the other thread, seen here and on the pool's threads)
     assert_tree_allclose(got, reference(x))
-    assert _devices.placement() == (cpu, cpu)
-    assert _in_thread(_devices.placement) == (cpu, cpu)
+    assert _devices.pair(0) == (cpu, cpu)
+    assert _in_thread(lambda: _devices.pair(0)) == (cpu, cpu)
 
 
 def test_typechecking_is_per_context():

@@ -58,13 +58,9 @@ TYPECHECK_DEFAULT = os.environ.get(TYPECHECK_ENV, "1").strip().lower() not in ("
 TYPECHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_typecheck", default=TYPECHECK_DEFAULT)
 # the module whose fields share the current jaxtyping bindings, while a typed call is checked (`_typed.py`)
 FIELDS: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_fields", default=None)
-# inside: the function being run is not thread-safe (`_concurrency/_serial.py`)
-SERIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_serial", default=False)
-# inside: the pair of devices of one site of several (`_concurrency/_devices.py`)
-SLOT: contextvars.ContextVar[int] = contextvars.ContextVar("deferax_slot", default=0)
-# the gathered callback's traced halves, while traced and while run (`_concurrency/_gathered.py`)
-PREPARING: contextvars.ContextVar[dict | None] = contextvars.ContextVar("deferax_preparing", default=None)
-PREPARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("deferax_prepared", default=None)
+# how the site whose stage-2 call runs here is placed: its devices, whether serial, its
+# halves traced for the gathered callback (`_concurrency/_placement.py`)
+PLACEMENT: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_placement", default=None)
 # the output structures declared by the sites traced here (`_site/_primitive.py`)
 DECLARED: contextvars.ContextVar[list | None] = contextvars.ContextVar("deferax_declared", default=None)
 # inside: a structural key is being made for a rule's program (`_jaxpr/_keys.py`)
@@ -79,10 +75,7 @@ PLANNED: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_planned",
 CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     TYPECHECKING,
     FIELDS,
-    SERIAL,
-    SLOT,
-    PREPARING,
-    PREPARED,
+    PLACEMENT,
     DECLARED,
     IN_RULE,
     SITE,

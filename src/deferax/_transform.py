@@ -197,16 +197,12 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, re
     analysis, compiled = _analysis(traced, schedule, max_basis, eager)
     if analysis.plan.fallback is not None:
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
-    outside = (
-        [analysis.spec(k).name for k in analysis.deferred if _stage2.leaves_program(analysis, k)]
-        if differentiated
-        else []
-    )
+    outside = [s.spec.name for s in analysis.deferring if s.leaves_program] if differentiated else []
     if outside:
         sites = ", ".join(f"`{name}`" for name in outside)
         raise ValueError(_messages.DEFERRED_UNDER_DIFFERENTIATION.format(where=_WHERE, sites=sites))
     results = None
-    if analysis.deferred:
+    if analysis.deferring:
         with _stage("deferax stage 1: operands and cotangents"):
             operands, cts = (compiled.stage1 if compiled is not None else ft.partial(_stage1.stage1, analysis))(ins)
         with _stage("deferax stage 2: expensive calls"):

@@ -25,26 +25,22 @@ could have been deferred, never the reverse.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from .. import _jaxpr, _site
 from .._checks import _messages
-from .._implementation._abstract import AbstractImplementation
 from .._misc import struct_of, structs
 from .._plan import _cost
-from .._plan._decision import Basis, Decision
-from .._plan._plan import Plan, Site
+from .._plan._plan import Plan
+from .._schedules._abstract import AbstractAhead, AbstractSchedule
+from .._schedules._deferred import Deferred
+from .._schedules._deferred_basis import Basis, DeferredBasis
+from .._schedules._early import Early
+from .._schedules._forward_basis import ForwardBasis
+from .._schedules._standard import Standard
 from ._bwd import bwd_decisions
-
-
-def _describe(structs_) -> str:
-    parts = [_messages.shape_text(s) for s in structs_]
-    text = ", ".join(parts)
-    return text if len(parts) == 1 else f"({text})"
 
 
 @dataclasses.dataclass
@@ -55,28 +51,23 @@ class Analysis:
     program: Any  # J: ClosedJaxpr of (consts, leaves) -> (value, aux arrays), sites inlined
     sites: tuple[int, ...]  # equation indices of the top-level sites, in program order
     nested: tuple[int, ...]  # equation indices of equations holding expensive calls inside
-    deferred: tuple[int, ...]  # positions (in `sites`) run with one `fused(x, ct)` (plain or basis)
-    early: tuple[int, ...]  # standard positions whose `fwd` runs alongside the deferred calls
-    basis: dict[int, Basis]
+    schedules: tuple[AbstractSchedule, ...]  # one a top-level site, in program order
+    ahead: tuple[AbstractAhead, ...]  # those run in stage 2: the deferred sites first, then the early ones
     backward: Any  # G, pruned to what stage 1 needs: (consts, leaves, ys, seed) -> (cts, operands)
     backward_out: tuple  # for each output of `backward`: ("ct", position, leaf) or ("op", position, leaf)
     # the reverse-mode strategy planned for each site not deferred ("standard" or "forward-basis"), by `Spec`:
     # stage 3 differentiates them so (`_site.planned`), whatever timings came in since
     strategies: dict = dataclasses.field(default_factory=dict)
 
-    def derived(self, position: int) -> bool:
-        """Whether a deferred site's `fused` is made from its `fwd` and its `adjoint` or
-        `y`-free `bwd` (it has none of its own)."""
-        static = self.spec(position).static
-        return static.fused is None and static.fused_batch is None
-
-    def spec(self, position: int) -> _site.Spec:
-        return _site.spec_of(self.program.jaxpr.eqns[self.sites[position]])
+    @property
+    def deferring(self) -> tuple[AbstractAhead, ...]:
+        """The sites whose cotangent stage 2 computes (deferred and deferred-basis)."""
+        return tuple(s for s in self.ahead if s.defers)
 
     @property
     def live(self) -> bool:
         """Whether stage 3 still runs expensive implementations (standard sites)."""
-        return bool(self.nested) or len(self.deferred) < len(self.sites) or bool(self.early)
+        return bool(self.nested) or not all(s.defers for s in self.schedules)
 
 
 def analyse(
@@ -126,64 +117,65 @@ class _Check:
         n = len(self.sites)
         marks = _jaxpr.input_marks(self.program, [None] * self.n_in, self.eqn_labels)
         upstream, feeds = {}, {}
-        for k, i in enumerate(self.sites):
-            upstream[k] = frozenset().union(*marks[i])
-            for lab in upstream[k]:
-                feeds.setdefault(lab, []).append(f"#{k} `{self.specs[k].name}`")
+        for p, i in enumerate(self.sites):
+            upstream[p] = frozenset().union(*marks[i])
+            for lab in upstream[p]:
+                feeds.setdefault(lab, []).append(f"#{p} `{self.specs[p].name}`")
         for i in self.nested:
             for lab in frozenset().union(*marks[i]):
                 feeds.setdefault(lab, []).append(
                     f"the expensive call inside {_jaxpr.kind_of(self.program.jaxpr.eqns[i])}"
                 )
-        decisions: dict[int, Decision] = {}
+        schedules: dict[int, AbstractSchedule] = {}
         once: dict[int, str | None] = {}
         candidates = []
-        for k in range(n):
-            reason = self._structural(k, upstream, feeds)
+        for p in range(n):
+            reason = self._structural(p, upstream, feeds)
             if reason is None:
-                candidates.append(k)
+                candidates.append(p)
             else:
-                decisions[k] = Decision("standard", reason)
+                schedules[p] = Standard(spec=self.specs[p], position=p, reason=reason)
         backward, backward_out = None, ()
         if candidates:
-            ready = [k for k in range(n) if not upstream[k]]  # operands computable in stage 1
+            ready = [p for p in range(n) if not upstream[p]]  # operands computable in stage 1
             backward, backward_out, ct_deps, labels = self._backward(candidates, ready)
-            once = {k: self._ahead_once(backward, backward_out, k) for k in {*ready, *candidates}}
-            for k in candidates:
-                decisions[k] = (
-                    Decision("standard", once[k]) if once[k] else self._decide(k, ct_deps[k], backward, labels)
+            once = {p: self._ahead_once(backward, backward_out, p) for p in {*ready, *candidates}}
+            for p in candidates:
+                reason = once[p]
+                schedules[p] = (
+                    Standard(spec=self.specs[p], position=p, reason=reason)
+                    if reason
+                    else self._decide(p, ct_deps[p], backward, labels)
                 )
-        for k in range(n):
-            if decisions[k].schedule == "standard":
-                decisions[k] = _with_forward_basis(decisions[k], self.specs[k])
-        deferred = tuple(k for k in range(n) if decisions[k].deferred)
-        basis = {k: b for k in deferred if (b := decisions[k].basis) is not None}
-        early = tuple(
-            k
-            for k in range(n)
-            if deferred
-            and k not in deferred
-            and not self.specs[k].static.autodiff
-            and decisions[k].schedule == "standard"
-            and not upstream[k]
-            and not once.get(k)
-        )
+        for p in range(n):
+            schedule = schedules[p]
+            if isinstance(schedule, Standard):
+                schedules[p] = _with_forward_basis(schedule)
+        defers = any(schedules[p].defers for p in range(n))
+        for p in range(n):
+            schedule = schedules[p]
+            if (
+                defers
+                and isinstance(schedule, Standard)
+                and not schedule.spec.static.autodiff
+                and not upstream[p]
+                and not once.get(p)
+            ):
+                schedules[p] = Early.of(schedule)
+        ordered = tuple(schedules[p] for p in range(n))
+        ahead = tuple(s for s in ordered if isinstance(s, AbstractAhead) and s.defers)
+        ahead += tuple(s for s in ordered if isinstance(s, AbstractAhead) and not s.defers)
         if backward is not None:
-            keep = [
-                (kind == "ct" and k in deferred and k not in basis) or (kind == "op" and (k in deferred or k in early))
-                for kind, k, _ in backward_out
-            ]
+            keep = [kind in ordered[p].from_backward for kind, p, _ in backward_out]
             backward = _jaxpr.prune(backward, keep)
             backward_out = tuple(o for o, u in zip(backward_out, keep, strict=True) if u)
-        plan = self._plan(decisions, deferred, basis, early)
+        plan = self._plan(ordered, ahead)
         strategies = {
             spec: s.schedule
             for (_, spec, _), s in zip(self._entries(), plan.sites, strict=True)
             if s.schedule in ("standard", "forward-basis")
         }
-        return Analysis(
-            plan, self.program, self.sites, self.nested, deferred, early, basis, backward, backward_out, strategies
-        )
+        return Analysis(plan, self.program, self.sites, self.nested, ordered, ahead, backward, backward_out, strategies)
 
     def _structural(self, k, upstream, feeds) -> str | None:
         spec = self.specs[k]
@@ -287,136 +279,92 @@ class _Check:
         found = _jaxpr.once_only(backward, _jaxpr.needed_equations(backward.jaxpr, targets))
         return None if found is None else _once_reason("its input and cotangent", found)
 
-    def _decide(self, k, ct_dep, backward, labels):
+    def _decide(self, p, ct_dep, backward, labels) -> AbstractSchedule:
+        """The schedule of candidate site `p` (at position `p`), from the sources of its
+        cotangent (`ct_dep`)."""
+        spec = self.specs[p]
         sources, outputs = ct_dep
         if not sources:  # (the same work as standard's in one stage fewer: never slower)
-            return Decision("deferred", estimates=_estimate(self.specs[k], 1))
+            return Deferred(spec=spec, position=p, estimates=Deferred.estimate(spec))
         location = None
-        uses = _jaxpr.nonlinear_uses(*self._tail(k))  # (to name the culprit as the user wrote it)
+        uses = _jaxpr.nonlinear_uses(*self._tail(p))  # (to name the culprit as the user wrote it)
         for index in outputs:
             loc = _jaxpr.first_culprit(backward, labels[0], index, frozenset(sources), "seed", labels[1], uses)
             if loc is not None:
                 location = str(loc)
                 break
-        if ("y", k) in sources:
+        if ("y", p) in sources:
             reason = "its cotangent depends on its own output"
         else:
             reason = "its cotangent depends on " + ", ".join(self._source(lab) for lab in sorted(sources, key=str))
         if location is not None:
             reason += f", through {location}"
-        spec = self.specs[k]
         if spec.axes and spec.static.fused_batch is None:
             reason += "; the basis schedule is used for a site under `vmap` only with a `fused_batch`"
-            return Decision("standard", reason, location)
-        basis = self._basis(k)
+            return Standard(spec=spec, position=p, reason=reason, location=location)
+        basis = self._basis(p)
         limit = spec.static.max_basis
         limit = limit if limit is not None else self.max_basis
-        estimates = _estimate(spec, basis.k)
+        estimates = DeferredBasis.estimate(spec, basis.k)
         assert estimates.deferred is not None  # (`_cost.estimate` always estimates the deferred schedule)
         if basis.k <= limit if limit is not None else estimates.deferred < estimates.standard:
             ahead = _jaxpr.once_only(basis.program, [True] * len(basis.program.jaxpr.eqns))
             if ahead is not None:
                 reason += "; " + _once_reason("its basis cotangents", ahead)
-                return Decision("standard", reason, location, k=basis.k, estimates=estimates)
-            return Decision("deferred-basis", None, location, k=basis.k, basis=basis, estimates=estimates)
+                return Standard(spec=spec, position=p, reason=reason, location=location, k=basis.k, estimates=estimates)
+            return DeferredBasis(spec=spec, position=p, location=location, k=basis.k, estimates=estimates, basis=basis)
         if limit is not None:
             reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
         else:
             reason += f"; deferring its k={basis.k} fixed cotangents is estimated slower: {estimates}"
-        return Decision("standard", reason, location, k=basis.k, estimates=estimates)
+        return Standard(spec=spec, position=p, reason=reason, location=location, k=basis.k, estimates=estimates)
 
-    def _tail(self, k):
-        """The value as a function of site `k`'s output: `(program, source, stand_ins)` for
+    def _tail(self, p):
+        """The value as a function of site `p`'s output: `(program, source, stand_ins)` for
         the linearity analysis, with every expensive output an input (a stand-in)."""
         if self._substituted is None:
             self._substituted = _jaxpr.substitute(self.program, [*self.sites, *self.nested])
         closed = self._substituted
         n_ys = [len(spec.y_structs) for spec in self.specs]
-        source = [False] * self.n_in + [j == k for j, m in enumerate(n_ys) for _ in range(m)]
+        source = [False] * self.n_in + [j == p for j, m in enumerate(n_ys) for _ in range(m)]
         stand_ins = [False] * self.n_in + [True] * sum(n_ys)
         stand_ins += [True] * (len(closed.jaxpr.invars) - len(stand_ins))
         source += [False] * (len(closed.jaxpr.invars) - len(source))
         outputs = [True] + [False] * (len(closed.jaxpr.outvars) - 1)  # the value, not the aux
         return _jaxpr.prune(closed, outputs), source, stand_ins
 
-    def _basis(self, k) -> Basis:
-        """The linear frontier of the value in site `k`'s output, in the program itself with
+    def _basis(self, p) -> Basis:
+        """The linear frontier of the value in site `p`'s output, in the program itself with
         every expensive output (top-level sites and the equations holding nested ones)
         made an input, so that its variables are those that stage 3 evaluates."""
-        frontier = _jaxpr.linear_frontier(*self._tail(k))
+        frontier = _jaxpr.linear_frontier(*self._tail(p))
         program = _jaxpr.computing(self._substituted, frontier)
         return Basis(k=_jaxpr.frontier_size(frontier), variables=tuple(frontier), program=program)
 
     # ------------------------------------------------------------------ the plan
 
-    def _plan(self, decisions, deferred, basis, early) -> Plan:
-        sites = []
-        for index, (k, spec, kind) in enumerate(self._entries()):
-            decision = _nested_decision(spec, kind) if k is None else decisions[k]
-            shapes = {"in_shapes": _describe(spec.x_structs), "out_shapes": _describe(spec.y_structs)}
-            row = {"schedule": decision.schedule, "reason": decision.reason, "location": decision.location}
-            sites.append(
-                Site(
-                    index=index,
-                    name=spec.name,
-                    **shapes,
-                    **row,
-                    k=decision.k,
-                    n=decision.n,
-                    batch=spec.sizes,
-                    estimates=decision.estimates,
-                )
-            )
+    def _plan(self, schedules, ahead) -> Plan:
+        every = [_nested_schedule(spec, kind) if p is None else schedules[p] for p, spec, kind in self._entries()]
+        sites = tuple(schedule.row(index) for index, schedule in enumerate(every))
         if self.schedule == "deferred":
             refused = [s for s in sites if s.schedule == "standard"]
             if refused:
                 lines = "\n".join(f"  site #{s.index} `{s.name}`: {s.reason}" for s in refused)
                 raise ValueError(_messages.CANNOT_DEFER.format(where=self.where, lines=lines))
-        return Plan(
-            sites=tuple(sites),
-            stages=self._stages(sites, deferred, basis, early),
-            requested=self.schedule,
-            fallback=self.fallback,
-        )
+        return Plan(sites=sites, stages=_stages(every, ahead), requested=self.schedule, fallback=self.fallback)
 
-    def _stages(self, sites, deferred, basis, early):
-        """The expensive work in order: the deferred sites' `fused` calls together with the
-        `fwd` of every standard site that needs no expensive output; then the other standard
-        sites' `fwd` in program order; then every standard site' `bwd`, in reverse."""
-        position = {}  # plan index -> position among the top-level sites
-        for index, (k, _, _) in enumerate(self._entries()):
-            if k is not None:
-                position[index] = k
 
-        def label(s, impl):
-            batch = f" x{'x'.join(map(str, s.batch))}" if s.batch else ""
-            return f"{s.name}: {impl}{batch}"
-
-        stages: list[tuple[str, ...]] = []
-
-        def fused_label(s):
-            static = self.specs[position[s.index]].static
-            if static.fused is None and static.fused_batch is None:
-                return label(s, "fwd + " + ("adjoint" if static.adjoint is not None else "bwd"))
-            return label(s, "fused")
-
-        if deferred:
-            first = [
-                fused_label(s)
-                + (f" (k={basis[position[s.index]].k} cotangents)" if position.get(s.index) in basis else "")
-                for s in sites
-                if position.get(s.index) in deferred
-            ]
-            first += [label(s, "fwd") for s in sites if position.get(s.index) in early]
-            stages.append(tuple(first))
-        standard = [s for s in sites if position.get(s.index) not in deferred and s.schedule == "standard"]
-        for s in sites:
-            if s.schedule == "forward-basis":
-                stages.append((label(s, "jvp") + f" ({s.n} tangents)",))
-            elif s in standard and position.get(s.index) not in early:
-                stages.append((label(s, "fwd"),))
-        stages.extend((label(s, "bwd"),) for s in reversed(standard))
-        return tuple(stages)
+def _stages(every, ahead) -> tuple[tuple[str, ...], ...]:
+    """The expensive work in order: the deferred sites' `fused` calls together with the
+    `fwd` of every standard site that needs no expensive output; then the other sites'
+    forward pass in program order; then every standard site's `bwd`, in reverse."""
+    rows = [schedule.stage_rows() for schedule in every]
+    stages: list[tuple[str, ...]] = []
+    if ahead:
+        stages.append(tuple(s.stage_rows()[0] for s in ahead))  # pyright: ignore[reportArgumentType]  (every one runs in stage 2)
+    stages.extend((forward,) for _, forward, _ in rows if forward is not None)
+    stages.extend((backward,) for _, _, backward in reversed(rows) if backward is not None)
+    return tuple(stages)
 
 
 def _fallback(program) -> str | None:
@@ -437,33 +385,38 @@ def _once_reason(what: str, found) -> str:
 call, with the value"
 
 
-def _nested_decision(spec: _site.Spec, kind: str) -> Decision:
-    """The decision for a site called inside `kind` (a `lax.scan`, ...): standard, or forward-basis."""
-    return _with_forward_basis(Decision("standard", f"called inside {kind}; sites there stay standard"), spec)
+def _nested_schedule(spec: _site.Spec, kind: str) -> AbstractSchedule:
+    """The schedule of a site called inside `kind` (a `lax.scan`, ...): standard, or forward-basis."""
+    return _with_forward_basis(
+        Standard(spec=spec, position=None, reason=f"called inside {kind}; sites there stay standard")
+    )
 
 
-def _with_forward_basis(decision: Decision, spec: _site.Spec) -> Decision:
-    """A site's standard `decision`, on the forward-basis strategy where `strategy` chooses
-    it. Where the estimates choose (`by_estimate`), the forward-basis estimate is put beside
-    the others and the reason says which was estimated faster."""
+def _with_forward_basis(standard: Standard) -> Standard | ForwardBasis:
+    """A standard site, on the forward-basis strategy where `strategy` chooses it. Where the
+    estimates choose (`by_estimate`), the forward-basis estimate is put beside the others
+    and the reason says which was estimated faster."""
+    spec = standard.spec
     n = spec.n_tangents
-    estimates = spec.static.forward_basis_estimates(spec.x_shapes, n)
+    estimates = ForwardBasis.estimate(spec)
     decided = spec.static.by_estimate(estimates)
-    if decided and decision.estimates is not None:  # (the standard estimate is the same)
+    if decided and standard.estimates is not None:  # (the standard estimate is the same)
         assert estimates is not None  # (`by_estimate` decides only with estimates)
         estimates = _cost.Estimates(
-            estimates.standard, decision.estimates.deferred, estimates.source, estimates.forward_basis, estimates.note
+            estimates.standard, standard.estimates.deferred, estimates.source, estimates.forward_basis, estimates.note
         )
-    shown = estimates if decided else decision.estimates
+    shown = estimates if decided else standard.estimates
     if spec.static.strategy(n, estimates) == "forward-basis":
-        assert decision.reason is not None  # (a standard decision says why)
-        reason = decision.reason + _forward_basis_why(spec, decided)
-        return Decision("forward-basis", reason, decision.location, n=n, estimates=shown)
+        reason = standard.reason + _forward_basis_why(spec, decided)
+        return ForwardBasis(
+            spec=spec, position=standard.position, reason=reason, location=standard.location, n=n, estimates=shown
+        )
     if not decided:
-        return decision
-    assert decision.reason is not None
-    reason = decision.reason + f"; the forward-basis strategy with its n={n} tangents is estimated slower: {estimates}"
-    return Decision("standard", reason, decision.location, k=decision.k, estimates=shown)
+        return standard
+    reason = standard.reason + f"; the forward-basis strategy with its n={n} tangents is estimated slower: {estimates}"
+    return Standard(
+        spec=spec, position=standard.position, reason=reason, location=standard.location, k=standard.k, estimates=shown
+    )
 
 
 def _forward_basis_why(spec, decided: bool) -> str:
@@ -477,27 +430,3 @@ def _forward_basis_why(spec, decided: bool) -> str:
     if decided:
         return f"; forward-basis: the output and n={n} tangents in one call, estimated faster than `fwd` then `bwd`"
     return f"; forward-basis: the output and n={n} tangents in one call, one stage where `fwd` then `bwd` take two"
-
-
-def _estimate(spec: _site.Spec, k: int) -> _cost.Estimates:
-    """The estimates for site `spec` on `k` cotangents: one job when its forward and
-    adjoints share one call (`fused_batch`, or a traced `fused` batched over them).
-
-    Under `vmap`, each example's job gets all `k`, of which those of the other examples
-    are zero there when the frontier is batched like the output (a loss of each example's
-    overlaps): a site that solves only rows that are not multiples of others (`linear`
-    in its `cost`, as `dx.sparse_solve`) is estimated on its example's share, like one
-    site of the loop over the examples."""
-    static = spec.static
-    if spec.axes and static.cost is not None and static.cost.linear:
-        k = math.ceil(k / math.prod(spec.sizes))
-    fused = static.fused
-    one_job = not isinstance(fused, AbstractImplementation) or fused.batch_in_one_job
-    workers = fused.jobs_at_once if isinstance(fused, AbstractImplementation) and not one_job else 1
-    complex_out = any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in spec.y_structs)
-    shapes = tuple(s.shape for s in spec.x_structs)
-    fused_only = static.fwd is None and static.bwd is None and static.adjoint is None
-    fused_jobs = fused_only or (isinstance(fused, AbstractImplementation) and fused.batch_jobs_are_fused)
-    return _cost.estimate(
-        static.timings_key, shapes, static.cost, k, complex_out, one_job, fused_only, workers, fused_jobs=fused_jobs
-    )

@@ -9,10 +9,8 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from .. import _jaxpr, _runtime
+from .. import _runtime
 from .._checks import _messages
-
-_SLOT = _runtime.SLOT
 
 
 def set_devices(devices: Any = None) -> None:  # (`Any`: a wrong value must reach the message below)
@@ -44,22 +42,14 @@ def set_devices(devices: Any = None) -> None:  # (`Any`: a wrong value must reac
     _runtime.SWITCHES.devices = list(devices)
 
 
-def slot(index: int):
-    """Inside: the `Fused` calls use the `index`-th pair of devices (one site of several)."""
-    return _jaxpr.setting(_SLOT, index)
-
-
-def current_slot() -> int:
-    return _SLOT.get()
-
-
-def placement() -> tuple[jax.Device | None, jax.Device | None]:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
-    """`(forward's device, adjoint's device)` for this slot; `(None, None)` on one device."""
+def pair(slot: int) -> tuple[jax.Device | None, jax.Device | None]:  # pyright: ignore[reportInvalidTypeForm]  (jax.Device: compiled, no stub)
+    """`(forward's device, adjoint's device)` for the `slot`-th site of one step;
+    `(None, None)` on one device."""
     chosen = _runtime.SWITCHES.devices
     devices = jax.local_devices() if chosen is None else chosen
     if len(devices) < 2:
         return None, None
-    first = (2 * _SLOT.get()) % len(devices)
+    first = (2 * slot) % len(devices)
     return devices[first], devices[(first + 1) % len(devices)]
 
 

@@ -1,17 +1,16 @@
 """Whether deferax may run two implementation calls at once: `set_concurrency`, the lock
-that keeps implementations that are not thread-safe apart, and the per-function switch."""
+that keeps implementations that are not thread-safe apart, and whether a call takes it."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
-from .. import _jaxpr, _runtime
+from .. import _runtime
 
 # Held around every call of an implementation declared not thread-safe that deferax runs
 # on its own threads (JAX-native halves and host jobs alike): no two such calls overlap.
 SERIAL_LOCK = threading.RLock()
-# Inside: the function being run is not thread-safe (`ExpensiveFn(thread_safe=False)`).
-_SERIAL = _runtime.SERIAL
 
 
 def set_concurrency(enabled: bool) -> None:
@@ -34,15 +33,14 @@ def set_concurrency(enabled: bool) -> None:
     _runtime.SWITCHES.concurrent = bool(enabled)
 
 
-def concurrency_enabled() -> bool:
-    return _runtime.SWITCHES.concurrent
+def serialised(serial: bool) -> bool:
+    """Whether a call of an implementation runs alone, under `SERIAL_LOCK`: for a function
+    that is not thread-safe (`serial`) or while concurrency is switched off (read now, when
+    the call runs, also from a program compiled before `set_concurrency` was called). The
+    one place that decides it."""
+    return serial or not _runtime.SWITCHES.concurrent
 
 
-def serial():
-    """Inside: `Fused` runs its two halves one after the other (the function is not thread-safe)."""
-    return _jaxpr.setting(_SERIAL, True)
-
-
-def is_serial() -> bool:
-    """Whether the function run here is not thread-safe (read while tracing, if traced)."""
-    return _SERIAL.get()
+def one_at_a_time(serial: bool):
+    """Inside: `SERIAL_LOCK` is held where `serialised(serial)`."""
+    return SERIAL_LOCK if serialised(serial) else contextlib.nullcontext()

@@ -19,9 +19,9 @@ from jaxtyping import PyTree
 
 from .. import _jaxpr, _record, _runtime
 from .._misc import is_concrete
-from . import _gathered
-from ._devices import current_slot, on, placement
-from ._serial import SERIAL_LOCK, concurrency_enabled, is_serial
+from . import _placement
+from ._devices import on
+from ._serial import SERIAL_LOCK, serialised
 
 
 # Compiled once per implementation and input structure; an `eqx.Module` implementation's
@@ -87,7 +87,7 @@ def _both(first, second, serial_: bool):
     that are not thread-safe apart) for a function that is not thread-safe (`serial_`) or
     while concurrency is switched off (read now, when the halves run, also from a program
     compiled before `set_concurrency` was called)."""
-    if serial_ or not concurrency_enabled():
+    if serialised(serial_):
         with SERIAL_LOCK:
             return first(), second()
     other = _runtime.POOLS.get("halves").submit(second)
@@ -156,10 +156,12 @@ def _both_from_callback(run_fwd, run_adjoint, serial_: bool, consts, arrays, x, 
     return _both(ft.partial(run_fwd, consts[0], arrays, x), ft.partial(run_adjoint, consts[1], arrays, x, ct), serial_)
 
 
-def _eager(halves: _Halves, fns: tuple, arrays: Any, x: PyTree, ct: PyTree, compiled: bool, serial_: bool):
+def _eager(
+    halves: _Halves, fns: tuple, arrays: Any, x: PyTree, ct: PyTree, compiled: bool, where: _placement.Placement
+):
     """Both halves on concrete arrays, from here."""
     fwd_device, adjoint_device = halves.devices
-    entry = None if compiled else _gathered.prepared_halves(current_slot())
+    entry = None if compiled else where.prepared
     if entry is not None:  # (in a gathered callback: the halves as they were traced)
         traced_fwd, traced_adjoint = entry
         every, _ = eqx.partition(fns, eqx.is_array)  # (all were tracers then)
@@ -172,10 +174,10 @@ def _eager(halves: _Halves, fns: tuple, arrays: Any, x: PyTree, ct: PyTree, comp
     home = (_record.device_of(x) or jax.local_devices()[0]) if fwd_device is not None else None
     first = ft.partial(_timed_eager, halves.names[0], fwd_device, home, call_fwd)
     second = _jaxpr.carry_context(ft.partial(_timed_eager, halves.names[1], adjoint_device, home, call_adjoint))
-    return _both(first, second, serial_)
+    return _both(first, second, where.serial)
 
 
-def _traced(halves: _Halves, arrays: Any, x: PyTree, ct: PyTree, compiled: bool, serial_: bool):
+def _traced(halves: _Halves, arrays: Any, x: PyTree, ct: PyTree, compiled: bool, where: _placement.Placement):
     """Both halves inside a trace (`jit` or `vmap`): the program leaves through one host
     callback, which runs them on two threads (with the caller's context, read while
     tracing) and hands both results back."""
@@ -188,7 +190,8 @@ def _traced(halves: _Halves, arrays: Any, x: PyTree, ct: PyTree, compiled: bool,
     else:
         traced_fwd = _TracedHalf(halves.names[0], ft.partial(halves.fwd, device=None), arrays, x)
         traced_adjoint = _TracedHalf(halves.names[1], ft.partial(halves.adjoint, device=None), arrays, x, ct)
-        _gathered.keep(current_slot(), (traced_fwd, traced_adjoint))  # (for the gathered callback)
+        if where.traced is not None:  # (for the gathered callback)
+            where.traced.append((traced_fwd, traced_adjoint))
         y_struct, ct_struct = traced_fwd.out, traced_adjoint.out
         half_fwd = ft.partial(traced_fwd, fwd_device)
         half_adjoint = ft.partial(traced_adjoint, adjoint_device)
@@ -198,7 +201,7 @@ def _traced(halves: _Halves, arrays: Any, x: PyTree, ct: PyTree, compiled: bool,
     run_adjoint = _jaxpr.carry_context(
         ft.partial(_timed_host, halves.names[1], adjoint_device or default, half_adjoint)
     )
-    callback = ft.partial(_both_from_callback, run_fwd, run_adjoint, serial_)
+    callback = ft.partial(_both_from_callback, run_fwd, run_adjoint, where.serial)
     return jax.pure_callback(callback, (y_struct, ct_struct), consts, arrays, x, ct, vmap_method="sequential")
 
 
@@ -217,12 +220,12 @@ def concurrently(
     compiled once per function and input structure (`dx.fuse`); otherwise each is called
     as the standard schedule calls an implementation: eagerly as it is, and under a trace,
     traced now."""
-    serial_ = is_serial()  # (the function's own: read while tracing, if traced)
+    where = _placement.current()  # (stage 2's for its site: read while tracing, if traced)
     # The halves' own arrays (an `eqx.Module` implementation's fields) that are tracers (the
     # model passed through `jit`, or batched by `vmap`) enter the callback as operands;
     # concrete ones stay where they are.
     arrays, static = eqx.partition((fwd_fn, adjoint_fn), _is_tracer)
-    halves = _Halves(static, _dispatch if compiled else _direct, batched, names, placement())
+    halves = _Halves(static, _dispatch if compiled else _direct, batched, names, where.devices())
     if is_concrete((arrays, x, ct)):
-        return _eager(halves, (fwd_fn, adjoint_fn), arrays, x, ct, compiled, serial_)
-    return _traced(halves, arrays, x, ct, compiled, serial_)
+        return _eager(halves, (fwd_fn, adjoint_fn), arrays, x, ct, compiled, where)
+    return _traced(halves, arrays, x, ct, compiled, where)

@@ -20,7 +20,7 @@ from typing import Any
 from .. import _record, _runtime
 from .._checks import _messages
 from .._concurrency import _native_threads
-from .._concurrency._serial import SERIAL_LOCK, concurrency_enabled
+from .._concurrency._serial import SERIAL_LOCK, serialised
 
 DEFAULT_WORKERS = _runtime.HOST_WORKERS  # (the size of deferax's thread pool)
 
@@ -225,7 +225,7 @@ def run(
     `workers`: how many jobs the executor runs at once, when the caller knows (`dx.Cost(workers=)`):
     a thread pool of this process shares the native threads among them.
     """
-    if (serial or not concurrency_enabled()) and len(jobs) > 1:
+    if serialised(serial) and len(jobs) > 1:
         results = []
         for i, job in enumerate(jobs):
             (result,) = run(call, executor, timeout, [job], serial=True)
@@ -233,7 +233,7 @@ def run(
                 check(i, result)
             results.append(result)
         return results
-    if serial or not concurrency_enabled():
+    if serialised(serial):
         with SERIAL_LOCK:
             return _run(call, executor, timeout, jobs, check, workers)
     return _run(call, executor, timeout, jobs, check, workers)

@@ -1,1 +1,1 @@
-"""What is decided: the public `Plan` and `Site`, the per-site `Decision`, the cost model."""
+"""What is decided: the public `Plan` and `Site`, the cost model."""

@@ -226,6 +226,7 @@ def forget_timings() -> None:
 
 
 def estimate(
+    *,
     key: Hashable,
     shapes: tuple,
     hint: Cost | None,
@@ -234,7 +235,6 @@ def estimate(
     one_job: bool,
     fused_only: bool,
     workers: int,
-    *,
     fused_jobs: bool | None = None,
 ) -> Estimates:
     """The estimates for a site on `k` basis cotangents (`k = 1`: the plain deferred
@@ -291,8 +291,9 @@ def forward_basis(
     (`ExpensiveFn.strategy`): `n` unit tangents estimated as `n` adjoints would never
     be chosen, yet a tangent solve beside the forward is often nearly free."""
     one_job = one_job or n == 0  # (no tangent: the output alone)
-    standard = estimate(key, shapes, hint, 1, False, True, fused_only, workers)
-    tangents = estimate(key, shapes, hint, n, False, one_job, not one_job, workers)
+    common = {"key": key, "shapes": shapes, "hint": hint, "complex_out": False, "workers": workers}
+    standard = estimate(**common, k=1, one_job=True, fused_only=fused_only)
+    tangents = estimate(**common, k=n, one_job=one_job, fused_only=not one_job)
     return Estimates(
         standard=standard.standard,
         deferred=None,

@@ -1,0 +1,114 @@
+"""The interface every schedule implements: what the plan shows of a site, and, for the
+schedules that run a site ahead of the value (stage 2), what each stage does for it."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+
+from .._checks import _messages
+from .._plan._cost import Estimates
+from .._plan._plan import Schedule, Site
+from .._site import Spec
+
+
+def _describe(structs_) -> str:
+    parts = [_messages.shape_text(s) for s in structs_]
+    text = ", ".join(parts)
+    return text if len(parts) == 1 else f"({text})"
+
+
+def stage_label(spec: Spec, impl: str) -> str:
+    """How a row of the plan's stages names one call: `"name: impl x4"` (under `vmap`)."""
+    batch = f" x{'x'.join(map(str, spec.sizes))}" if spec.sizes else ""
+    return f"{spec.name}: {impl}{batch}"
+
+
+class AbstractSchedule(eqx.Module):
+    """The schedule of one call site, and why it was chosen.
+
+    **Fields:**
+
+    - `spec`: the site, as its equation knows it.
+    - `position`: its place among the top-level sites of the program (None for a site
+      called inside `lax.scan`, `lax.cond`, ...).
+    - `reason`, `location`, `k`, `n`, `estimates`: as [`deferax.Site`][]'s.
+    - `label`: its name in the plan (`deferax.Site.schedule`).
+    - `defers`: whether stage 2 computes its cotangent (no `bwd` after the value).
+    - `from_backward`: what stage 1 takes for it from the backward program (`"ct"`: its
+      cotangent, `"op"`: its operands).
+    """
+
+    spec: eqx.AbstractVar[Spec]
+    position: eqx.AbstractVar[int | None]
+    reason: eqx.AbstractVar[str | None]
+    location: eqx.AbstractVar[str | None]
+    k: eqx.AbstractVar[int | None]
+    n: eqx.AbstractVar[int | None]
+    estimates: eqx.AbstractVar[Estimates | None]
+    label: eqx.AbstractClassVar[Schedule]
+    defers: eqx.AbstractClassVar[bool]
+    from_backward: eqx.AbstractClassVar[tuple[str, ...]]
+
+    def row(self, index: int) -> Site:
+        """The site's row of the plan, as call number `index` in program order."""
+        spec = self.spec
+        return Site(
+            index=index,
+            name=spec.name,
+            in_shapes=_describe(spec.x_structs),
+            out_shapes=_describe(spec.y_structs),
+            schedule=self.label,
+            reason=self.reason,
+            location=self.location,
+            k=self.k,
+            n=self.n,
+            batch=spec.sizes,
+            estimates=self.estimates,
+        )
+
+    @abc.abstractmethod
+    def stage_rows(self) -> tuple[str | None, str | None, str | None]:
+        """What the plan's stages show of the site: its call in stage 2 (ahead of the
+        value), on the forward pass, and on the backward pass (None where it has none)."""
+
+
+class AbstractAhead(AbstractSchedule):
+    """A schedule that runs the site's expensive call in stage 2, ahead of the value:
+    concurrently with the other such sites, from what stage 1 computed for it (always a
+    site at the top level of the program, with a position)."""
+
+    position: eqx.AbstractVar[int]  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractVar, frozen: a narrower type is sound)
+
+    @abc.abstractmethod
+    def stage1_cotangents(self, ins: list, ys: list, traced: list | None) -> Any:
+        """The cotangents stage 2 gives the site: `traced`, what stage 1 read off the
+        backward program for it (None when it takes none), with `ins` the program's inputs
+        and `ys` zeros for every site's output."""
+
+    @property
+    @abc.abstractmethod
+    def impl(self) -> Callable[..., Any] | None:
+        """The implementation its stage-2 call runs (None for a `fused` made there)."""
+
+    @property
+    @abc.abstractmethod
+    def leaves_program(self) -> bool:
+        """Whether its stage-2 call runs outside the XLA program anyway: on the host
+        (`dx.host`), or as two compiled halves on threads (`dx.fuse`, or a `fused` made from
+        `fwd` and `adjoint`/`bwd`). Such work leaves through a callback, which JAX cannot
+        differentiate."""
+
+    @abc.abstractmethod
+    def call(self, operands: list, cts: Any) -> tuple:
+        """Its stage-2 call: `(y, ct_x)`, output leaves and, for a deferred site, the
+        cotangents of the differentiable leaves of its input (None otherwise)."""
+
+    @abc.abstractmethod
+    def stage3(self, y: list, ct_x: Any) -> tuple[Callable[..., Any], dict]:
+        """`(handler, wraps)`: what stage 3 runs in place of the site's equation (as
+        `handler(eqn, operands)`), given stage 2's results, and the wrappers of variables
+        of the program it needs (a basis site's frontier variables)."""

@@ -1,0 +1,152 @@
+"""The deferred schedule: one `fused(x, ct_y)` call in stage 2 for the output and the input
+cotangent, from the cotangent stage 1 computed ahead of the value (the static check proved
+that it needs no expensive output); stage 3 replays both."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .. import _site
+from .._implementation._abstract import AbstractFused, AbstractImplementation
+from .._misc import zero_like
+from .._plan import _cost
+from .._plan._cost import Estimates
+from .._plan._plan import Schedule
+from .._site import Spec
+from ._abstract import AbstractAhead, stage_label
+from ._returning import returning
+
+
+def _replayed_cotangents(args, ct_y):
+    _, y, ct_operands = args
+    # The static check proved that `ct_y` equals the cotangent `fused` was given.
+    return ct_operands, jtu.tree_map(zero_like, y), jtu.tree_map(zero_like, ct_operands)
+
+
+# `replay(operands, y, ct_operands)`: a deferred site's output `y`, computed in stage 2; the
+# backward pass gives the operands the cotangents stage 2 computed with them.
+replay = returning(1, _replayed_cotangents)
+
+
+def estimate(spec: _site.Spec, k: int) -> _cost.Estimates:
+    """The estimates for site `spec` on `k` cotangents: one job when its forward and
+    adjoints share one call (`fused_batch`, or a traced `fused` batched over them).
+
+    Under `vmap`, each example's job gets all `k`, of which those of the other examples
+    are zero there when the frontier is batched like the output (a loss of each example's
+    overlaps): a site that solves only rows that are not multiples of others (`linear`
+    in its `cost`, as `dx.sparse_solve`) is estimated on its example's share, like one
+    site of the loop over the examples."""
+    static = spec.static
+    if spec.axes and static.cost is not None and static.cost.linear:
+        k = math.ceil(k / math.prod(spec.sizes))
+    fused = static.fused
+    one_job = not isinstance(fused, AbstractImplementation) or fused.batch_in_one_job
+    workers = fused.jobs_at_once if isinstance(fused, AbstractImplementation) and not one_job else 1
+    complex_out = any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in spec.y_structs)
+    shapes = tuple(s.shape for s in spec.x_structs)
+    fused_only = static.fwd is None and static.bwd is None and static.adjoint is None
+    fused_jobs = fused_only or (isinstance(fused, AbstractImplementation) and fused.batch_jobs_are_fused)
+    return _cost.estimate(
+        key=static.timings_key,
+        shapes=shapes,
+        hint=static.cost,
+        k=k,
+        complex_out=complex_out,
+        one_job=one_job,
+        fused_only=fused_only,
+        workers=workers,
+        fused_jobs=fused_jobs,
+    )
+
+
+def made_here(spec: Spec) -> bool:
+    """Whether a deferred site's `fused` is made from its `fwd` and its `adjoint` or `y`-free
+    `bwd` (it has none of its own)."""
+    return spec.static.fused is None and spec.static.fused_batch is None
+
+
+def fused_label(spec: Spec) -> str:
+    """How the plan's stages name a deferred site's call: its `fused`, or the halves it is
+    made from."""
+    static = spec.static
+    if made_here(spec):
+        return stage_label(spec, "fwd + " + ("adjoint" if static.adjoint is not None else "bwd"))
+    return stage_label(spec, "fused")
+
+
+class Deferred(AbstractAhead):
+    """A site on the deferred schedule."""
+
+    spec: Spec
+    position: int
+    reason: None = None
+    location: None = None
+    k: None = None
+    n: None = None
+    estimates: Estimates = eqx.field(kw_only=True)
+    label: ClassVar[Schedule] = "deferred"  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
+    defers: ClassVar[bool] = True  # pyright: ignore[reportIncompatibleVariableOverride]
+    from_backward: ClassVar[tuple[str, ...]] = ("ct", "op")  # pyright: ignore[reportIncompatibleVariableOverride]
+
+    @staticmethod
+    def estimate(spec: Spec) -> Estimates:
+        """The estimates of the standard and the deferred schedule."""
+        return estimate(spec, 1)
+
+    def stage_rows(self) -> tuple[str | None, str | None, str | None]:
+        return fused_label(self.spec), None, None
+
+    def stage1_cotangents(self, ins: list, ys: list, traced: list | None) -> Any:
+        return traced
+
+    @property
+    def impl(self) -> Any:
+        return None if made_here(self.spec) else self.spec.static.fused
+
+    @property
+    def leaves_program(self) -> bool:
+        return made_here(self.spec) or isinstance(self.impl, AbstractImplementation)
+
+    def call(self, operands: list, cts: Any) -> tuple:
+        """`fused(x, ct_y)` over every batch level: output leaves, and the cotangents of the
+        differentiable leaves of `x` shaped like their operands. A site without a `fused`
+        (`derived`) gets one made from its `fwd` and `adjoint` (or `y`-free `bwd`)."""
+        spec, derived = self.spec, made_here(self.spec)
+        n_fn = spec.n_fn
+        diff = spec.diff
+
+        def one(fn_leaves, x_leaves, ct_leaves):
+            fn = spec.fn(fn_leaves)
+            y, ct_x = fn.run_fused(spec.x(x_leaves), jtu.tree_unflatten(spec.y_tree, list(ct_leaves)))
+            return jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_x), diff, strict=True) if d]
+
+        def axes_of(level):
+            return (list(level[:n_fn]), list(level[n_fn:]), [0] * len(spec.y_structs))
+
+        batched_impl = any(a is not None for level, _ in spec.axes for a in level[:n_fn])
+        concurrent = derived or isinstance(spec.static.fused, AbstractFused)
+        if concurrent and not batched_impl:
+            # `dx.fuse` (or one made here): the whole batch's forward and adjoint on two threads
+            fn = spec.fn(operands[:n_fn])
+            impl = fn.derived_fused() if derived else fn.fused
+            assert isinstance(impl, AbstractFused)  # (as `concurrent` says)
+            x, ct_tree = spec.x(operands[n_fn:]), jtu.tree_unflatten(spec.y_tree, list(cts))
+            if spec.axes:
+                x_axes = [jtu.tree_unflatten(spec.x_tree, list(level[n_fn:])) for level, _ in spec.axes]
+                y, ct_x = impl.under_vmap(x, ct_tree, x_axes)
+            else:
+                y, ct_x = fn.run_fused(x, ct_tree) if not derived else impl(x, ct_tree)
+            y, ct_x = jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_x), diff, strict=True) if d]
+        else:
+            y, ct_x = spec.over_levels(one, axes_of)(list(operands[:n_fn]), list(operands[n_fn:]), list(cts))
+        return y, _site.unbatch(spec, ct_x)
+
+    def stage3(self, y: list, ct_x: Any) -> tuple:
+        spec = self.spec
+        return (lambda eqn, ops: replay(ops, y, _site.operand_cotangents(spec, ops, ct_x))), {}

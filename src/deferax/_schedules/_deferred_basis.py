@@ -1,0 +1,201 @@
+"""The deferred-basis schedule: a site whose cotangent is a combination of `k` fixed
+cotangents (its linear frontier). Stage 1 computes the `k` basis cotangents, stage 2 runs
+the forward once and the `k` adjoints in one job, and stage 3 combines the adjoints with
+the frontier variables' own cotangents where those variables are made."""
+
+from __future__ import annotations
+
+import functools as ft
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .. import _jaxpr, _site
+from .._implementation._abstract import AbstractImplementation
+from .._misc import zero_like
+from .._plan._cost import Estimates
+from .._plan._plan import Schedule
+from .._site import Spec
+from ._abstract import AbstractAhead
+from ._deferred import estimate, fused_label, made_here
+from ._returning import returning
+
+
+class Basis(eqx.Module):
+    """The linear frontier of a deferred-basis site.
+
+    **Fields:**
+
+    - `k`: the number of basis cotangents (the real numbers of the frontier).
+    - `variables`: the frontier variables, variables of the program that stage 3 evaluates.
+    - `program`: what stage 1 evaluates for them: the program with every expensive output
+      an input, computing the frontier variables.
+    """
+
+    k: int
+    variables: tuple
+    program: Any
+
+
+def _basis_cotangents(program, variables, ins, ys, position):
+    """The basis cotangents of a basis site: for each real number of each frontier variable
+    (a complex number counts twice: its real, then its imaginary direction), the cotangent
+    of the site's output that the variable's *direct* dependence on it gives, stacked.
+
+    The frontier is linear in the output, so these are exact rows of a fixed Jacobian.
+    "Direct": a frontier variable computed from another one sees it as a constant (its
+    contribution travels through the other's cotangent in stage 3), so that
+    `ct_y = sum_j ct_z[j] * row_j` holds with `ct_z` the variables' cotangents.
+    """
+    n_in = len(ins) + len(jtu.tree_leaves(ys))
+    ns = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in program.jaxpr.invars[n_in:]]
+    wanted = set(variables)
+
+    def frontier_of(y_p):
+        ys_ = list(ys)
+        ys_[position] = y_p
+        seen = {}
+
+        def record(v):
+            def f(value):
+                seen[v] = value
+                return jax.lax.stop_gradient(value)
+
+            return f
+
+        _jaxpr.interpret(program, [*ins, *jtu.tree_leaves(ys_), *ns], wrap={v: record(v) for v in wanted})
+        return [seen[v] for v in variables]
+
+    values, vjp = jax.vjp(frontier_of, ys[position])
+    seeds = []
+    for i, v in enumerate(values):
+        units = [jnp.eye(v.size, dtype=v.dtype)]
+        if jnp.iscomplexobj(v):
+            units.append(1j * units[0])
+        for unit in units:
+            rows = unit.shape[0]
+            seeds.append(
+                [
+                    jnp.reshape(unit, (rows, *v.shape)) if j == i else jnp.zeros((rows, *w.shape), w.dtype)
+                    for j, w in enumerate(values)
+                ]
+            )
+    batch = [jnp.concatenate([s[j] for s in seeds]) for j in range(len(values))]
+    (basis,) = jax.vmap(vjp)(batch)
+    return basis
+
+
+def _frontier_cotangents(spec: Spec, rows: slice, args, ct_z):
+    _, operands, ct_xs = args
+    a = _site.flatten_tangent(ct_z, ct_z)  # the order of the basis rows
+
+    def combine(c):
+        c = c[rows]
+        coefficients = jnp.reshape(a, (-1,) + (1,) * (c.ndim - 1)).astype(c.dtype)
+        return jnp.sum(jnp.where(c == 0, jnp.zeros((), c.dtype), coefficients * c), axis=0)
+
+    diff_cts = [combine(c) for c in ct_xs]
+    return (ct_z, _site.operand_cotangents(spec, operands, diff_cts), jtu.tree_map(zero_like, ct_xs))
+
+
+def frontier_cotangent(spec: Spec, rows: slice):
+    """Where a frontier variable `z` of a basis site is made: `frontier_cotangent(spec,
+    rows)(z, operands, ct_xs)` is `z` itself, whose backward pass also gives the site's
+    operands their cotangent. The coefficients are `z`'s own cotangent, exactly (no
+    projection): `ct_x = sum_j ct_z[j] * ct_x_j` over the precomputed input cotangents of
+    this variable's basis cotangents, with a zero entry of `ct_x_j` contributing zero
+    whatever `ct_z[j]` is: an infinite slope then gives `inf` where the standard
+    schedule's adjoint would, not NaN everywhere."""
+    return returning(0, ft.partial(_frontier_cotangents, spec, rows))
+
+
+class DeferredBasis(AbstractAhead):
+    """A site on the deferred-basis schedule: its frontier (`basis`), and the operation and
+    user line that make its cotangent depend on an output (`location`)."""
+
+    spec: Spec
+    position: int
+    reason: None = None
+    location: str | None = eqx.field(kw_only=True)
+    k: int = eqx.field(kw_only=True)
+    n: None = None
+    estimates: Estimates = eqx.field(kw_only=True)
+    basis: Basis = eqx.field(kw_only=True)
+    label: ClassVar[Schedule] = "deferred-basis"  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
+    defers: ClassVar[bool] = True  # pyright: ignore[reportIncompatibleVariableOverride]
+    from_backward: ClassVar[tuple[str, ...]] = ("op",)  # pyright: ignore[reportIncompatibleVariableOverride]
+
+    @staticmethod
+    def estimate(spec: Spec, k: int) -> Estimates:
+        """The estimates of the standard and the deferred-basis schedule on `k` cotangents."""
+        return estimate(spec, k)
+
+    def stage_rows(self) -> tuple[str | None, str | None, str | None]:
+        return fused_label(self.spec) + f" (k={self.k} cotangents)", None, None
+
+    def stage1_cotangents(self, ins: list, ys: list, traced: list | None) -> Any:
+        return _basis_cotangents(self.basis.program, self.basis.variables, ins, ys, self.position)
+
+    @property
+    def impl(self) -> Any:
+        static = self.spec.static
+        if made_here(self.spec):
+            return None
+        return static.fused_batch if static.fused_batch is not None else static.fused
+
+    @property
+    def leaves_program(self) -> bool:
+        return made_here(self.spec) or isinstance(self.impl, AbstractImplementation)
+
+    def call(self, operands: list, cts: Any) -> tuple:
+        """The forward and `k` adjoints of a basis site in one job (`fused_batch`, or a `fused`
+        batched over the cotangents): output leaves, and the cotangents of the differentiable
+        leaves of `x` stacked on a leading axis of `k`. Under `vmap` (a site with a
+        `fused_batch`: the analysis keeps the others standard), `fused_batch` batched over the
+        examples (a host one: a job per example), each on all `k` basis cotangents at that
+        example (zero there for those that only other examples' outputs reach)."""
+        spec, derived = self.spec, made_here(self.spec)
+        n_fn = spec.n_fn
+
+        def one(fn_leaves, x_leaves, ct_leaves):
+            fn = spec.fn(fn_leaves)
+            cts_tree = jtu.tree_unflatten(spec.y_tree, list(ct_leaves))
+            x = spec.x(x_leaves)
+            y, ct_xs = fn.derived_fused().batched(x, cts_tree) if derived else fn.run_fused_batch(x, cts_tree)
+            return jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_xs), spec.diff, strict=True) if d]
+
+        if not spec.axes:
+            return one(operands[:n_fn], operands[n_fn:], cts)
+
+        def axes_of(level):  # (the basis cotangents: `k` first, then the batch levels)
+            return (list(level[:n_fn]), list(level[n_fn:]), [1] * len(spec.y_structs))
+
+        y, ct_xs = spec.over_levels(one, axes_of)(list(operands[:n_fn]), list(operands[n_fn:]), list(cts))
+        # (summed over the levels where their operand is not batched; then `k` moved first)
+        x_structs = [s for s, d in zip(spec.x_structs, spec.diff, strict=True) if d]
+        ct_xs = [
+            jnp.moveaxis(c, c.ndim - 1 - len(s.shape), 0)
+            for c, s in zip(_site.unbatch(spec, ct_xs), x_structs, strict=True)
+        ]
+        return y, ct_xs
+
+    def stage3(self, y: list, ct_x: Any) -> tuple:
+        """The output is a constant here; the operands get their cotangent where the frontier
+        variables are made (the operands are recorded when the site is evaluated, before any
+        of its frontier variables is made)."""
+        spec, operands = self.spec, []
+
+        def handler(eqn, ops):
+            operands[:] = [ops]
+            return y
+
+        wraps, start = {}, 0
+        for v in self.basis.variables:
+            size = _jaxpr.frontier_size([v])
+            rows = slice(start, start + size)
+            wraps[v] = lambda z, rows=rows: frontier_cotangent(spec, rows)(z, operands[0], ct_x)
+            start += size
+        return handler, wraps
