@@ -203,6 +203,16 @@ MUTATIONS = [
         ["tests/test_basis.py"],
     ),
     (
+        "a contraction over the examples taken for a per-example frontier",
+        [("_dot_general", "if right is None or right in rc:", "if right is None:")],
+        ["tests/test_vmap_basis.py"],
+    ),
+    (
+        "the per-example coefficients in the order of the examples, not of the rows",
+        [("coefficients", "return flat.T", "return jnp.reshape(flat, flat.shape[::-1])")],
+        ["tests/test_vmap_basis.py"],
+    ),
+    (
         "a site's strategy chosen again in stage 3 (from timings newer than its plan)",
         [("_jvp_strategy", "chosen = None if fixed is None else fixed.get(spec)", "chosen = None")],
         ["tests/test_strategy_planned.py"],

@@ -34,6 +34,7 @@ from .._checks import _messages
 from .._misc import struct_of, structs
 from .._plan import _cost
 from .._plan._plan import Plan
+from .._schedules import _per_example
 from .._schedules._abstract import AbstractAhead, AbstractSchedule
 from .._schedules._deferred import Deferred
 from .._schedules._deferred_basis import Basis, DeferredBasis
@@ -299,13 +300,13 @@ class _Check:
             reason = "its cotangent depends on " + ", ".join(self._source(lab) for lab in sorted(sources, key=str))
         if location is not None:
             reason += f", through {location}"
-        if spec.axes and spec.static.fused_batch is None:
+        basis = self._basis(p)
+        if spec.axes and spec.static.fused_batch is None and basis.example_axes is None:
             reason += "; the basis schedule is used for a site under `vmap` only with a `fused_batch`"
             return Standard(spec=spec, position=p, reason=reason, location=location)
-        basis = self._basis(p)
         limit = spec.static.max_basis
         limit = limit if limit is not None else self.max_basis
-        estimates = DeferredBasis.estimate(spec, basis.k)
+        estimates = DeferredBasis.estimate(spec, basis.k, per_example=basis.example_axes is not None)
         assert estimates.deferred is not None  # (`_cost.estimate` always estimates the deferred schedule)
         if basis.k <= limit if limit is not None else estimates.deferred < estimates.standard:
             ahead = _jaxpr.once_only(basis.program, [True] * len(basis.program.jaxpr.eqns))
@@ -313,10 +314,11 @@ class _Check:
                 reason += "; " + _once_reason("its basis cotangents", ahead)
                 return Standard(spec=spec, position=p, reason=reason, location=location, k=basis.k, estimates=estimates)
             return DeferredBasis(spec=spec, position=p, location=location, k=basis.k, estimates=estimates, basis=basis)
+        each = " per example" if basis.example_axes is not None else ""
         if limit is not None:
-            reason += f"; it is a combination of k={basis.k} fixed cotangents, more than max_basis={limit}"
+            reason += f"; it is a combination of k={basis.k} fixed cotangents{each}, more than max_basis={limit}"
         else:
-            reason += f"; deferring its k={basis.k} fixed cotangents is estimated slower: {estimates}"
+            reason += f"; deferring its k={basis.k} fixed cotangents{each} is estimated slower: {estimates}"
         return Standard(spec=spec, position=p, reason=reason, location=location, k=basis.k, estimates=estimates)
 
     def _tail(self, p):
@@ -337,9 +339,12 @@ class _Check:
         """The linear frontier of the value in site `p`'s output, in the program itself with
         every expensive output (top-level sites and the equations holding nested ones)
         made an input, so that its variables are those that stage 3 evaluates."""
-        frontier = _jaxpr.linear_frontier(*self._tail(p))
+        tail = self._tail(p)
+        frontier = _jaxpr.linear_frontier(*tail)
         program = _jaxpr.computing(self._substituted, frontier)
-        return Basis(k=_jaxpr.frontier_size(frontier), variables=tuple(frontier), program=program)
+        axes = _per_example.example_axes(self.specs[p], tail, frontier)
+        k = _per_example.count(frontier, axes)
+        return Basis(k=k, variables=tuple(frontier), program=program, example_axes=axes)
 
     # ------------------------------------------------------------------ the plan
 

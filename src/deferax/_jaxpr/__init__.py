@@ -10,6 +10,7 @@ tested JAX range is pinned in `pyproject.toml`. One file a concern:
 - `_primitives`: defining a primitive and the helpers its rules need;
 - `_dependence`: which values depend on which sources, and the user line that made it so;
 - `_linearity`: where a program stops being linear in an input;
+- `_example_axes`: which axis of a value indexes the examples of a batch;
 - `_rewrite`: rewriting chosen equations into other code (recognised calls);
 - `_replay`: what cannot run outside the trace that made it, or must run once;
 - `_keys`: cache keys equal for programs that compute the same thing;
@@ -31,6 +32,7 @@ from ._dependence import needed_equations as needed_equations
 from ._dependence import opaque_call as opaque_call
 from ._dependence import under_differentiation as under_differentiation
 from ._dependence import uses_refs as uses_refs
+from ._example_axes import example_axes as example_axes
 from ._keys import structural_key as structural_key
 from ._linearity import frontier_size as frontier_size
 from ._linearity import linear_frontier as linear_frontier

@@ -33,7 +33,7 @@ def _replayed_cotangents(args, ct_y):
 replay = returning(1, _replayed_cotangents)
 
 
-def estimate(spec: _site.Spec, k: int) -> _cost.Estimates:
+def estimate(spec: _site.Spec, k: int, per_example: bool = False) -> _cost.Estimates:
     """The estimates for site `spec` on `k` cotangents: one job when its forward and
     adjoints share one call (`fused_batch`, or a traced `fused` batched over them).
 
@@ -41,9 +41,9 @@ def estimate(spec: _site.Spec, k: int) -> _cost.Estimates:
     are zero there when the frontier is batched like the output (a loss of each example's
     overlaps): a site that solves only rows that are not multiples of others (`linear`
     in its `cost`, as `dx.sparse_solve`) is estimated on its example's share, like one
-    site of the loop over the examples."""
+    site of the loop over the examples. (`per_example`: `k` is counted per example already.)"""
     static = spec.static
-    if spec.axes and static.cost is not None and static.cost.linear:
+    if spec.axes and static.cost is not None and static.cost.linear and not per_example:
         k = math.ceil(k / math.prod(spec.sizes))
     fused = static.fused
     one_job = not isinstance(fused, AbstractImplementation) or fused.batch_in_one_job

@@ -19,6 +19,7 @@ from .._misc import zero_like
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule
 from .._site import Spec
+from . import _per_example
 from ._abstract import AbstractAhead
 from ._deferred import estimate, fused_label, made_here
 from ._returning import returning
@@ -29,18 +30,22 @@ class Basis(eqx.Module):
 
     **Fields:**
 
-    - `k`: the number of basis cotangents (the real numbers of the frontier).
+    - `k`: the number of basis cotangents (the real numbers of the frontier; per example
+      where `example_axes` is given).
     - `variables`: the frontier variables, variables of the program that stage 3 evaluates.
     - `program`: what stage 1 evaluates for them: the program with every expensive output
       an input, computing the frontier variables.
+    - `example_axes`: for a site under `vmap` whose basis is counted per example
+      (`_per_example`), each frontier variable's axis of examples; None otherwise.
     """
 
     k: int
     variables: tuple
     program: Any
+    example_axes: tuple[int, ...] | None = None
 
 
-def _basis_cotangents(program, variables, ins, ys, position):
+def _basis_cotangents(program, variables, ins, ys, position, axes=None):
     """The basis cotangents of a basis site: for each real number of each frontier variable
     (a complex number counts twice: its real, then its imaginary direction), the cotangent
     of the site's output that the variable's *direct* dependence on it gives, stacked.
@@ -48,7 +53,8 @@ def _basis_cotangents(program, variables, ins, ys, position):
     The frontier is linear in the output, so these are exact rows of a fixed Jacobian.
     "Direct": a frontier variable computed from another one sees it as a constant (its
     contribution travels through the other's cotangent in stage 3), so that
-    `ct_y = sum_j ct_z[j] * row_j` holds with `ct_z` the variables' cotangents.
+    `ct_y = sum_j ct_z[j] * row_j` holds with `ct_z` the variables' cotangents. `axes`:
+    a per-example basis's axes of examples (`_per_example`): one seed a row for every example.
     """
     n_in = len(ins) + len(jtu.tree_leaves(ys))
     ns = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in program.jaxpr.invars[n_in:]]
@@ -70,6 +76,8 @@ def _basis_cotangents(program, variables, ins, ys, position):
         return [seen[v] for v in variables]
 
     values, vjp = jax.vjp(frontier_of, ys[position])
+    if axes is not None:  # each example's own rows (`_per_example`)
+        return jax.vmap(vjp)(_per_example.seeds(values, axes))[0]
     seeds = []
     for i, v in enumerate(values):
         units = [jnp.eye(v.size, dtype=v.dtype)]
@@ -88,28 +96,30 @@ def _basis_cotangents(program, variables, ins, ys, position):
     return basis
 
 
-def _frontier_cotangents(spec: Spec, rows: slice, args, ct_z):
+def _frontier_cotangents(spec: Spec, rows: slice, axis: int | None, args, ct_z):
     _, operands, ct_xs = args
-    a = _site.flatten_tangent(ct_z, ct_z)  # the order of the basis rows
+    # the order of the basis rows (per example: `(rows, examples)`)
+    a = _site.flatten_tangent(ct_z, ct_z) if axis is None else _per_example.coefficients(ct_z, axis)
 
     def combine(c):
         c = c[rows]
-        coefficients = jnp.reshape(a, (-1,) + (1,) * (c.ndim - 1)).astype(c.dtype)
+        coefficients = jnp.reshape(a, a.shape + (1,) * (c.ndim - a.ndim)).astype(c.dtype)
         return jnp.sum(jnp.where(c == 0, jnp.zeros((), c.dtype), coefficients * c), axis=0)
 
     diff_cts = [combine(c) for c in ct_xs]
     return (ct_z, _site.operand_cotangents(spec, operands, diff_cts), jtu.tree_map(zero_like, ct_xs))
 
 
-def frontier_cotangent(spec: Spec, rows: slice):
+def frontier_cotangent(spec: Spec, rows: slice, axis: int | None = None):
     """Where a frontier variable `z` of a basis site is made: `frontier_cotangent(spec,
     rows)(z, operands, ct_xs)` is `z` itself, whose backward pass also gives the site's
     operands their cotangent. The coefficients are `z`'s own cotangent, exactly (no
     projection): `ct_x = sum_j ct_z[j] * ct_x_j` over the precomputed input cotangents of
     this variable's basis cotangents, with a zero entry of `ct_x_j` contributing zero
     whatever `ct_z[j]` is: an infinite slope then gives `inf` where the standard
-    schedule's adjoint would, not NaN everywhere."""
-    return returning(0, ft.partial(_frontier_cotangents, spec, rows))
+    schedule's adjoint would, not NaN everywhere. `axis`: a per-example basis's axis of
+    examples in `z`."""
+    return returning(0, ft.partial(_frontier_cotangents, spec, rows, axis))
 
 
 class DeferredBasis(AbstractAhead):
@@ -129,15 +139,17 @@ class DeferredBasis(AbstractAhead):
     from_backward: ClassVar[tuple[str, ...]] = ("op",)  # pyright: ignore[reportIncompatibleVariableOverride]
 
     @staticmethod
-    def estimate(spec: Spec, k: int) -> Estimates:
-        """The estimates of the standard and the deferred-basis schedule on `k` cotangents."""
-        return estimate(spec, k)
+    def estimate(spec: Spec, k: int, per_example: bool = False) -> Estimates:
+        """The estimates of the standard and the deferred-basis schedule on `k` cotangents
+        (`per_example`: `k` counted per example already)."""
+        return estimate(spec, k, per_example=per_example)
 
     def stage_rows(self) -> tuple[str | None, str | None, str | None]:
-        return fused_label(self.spec) + f" (k={self.k} cotangents)", None, None
+        return fused_label(self.spec) + f" ({_per_example.text(self.k, self.basis.example_axes)})", None, None
 
     def stage1_cotangents(self, ins: list, ys: list, traced: list | None) -> Any:
-        return _basis_cotangents(self.basis.program, self.basis.variables, ins, ys, self.position)
+        basis = self.basis
+        return _basis_cotangents(basis.program, basis.variables, ins, ys, self.position, basis.example_axes)
 
     @property
     def impl(self) -> Any:
@@ -153,10 +165,10 @@ class DeferredBasis(AbstractAhead):
     def call(self, operands: list, cts: Any) -> tuple:
         """The forward and `k` adjoints of a basis site in one job (`fused_batch`, or a `fused`
         batched over the cotangents): output leaves, and the cotangents of the differentiable
-        leaves of `x` stacked on a leading axis of `k`. Under `vmap` (a site with a
-        `fused_batch`: the analysis keeps the others standard), `fused_batch` batched over the
-        examples (a host one: a job per example), each on all `k` basis cotangents at that
-        example (zero there for those that only other examples' outputs reach)."""
+        leaves of `x` stacked on a leading axis of `k`. Under `vmap`, batched over the examples
+        (a host one: a job per example), each on its `k` basis cotangents at that example: its
+        own rows for a basis counted per example (`_per_example`), else all `k` (a site with a
+        `fused_batch`; zero there for those that only other examples' outputs reach)."""
         spec, derived = self.spec, made_here(self.spec)
         n_fn = spec.n_fn
 
@@ -193,9 +205,11 @@ class DeferredBasis(AbstractAhead):
             return y
 
         wraps, start = {}, 0
-        for v in self.basis.variables:
-            size = _jaxpr.frontier_size([v])
+        axes = self.basis.example_axes
+        for i, v in enumerate(self.basis.variables):
+            axis = None if axes is None else axes[i]
+            size = _per_example.rows(v, axis)
             rows = slice(start, start + size)
-            wraps[v] = lambda z, rows=rows: frontier_cotangent(spec, rows)(z, operands[0], ct_x)
+            wraps[v] = lambda z, rows=rows, axis=axis: frontier_cotangent(spec, rows, axis)(z, operands[0], ct_x)
             start += size
         return handler, wraps
