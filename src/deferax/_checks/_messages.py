@@ -193,38 +193,3 @@ WIDE_DECLARED = """{call}: {what} declares {found}, a 64-bit dtype. """ + X64_OF
 BAD_DEVICES = """`deferax.set_devices`: `devices` must be None (every local device) or a non-empty list of \
 `jax.Device`s, such as
 `jax.local_devices()[:2]`, but got {found}."""
-
-
-# ----------------------------------------------------------------------------- `dx.sparse_solve`
-
-SPARSE_BAD_PATTERN = """`dx.SparsePattern`: {what}, but got {found}.
-A pattern is the row and column index of each stored entry of an `n x n` matrix:
-
-    dx.SparsePattern(rows=np.array([0, 1, 1]), cols=np.array([0, 0, 1]), n=2)"""
-
-SPARSE_NOT_PATTERN = """`dx.sparse_solve(name={name!r})`: `pattern` must be a `dx.SparsePattern`, but got {found}.
-Make one from the index arrays, or from a SciPy matrix:
-
-    pattern = dx.SparsePattern(rows, cols, n)   # or: values, pattern = dx.SparsePattern.from_scipy(matrix)"""
-
-SPARSE_BAD_OPERAND = """`dx.sparse_solve(name={name!r})`: `{what}` must be {expected}, but got {found}.
-{fix}"""
-
-SPARSE_FIX_VALUES = (
-    "`values[k]` is the entry at `(pattern.rows[k], pattern.cols[k])`; for several systems, `jax.vmap` over `values`."
-)
-
-SPARSE_FIX_B = "`b` is one right-hand side; for several, `jax.vmap` over `b` (the factorisation is shared)."
-
-SPARSE_NO_SCIPY = """`dx.sparse_solve(name={name!r})`: SciPy is not installed, and the solve needs it (the matrix \
-is handed to the
-solver as a `scipy.sparse.csc_matrix`; the default solver is SciPy's `splu`). Install it: `pip install scipy`."""
-
-SPARSE_BAD_SOLVER = "`dx.sparse_solve(name={name!r})`: `solver` must be a `dx.AbstractSparseSolver` (e.g. \
-`dx.SuperLU()`), but got {found!r}."
-
-SPARSE_SINGULAR = """the matrix is singular: {solver} found {why}.
-Check that `values` has no zero (or cancelling) entries on the pivots and that the pattern covers every row and \
-column."""
-
-SPARSE_BAD_COST = "`dx.sparse_solve(name={name!r})`: `cost` must be a `dx.Cost` or None, but got {found!r}."
