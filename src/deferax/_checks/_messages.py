@@ -29,22 +29,6 @@ def tree_text(value: Any) -> str:
     return text
 
 
-NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, `fused(x, ct_y) -> (y, ct_x)` or `jvp(x, \
-t_x) -> (y, t_y)`:
-
-    dx.ExpensiveFn(fwd=simulate, bwd=adjoint)   # or
-    dx.ExpensiveFn(fused=simulate_and_adjoint, out=jax.ShapeDtypeStruct((n,), jnp.float64))"""
-
-NO_OUT = """{call}: the output shape is unknown. With nothing to infer it from ({why}), declare it with `out=`, a \
-pytree of
-`jax.ShapeDtypeStruct` (or a function from the input's structure to one):
-
-    {example}"""
-
-TRACE_FAILED = """{call}: raised by `{impl}`, traced (with `jax.eval_shape`) on the input {x} to infer the \
-output's shape. Check that its configuration (the sizes of the arrays it holds) fits this input."""
-
-
 def out_example(make: str, impls: dict[str, Any]) -> str:
     """How to declare `out=` beside the implementations given (by their names; `...` for a
     lambda): `dx.ExpensiveFn(fused=solve, out=jax.ShapeDtypeStruct((nx, ny), jnp.float64))`."""
@@ -63,10 +47,6 @@ Give seconds (or any one unit for every number), for example:
     dx.Cost(fwd=0.8, bwd=0.9)                       # a forward and an adjoint solve
     dx.Cost(setup=2.0, fwd=0.05, bwd=0.05)          # a factorisation shared by every solve of a job"""
 
-BAD_COST_HINT = """{call}: `cost` must be a `dx.Cost` or None, but got {found!r}. Give what the implementations cost:
-
-    dx.ExpensiveFn(fwd=..., bwd=..., fused=..., cost=dx.Cost(fwd=0.8, bwd=0.9))"""
-
 NOT_CALLABLE = "{call}: `{impl}` must be a callable or None, but got {found!r}."
 
 SIGNATURES = {
@@ -82,8 +62,6 @@ SIGNATURES = {
 
 BAD_SIGNATURE = """{call}: `{impl}` cannot be called as `{expected}`: its signature is `{found}` ({why}).
 Each implementation is called with positional arguments only: `{expected}`."""
-
-BAD_OUT = "{call}: `out` must be a pytree of `jax.ShapeDtypeStruct` or a callable returning one, but got {found!r}."
 
 MISMATCH = """{call}: `{impl}` returned {what} that does not match {against}.
 {detail}
@@ -108,31 +86,13 @@ FUSED_NOT_PAIR = """{call}: `fused` returned {found}, not a pair. `fused(x, ct_y
     def fused(x, ct_y):
         return simulate(x), adjoint(x, ct_y)"""
 
-FORWARD_MODE = """{call}: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`, `jax.linearize`, `jax.hessian`) needs a
-forward-mode implementation, but this function's derivative is {how}, which serves reverse mode only. Give
-`jvp(x, t_x) -> (y, t_y)` (or `jvp_batch(x, t_xs) -> (y, t_ys)` for several tangents at once):
-
-    dx.ExpensiveFn(fwd=simulate, bwd=adjoint, jvp=simulate_with_tangent)
-
-or use reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`)."""
-
 TOO_MANY_TANGENTS = """{call}: reverse-mode differentiation (`jax.grad`, `jax.vjp`, `jax.jacrev`) needs `bwd` or \
 `fused`, or the
 forward-basis strategy: the primal with one tangent per input number. This input has n={n} numbers, more than
 max_tangents={limit}. Give `bwd(x, y, ct_y) -> ct_x` (an adjoint), or raise `max_tangents`."""
 
-BAD_MAX_TANGENTS = "{call}: `max_tangents` must be a non-negative int or None, but got {found!r}."
-
-BAD_PREFER = "{call}: `prefer` must be None, 'standard' or 'forward-basis', but got {found!r}."
-
-PREFER_WITHOUT = "{call}: prefer={prefer!r} needs {give}, which was not given."
-
 NOT_PAIR_IMPL = """{call}: `{impl}` returned {found}, not a pair.
 {rule}"""
-
-NOT_SEPARABLE_JVP = """{call}: `jvp` could not be batched over the tangent with the primal computed once (its output `y`
-depends on the batch under `jax.vmap`, as a host callback's does), so the primal runs {k} times, once per tangent.
-Give `jvp_batch(x, t_xs) -> (y, t_ys)` to compute it once."""
 
 NOT_SCALAR = "{where}: the differentiated function must return a real scalar, but it returned {found}. Return \
 one number (`jnp.sum(...)`, say), or `(value, aux)` with `has_aux=True`."
@@ -169,10 +129,6 @@ ANNOTATION = """{where}: {what} does not match its annotation.
   expected: {expected}
   received: {found}
   dimension bindings so far: {bindings}"""
-
-NOT_SEPARABLE = """{call}: `fused` could not be batched over the cotangent with the primal computed once (its output `y`
-depends on the batch under `jax.vmap`, as a host callback's does), so the primal runs {k} times, once per basis
-cotangent. Give `fused_batch(x, cts) -> (y, ct_xs)` to compute it once."""
 
 BAD_MODE = "`deferax.jacobian`: `mode` must be 'auto', 'forward' or 'reverse', but got {found!r}."
 
