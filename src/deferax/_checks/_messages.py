@@ -94,34 +94,10 @@ max_tangents={limit}. Give `bwd(x, y, ct_y) -> ct_x` (an adjoint), or raise `max
 NOT_PAIR_IMPL = """{call}: `{impl}` returned {found}, not a pair.
 {rule}"""
 
-NOT_SCALAR = "{where}: the differentiated function must return a real scalar, but it returned {found}. Return \
-one number (`jnp.sum(...)`, say), or `(value, aux)` with `has_aux=True`."
-
-EXPLAIN_NOT_LOSS = """`deferax.explain`: `fun` returned {found}, where a real scalar (a loss) was expected. Pass the \
-loss function itself, or the function made from it by `dx.filter_value_and_grad` or `dx.filter_grad` (also under \
-`jax.jit` or `eqx.filter_jit`), with the loss's arguments:
-
-    dx.explain(loss, x)                                # or
-    dx.explain(jax.jit(dx.filter_value_and_grad(loss)), x)"""
-
-DEFERRED_UNDER_DIFFERENTIATION = """{where}: schedule='deferred' was requested inside an enclosing differentiation \
-(`jax.grad`,
-`jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' deferred calls
-run outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from `fwd` and
-`bwd` or `adjoint`, or a host function): {sites}. Use schedule='auto': under differentiation it keeps them standard."""
-
 CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sites cannot be deferred:
 {lines}
 Use schedule='auto' to defer what can be and keep the rest standard, or restructure the loss so that the
 cotangent reaching each expensive output does not depend on an expensive output (see "How the deferred VJP works")."""
-
-NOT_PAIR = "{where}: with `has_aux=True` the differentiated function must return a pair `(value, aux)`, but it \
-returned {found}."
-
-BAD_SCHEDULE = "{where}: `schedule` must be one of 'auto', 'standard' or 'deferred', but got {found!r}."
-
-NO_ARGS = "{where}: the function must be called with at least one positional argument, passed by position (the \
-argument that is differentiated)."
 
 BAD_MAX_BASIS = "{where}: `max_basis` must be {allowed}, but got {found!r}."
 
@@ -129,8 +105,6 @@ ANNOTATION = """{where}: {what} does not match its annotation.
   expected: {expected}
   received: {found}
   dimension bindings so far: {bindings}"""
-
-BAD_MODE = "`deferax.jacobian`: `mode` must be 'auto', 'forward' or 'reverse', but got {found!r}."
 
 BOTH_ADJOINTS = """{call}: give `adjoint(x, ct_y)` or `bwd(x, y, ct_y)`, not both. Prefer `adjoint` (with `combine` \
 if the
