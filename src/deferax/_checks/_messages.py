@@ -41,29 +41,9 @@ def out_example(make: str, impls: dict[str, Any]) -> str:
     return f"{make}({', '.join([*given, 'out=jax.ShapeDtypeStruct((nx, ny), jnp.float64)'])})"
 
 
-BAD_COST = """`dx.Cost`: `{field}` must be {expected}, but got {found!r}.
-Give seconds (or any one unit for every number), for example:
-
-    dx.Cost(fwd=0.8, bwd=0.9)                       # a forward and an adjoint solve
-    dx.Cost(setup=2.0, fwd=0.05, bwd=0.05)          # a factorisation shared by every solve of a job"""
-
 TOO_MANY_TANGENTS = """{call}: reverse-mode differentiation (`jax.grad`, `jax.vjp`, `jax.jacrev`) needs `bwd` or \
 `fused`, or the
 forward-basis strategy: the primal with one tangent per input number. This input has n={n} numbers, more than
 max_tangents={limit}. Give `bwd(x, y, ct_y) -> ct_x` (an adjoint), or raise `max_tangents`."""
 
-CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sites cannot be deferred:
-{lines}
-Use schedule='auto' to defer what can be and keep the rest standard, or restructure the loss so that the
-cotangent reaching each expensive output does not depend on an expensive output (see "How the deferred VJP works")."""
-
 BAD_MAX_BASIS = "{where}: `max_basis` must be {allowed}, but got {found!r}."
-
-ANNOTATION = """{where}: {what} does not match its annotation.
-  expected: {expected}
-  received: {found}
-  dimension bindings so far: {bindings}"""
-
-BAD_DEVICES = """`deferax.set_devices`: `devices` must be None (every local device) or a non-empty list of \
-`jax.Device`s, such as
-`jax.local_devices()[:2]`, but got {found}."""
