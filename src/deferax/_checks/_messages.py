@@ -1,5 +1,8 @@
-"""User-facing messages. Each one names the call, what was expected, what was found, and
-the fix; each has a test that matches its text."""
+"""What the messages of several modules share: how they show a value (`shape_text`,
+`tree_text`, `out_example`), and the messages raised in two modules. A message raised in
+one place is written there, or beside it as a private constant (STYLE.md, "Errors"); each
+names the call, what was expected, what was found, and the fix, and has a test that
+matches its text."""
 
 from typing import Any
 
