@@ -31,8 +31,8 @@ SRC = pathlib.Path(dx.__file__).parent
 # Module-level containers that are constant tables, filled at import and never changed after
 # (each: why it is not state). Anything else mutable belongs to `_runtime`.
 CONSTANTS = {
-    "deferax._checks._messages.SIGNATURES": "the expected signature of each implementation, for messages",
-    "deferax._checks._messages.RULES": "the rule each implementation must follow, for messages",
+    "deferax._checks._checks._SIGNATURES": "the expected signature of each implementation, for messages",
+    "deferax._checks._checks._RULES": "the rule each implementation must follow, for messages",
     "deferax._host._host._METHODS": "how a host implementation is called, by kind",
     "deferax._jaxpr._dependence._CALL_PARAMS": "the parameter holding a call primitive's program, by primitive",
     "deferax._jaxpr._linearity._LINEAR_UNARY": "primitives linear in their operand",

@@ -9,7 +9,6 @@ from typing import Any
 import equinox as eqx
 
 from . import _site
-from ._checks import _messages
 
 _MODES = ("auto", "forward", "reverse")
 
@@ -43,7 +42,7 @@ def jacobian(fun: Callable | None = None, *, has_aux: bool = False, mode: str = 
     `(jacobian, aux)`, with `has_aux=True`).
     """
     if mode not in _MODES:
-        raise ValueError(_messages.BAD_MODE.format(found=mode))
+        raise ValueError(f"`deferax.jacobian`: `mode` must be 'auto', 'forward' or 'reverse', but got {mode!r}.")
     if fun is None:
         return ft.partial(jacobian, has_aux=has_aux, mode=mode)
 

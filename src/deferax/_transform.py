@@ -88,7 +88,10 @@ def _trace(fun, x, args, kwargs, has_aux, explaining: bool = False, recognise: A
         out = fun(eqx.combine(jtu.tree_unflatten(diff_tree, list(leaves_)), nondiff), *args, **kwargs)
         if has_aux:
             if not (isinstance(out, tuple | list) and len(out) == 2):  # (as JAX and Equinox unpack it)
-                raise TypeError(_messages.NOT_PAIR.format(where=_WHERE, found=_messages.tree_text(out)))
+                raise TypeError(
+                    f"{_WHERE}: with `has_aux=True` the differentiated function must return a pair `(value, aux)`, "
+                    f"but it returned {_messages.tree_text(out)}."
+                )
             value, aux = out
         else:
             value, aux = out, None
@@ -108,6 +111,17 @@ def _trace(fun, x, args, kwargs, has_aux, explaining: bool = False, recognise: A
     return _Traced(program, consts, list(leaves), diff_tree, box["aux"] if has_aux else None, recognised)
 
 
+_NOT_SCALAR = "{where}: the differentiated function must return a real scalar, but it returned {found}. Return \
+one number (`jnp.sum(...)`, say), or `(value, aux)` with `has_aux=True`."
+
+_EXPLAIN_NOT_LOSS = """`deferax.explain`: `fun` returned {found}, where a real scalar (a loss) was expected. Pass the \
+loss function itself, or the function made from it by `dx.filter_value_and_grad` or `dx.filter_grad` (also under \
+`jax.jit` or `eqx.filter_jit`), with the loss's arguments:
+
+    dx.explain(loss, x)                                # or
+    dx.explain(jax.jit(dx.filter_value_and_grad(loss)), x)"""
+
+
 def _check_value(value, explaining: bool = False):
     if eqx.is_array_like(value):
         shape, dtype = jnp.shape(value), jnp.result_type(value)
@@ -117,8 +131,8 @@ def _check_value(value, explaining: bool = False):
     else:  # a pytree: `(value, grads)` from a function that differentiates itself, say
         found = _messages.tree_text(value)
     if explaining:
-        raise TypeError(_messages.EXPLAIN_NOT_LOSS.format(found=found))
-    raise TypeError(_messages.NOT_SCALAR.format(where=_WHERE, found=found))
+        raise TypeError(_EXPLAIN_NOT_LOSS.format(found=found))
+    raise TypeError(_NOT_SCALAR.format(where=_WHERE, found=found))
 
 
 class _Compiled:
@@ -183,6 +197,13 @@ def _timings(program) -> tuple:
     return tuple(found)
 
 
+_DEFERRED_UNDER_DIFFERENTIATION = """{where}: schedule='deferred' was requested inside an enclosing differentiation \
+(`jax.grad`,
+`jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' deferred calls
+run outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from `fwd` and
+`bwd` or `adjoint`, or a host function): {sites}. Use schedule='auto': under differentiation it keeps them standard."""
+
+
 def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, recognise, x, args, kwargs):
     if schedule == "standard":
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
@@ -200,7 +221,7 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, re
     outside = [s.spec.name for s in analysis.deferring if s.leaves_program] if differentiated else []
     if outside:
         sites = ", ".join(f"`{name}`" for name in outside)
-        raise ValueError(_messages.DEFERRED_UNDER_DIFFERENTIATION.format(where=_WHERE, sites=sites))
+        raise ValueError(_DEFERRED_UNDER_DIFFERENTIATION.format(where=_WHERE, sites=sites))
     results = None
     if analysis.deferring:
         with _stage("deferax stage 1: operands and cotangents"):
@@ -224,9 +245,13 @@ def _stage(name: str):
         yield
 
 
+_NO_ARGS = "{where}: the function must be called with at least one positional argument, passed by position (the \
+argument that is differentiated)."
+
+
 def _plan(fun, has_aux, schedule, max_basis, recognise, args, kwargs, explaining: bool = False) -> Plan:
     if not args:
-        raise TypeError(_messages.NO_ARGS.format(where=_WHERE))
+        raise TypeError(_NO_ARGS.format(where=_WHERE))
     x, *rest = args
     traced = _trace(fun, x, tuple(rest), kwargs, has_aux, explaining, recognise=recognise)
     plan = analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE).plan
@@ -246,7 +271,7 @@ class _ValueAndGradWrapper(eqx.Module):
 
     def __call__(self, *args, **kwargs):
         if not args:
-            raise TypeError(_messages.NO_ARGS.format(where=_WHERE))
+            raise TypeError(_NO_ARGS.format(where=_WHERE))
         x, *rest = args
         return _value_and_grad(
             self._fun, self._has_aux, self._schedule, self._max_basis, self._recognise, x, tuple(rest), kwargs
@@ -298,7 +323,7 @@ def _check_settings(schedule, max_basis, recognise: bool | str = True):
     if not (recognise is True or recognise is False or (isinstance(recognise, str) and recognise == "always")):
         raise ValueError(_BAD_RECOGNISE.format(found=recognise))
     if schedule not in _SCHEDULES:
-        raise ValueError(_messages.BAD_SCHEDULE.format(where=_WHERE, found=schedule))
+        raise ValueError(f"{_WHERE}: `schedule` must be one of 'auto', 'standard' or 'deferred', but got {schedule!r}.")
     if max_basis is not None and not _checks.is_count(max_basis):
         raise ValueError(
             _messages.BAD_MAX_BASIS.format(where=_WHERE, allowed="a non-negative int or None", found=max_basis)

@@ -147,6 +147,12 @@ def _hint_text(hint: Any) -> str:
     return text
 
 
+_ANNOTATION = """{where}: {what} does not match its annotation.
+  expected: {expected}
+  received: {found}
+  dimension bindings so far: {bindings}"""
+
+
 @typing.no_type_check  # runs in the caller's jaxtyping bindings
 def check(value: Any, hint: Any, where: str, what: str) -> None:
     """Check `value` against `hint` in the current bindings; raise `AnnotationError`."""
@@ -154,7 +160,7 @@ def check(value: Any, hint: Any, where: str, what: str) -> None:
         return
     if not is_bearable(value, hint):
         raise AnnotationError(
-            _messages.ANNOTATION.format(
+            _ANNOTATION.format(
                 where=where,
                 what=what,
                 expected=_hint_text(hint),

@@ -30,7 +30,6 @@ from typing import Any
 import jax
 
 from .. import _jaxpr, _site
-from .._checks import _messages
 from .._misc import struct_of, structs
 from .._plan import _cost
 from .._plan._plan import Plan
@@ -90,6 +89,12 @@ def analyse(
     bwds = bwd_decisions(program) if bwds is None else bwds
     check = _Check(program, n_consts, sites, nested, specs, schedule, max_basis, where, bwds)
     return check.run()
+
+
+_CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sites cannot be deferred:
+{lines}
+Use schedule='auto' to defer what can be and keep the rest standard, or restructure the loss so that the
+cotangent reaching each expensive output does not depend on an expensive output (see "How the deferred VJP works")."""
 
 
 class _Check:
@@ -355,7 +360,7 @@ class _Check:
             refused = [s for s in sites if s.schedule == "standard"]
             if refused:
                 lines = "\n".join(f"  site #{s.index} `{s.name}`: {s.reason}" for s in refused)
-                raise ValueError(_messages.CANNOT_DEFER.format(where=self.where, lines=lines))
+                raise ValueError(_CANNOT_DEFER.format(where=self.where, lines=lines))
         return Plan(sites=sites, stages=_stages(every, ahead), requested=self.schedule, fallback=self.fallback)
 
 

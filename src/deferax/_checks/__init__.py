@@ -1,1 +1,2 @@
-"""Every user-facing message (`_messages`) and the checks that raise them (`_checks`)."""
+"""The checks more than one module makes, with their messages (`_checks`), and what several modules' messages
+share (`_messages`): how values are written, and the messages raised in two places."""

@@ -10,7 +10,10 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .. import _runtime
-from .._checks import _messages
+
+_BAD_DEVICES = """`deferax.set_devices`: `devices` must be None (every local device) or a non-empty list of \
+`jax.Device`s, such as
+`jax.local_devices()[:2]`, but got {found}."""
 
 
 def set_devices(devices: Any = None) -> None:  # (`Any`: a wrong value must reach the message below)
@@ -35,10 +38,10 @@ def set_devices(devices: Any = None) -> None:  # (`Any`: a wrong value must reac
         _runtime.SWITCHES.devices = None
         return
     if isinstance(devices, str | jax.Device) or not isinstance(devices, Sequence) or not devices:
-        raise TypeError(_messages.BAD_DEVICES.format(found=repr(devices)[:80]))
+        raise TypeError(_BAD_DEVICES.format(found=repr(devices)[:80]))
     bad = [d for d in devices if not isinstance(d, jax.Device)]
     if bad:
-        raise TypeError(_messages.BAD_DEVICES.format(found=f"{bad[0]!r:.80} among them"))
+        raise TypeError(_BAD_DEVICES.format(found=f"{bad[0]!r:.80} among them"))
     _runtime.SWITCHES.devices = list(devices)
 
 

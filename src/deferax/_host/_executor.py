@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _record, _runtime
-from .._checks import _messages
 from .._concurrency import _native_threads
 from .._concurrency._serial import SERIAL_LOCK, serialised
 
@@ -155,6 +154,12 @@ def check_picklable(call: str, executor: cf.Executor, impls: dict[str, Callable[
         check_transport(call, *how, impls)
 
 
+_NOT_PICKLABLE = """{call}: `{impl}` cannot be sent to the worker processes of {where}: {pickler} failed with \
+{error}.
+Host functions that run in other processes must be picklable: use functions defined at module level (for Dask, also
+closures over picklable data), and open files, locks and connections inside the function rather than capturing them."""
+
+
 def check_transport(call: str, pickler: str, where: str, impls: dict[str, Callable[..., Any]]) -> None:
     """Raise if a host function cannot be pickled by `pickler` (to reach `where`)."""
     if pickler == "cloudpickle":
@@ -168,7 +173,7 @@ def check_transport(call: str, pickler: str, where: str, impls: dict[str, Callab
             dumps(fn)
         except Exception as e:
             raise TypeError(
-                _messages.HOST_NOT_PICKLABLE.format(call=call, impl=impl, where=where, pickler=pickler, error=_error(e))
+                _NOT_PICKLABLE.format(call=call, impl=impl, where=where, pickler=pickler, error=_error(e))
             ) from e
 
 
@@ -184,22 +189,35 @@ def _lost(e: BaseException) -> bool:
     )
 
 
+_RAISED = """{call}: the host function `{impl}` raised {error} (on {where}).
+The original exception {chained} this error's `original`."""
+
+_LOST = """{call}: the host function `{impl}` did not complete: the worker running it was lost ({error}, on \
+{where}).
+{advice}"""
+
+_ADVICE_PROCESS_POOL = """A `concurrent.futures.ProcessPoolExecutor` cannot be used once one of its workers has \
+died: make a new one.
+A Dask executor (`distributed.Client(...).get_executor()`) runs a job again on another worker when its worker dies."""
+
+_ADVICE_DASK = """The Dask scheduler ran the job again on other workers \
+(`distributed.scheduler.allowed-failures` times) and all of
+them died: the job itself probably kills its worker (a crash, an out-of-memory kill, `os._exit`). Jobs that *raise* are
+retried with `client.get_executor(retries=n)`."""
+
+
 def _failure(call: str, executor: cf.Executor, job: Job, e: BaseException) -> HostError:
     where = describe(executor)
     if _lost(e):
         if isinstance(executor, cf.ProcessPoolExecutor):
-            advice = _messages.HOST_ADVICE_PROCESS_POOL
+            advice = _ADVICE_PROCESS_POOL
         elif is_dask(executor):
-            advice = _messages.HOST_ADVICE_DASK
+            advice = _ADVICE_DASK
         else:
-            advice = _messages.HOST_ADVICE_OTHER
-        return HostError(
-            _messages.HOST_LOST.format(call=call, impl=job.impl, error=_error(e), where=where, advice=advice), e
-        )
+            advice = "Submit the job again on a working executor."
+        return HostError(_LOST.format(call=call, impl=job.impl, error=_error(e), where=where, advice=advice), e)
     chained = "is" if isinstance(executor, cf.ThreadPoolExecutor) else "came back from the worker and is"
-    return HostError(
-        _messages.HOST_RAISED.format(call=call, impl=job.impl, error=_error(e), where=where, chained=chained), e
-    )
+    return HostError(_RAISED.format(call=call, impl=job.impl, error=_error(e), where=where, chained=chained), e)
 
 
 def run(
@@ -266,6 +284,14 @@ def _at_once(executor: cf.Executor, jobs: int, workers: int | None = None) -> in
     return jobs if workers is None else min(jobs, workers)
 
 
+_TIMEOUT = """{call}: the host function `{impl}` did not finish within timeout={timeout:g} s (on {where}).
+Jobs not yet started were cancelled; a job already running on a thread keeps its thread until it returns.
+Raise `timeout=` in `dx.host(...)`, or give `timeout=None` to wait without limit."""
+
+_SUBMIT_FAILED = """{call}: the host function `{impl}` could not be submitted to {where}: {error}.
+Give `dx.host(..., executor=...)` an executor that accepts jobs (not one that was shut down)."""
+
+
 def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[Job], check: Any = None) -> list[Any]:
     futures: list[cf.Future] = []
     where = name(executor)
@@ -281,7 +307,7 @@ def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[
             for f in futures:
                 f.cancel()
             raise HostError(
-                _messages.HOST_SUBMIT_FAILED.format(call=call, impl=job.impl, where=name(executor), error=_error(e))
+                _SUBMIT_FAILED.format(call=call, impl=job.impl, where=name(executor), error=_error(e))
             ) from e
     job_of = dict(zip(futures, jobs, strict=True))
     done, pending = cf.wait(futures, timeout=timeout, return_when=cf.FIRST_EXCEPTION)
@@ -298,9 +324,7 @@ def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[
         for f in pending:
             f.cancel()
         job = job_of[next(f for f in futures if f in pending)]
-        raise HostError(
-            _messages.HOST_TIMEOUT.format(call=call, impl=job.impl, timeout=timeout, where=describe(executor))
-        )
+        raise HostError(_TIMEOUT.format(call=call, impl=job.impl, timeout=timeout, where=describe(executor)))
     return [f.result() for f in futures]
 
 

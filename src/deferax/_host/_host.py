@@ -37,17 +37,33 @@ def _raw(tree: PyTree) -> PyTree:
     return jtu.tree_map(raw, tree)
 
 
+_KEY_OUT = """{call}: {what} declares a typed PRNG key ({found}), but a host function returns NumPy arrays, \
+which cannot
+hold one (nor can `jax.pure_callback` return one). Declare the key's raw data, and wrap it after the call:
+
+    data = sim(x)                       # out=jax.ShapeDtypeStruct((2,), jnp.uint32)
+    key = jax.random.wrap_key_data(data)"""
+
+
 def _check_declared(call: str, what: str, declared: PyTree) -> PyTree:
     _checks.check_declared_width(call, what, declared)
     keys = [s for s in jtu.tree_leaves(declared) if jnp.issubdtype(s.dtype, jax.dtypes.prng_key)]
     if keys:
-        raise TypeError(_messages.HOST_KEY_OUT.format(call=call, what=what, found=_messages.shape_text(keys[0])))
+        raise TypeError(_KEY_OUT.format(call=call, what=what, found=_messages.shape_text(keys[0])))
     return declared
 
 
 def _identity(x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
     """The default `combine`: the adjoint's result is the input cotangent."""
     return partial
+
+
+_SECOND_ORDER = """{call}: its host function `{impl}` is being differentiated: a derivative of a derivative \
+(`jax.hessian`, `jax.jacfwd(jax.grad(f))`, `jax.grad(jax.grad(f))`) through a host site, whose host functions JAX
+cannot differentiate. A host site has first-order derivatives: reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`,
+`dx.filter_value_and_grad`) and, with `jvp`, forward mode (`jax.jvp`, `jax.jacfwd`). For second order, make the site
+traceable: `dx.ExpensiveFn` with JAX implementations (`fwd`, `bwd` written with `jax.numpy`; for a sparse solve, a
+dense `jnp.linalg.solve(pattern.todense(values), b)` on a small system), or take finite differences of the gradient."""
 
 
 class _Host(eqx.Module):
@@ -90,7 +106,7 @@ class _Host(eqx.Module):
                 raise
             impl = {"jvp*k": "jvp", "fused*k": "fused", "fwd+adjoint": "adjoint", "fwd+adjoints": "adjoint"}
             impl = impl.get(kind, kind)
-            raise TypeError(_messages.HOST_SECOND_ORDER.format(call=runner.call, impl=impl)) from e
+            raise TypeError(_SECOND_ORDER.format(call=runner.call, impl=impl)) from e
 
     def _combine(self, x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
         """`combine(x, y, partial)`; a wrong result is reported as `combine`'s (it would
@@ -173,6 +189,24 @@ class HostImplementation(AbstractImplementation):
 
     def __call__(self, *args: Any) -> Any:
         return _METHODS[self.impl](self.host, *args)
+
+
+_NO_OUT = """{call}: host functions cannot be traced by JAX, so the output's shape and dtype must be declared \
+with `out=`,
+a pytree of `jax.ShapeDtypeStruct` (or a function from the input's structure to one):
+
+    {example}"""
+
+_NO_PRIMAL = """{call}: nothing computes the output. Give the forward host function `fwd(x) -> y`, or `fused(x, \
+ct_y) -> (y, ct_x)`:
+
+    dx.host(simulate, adjoint=simulate_adjoint, out=...)"""
+
+_BATCH_WITHOUT_FUSED = """{call}: `fused_batch` was given without `fused`. It serves the deferred-basis \
+schedule; the deferred
+schedule needs `fused(x, ct_y) -> (y, ct_x)` for one cotangent:
+
+    dx.host(simulate, bwd=..., fused=simulate_and_adjoint, fused_batch=simulate_and_adjoints, out=...)"""
 
 
 # `executor` and `timeout` typed `Any`: a wrong value must reach the checks below, whose messages name the function.
@@ -304,16 +338,16 @@ def host(
     call = _checks.title(name)
     _checks.check_implementations(call, impls)
     if fwd is None and fused is None and jvp is None and jvp_batch is None:
-        raise TypeError(_messages.HOST_NO_PRIMAL.format(call=call))
+        raise TypeError(_NO_PRIMAL.format(call=call))
     if out is None:
-        raise TypeError(_messages.HOST_NO_OUT.format(call=call, example=_messages.out_example("dx.host", impls)))
+        raise TypeError(_NO_OUT.format(call=call, example=_messages.out_example("dx.host", impls)))
     _checks.check_adjoint_split(call, adjoint, bwd, combine=combine, adjoint_out=adjoint_out)
     if fused_batch is not None and fused is None:
-        raise TypeError(_messages.HOST_BATCH_WITHOUT_FUSED.format(call=call))
+        raise TypeError(_BATCH_WITHOUT_FUSED.format(call=call))
     executor = _checked_executor(call, executor)
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            raise ValueError(_messages.HOST_BAD_TIMEOUT.format(call=call, found=timeout))
+            raise ValueError(f"{call}: `timeout` must be a positive number of seconds or None, but got {timeout!r}.")
         timeout = float(timeout)
     if executor is not None:
         _executor.check_picklable(call, executor, {k: v for k, v in impls.items() if v is not None and k != "combine"})
@@ -390,12 +424,18 @@ def on_executor(fn: ExpensiveFn, executor: Any) -> ExpensiveFn:
     return _with_runner(fn, executor=executor)
 
 
+_BAD_EXECUTOR = """{call}: `executor` must be a `concurrent.futures.Executor` (a `ThreadPoolExecutor`, a \
+`ProcessPoolExecutor`,
+`distributed.Client(...).get_executor()`), a Dask `distributed.Client`, or None for deferax's thread pool, but got \
+{found!r}."""
+
+
 def _checked_executor(call: str, executor: Any) -> Any:
     """`executor=` as jobs are submitted to it (a Dask `distributed.Client` wrapped), or the
     error that says what it may be."""
     executor = _executor.as_executor(executor)
     if executor is not None and not isinstance(executor, cf.Executor):
-        raise TypeError(_messages.HOST_BAD_EXECUTOR.format(call=call, found=executor))
+        raise TypeError(_BAD_EXECUTOR.format(call=call, found=executor))
     return executor
 
 

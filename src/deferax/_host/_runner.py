@@ -163,6 +163,27 @@ class _Call:
     why: str
 
 
+_MISMATCH = """{call}: the host function `{impl}` returned {found}, where {expected} was expected ({why}).
+A host function must return NumPy arrays with exactly the declared shapes and dtypes (convert with
+`np.asarray(value, dtype=...)`), or the declaration must be corrected."""
+
+# What a host function's result must be, for `_MISMATCH`.
+_EXPECTED_BY_OUT = "declared by `out=`"
+
+_EXPECTED_LIKE_X = "a cotangent shaped like the input `x`"
+
+_EXPECTED_PAIR = "a pair `(y, ct_x)`: `y` declared by `out=`, `ct_x` shaped like the input `x`"
+
+_EXPECTED_PAIR_BATCH = "a pair `(y, ct_xs)`: `y` declared by `out=`, `ct_xs` shaped like the input `x` with a \
+leading axis of one cotangent each"
+
+_EXPECTED_PAIR_JVP = "a pair `(y, t_y)`: both declared by `out=`"
+
+_EXPECTED_PAIR_JVP_BATCH = (
+    "a pair `(y, t_ys)`: `y` declared by `out=`, `t_ys` the same with a leading axis of one tangent each"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Runner:
     """The host side of a host `ExpensiveFn`: plans the jobs for a request, runs them, checks
@@ -221,13 +242,13 @@ class Runner:
 
     def _plan(self, kind: str, result: PyTree, args: tuple) -> tuple[list[_Call], Callable[[list], Any]]:
         one_call = {
-            "fwd": (self.fwd, _messages.EXPECTED_BY_OUT),
+            "fwd": (self.fwd, _EXPECTED_BY_OUT),
             "adjoint": (self.adjoint, self.adjoint_why),
-            "bwd": (self.bwd, _messages.EXPECTED_LIKE_X),
-            "fused": (self.fused, _messages.EXPECTED_PAIR),
-            "jvp": (self.jvp, _messages.EXPECTED_PAIR_JVP),
-            "fused_batch": (self.fused_batch, _messages.EXPECTED_PAIR_BATCH),
-            "jvp_batch": (self.jvp_batch, _messages.EXPECTED_PAIR_JVP_BATCH),
+            "bwd": (self.bwd, _EXPECTED_LIKE_X),
+            "fused": (self.fused, _EXPECTED_PAIR),
+            "jvp": (self.jvp, _EXPECTED_PAIR_JVP),
+            "fused_batch": (self.fused_batch, _EXPECTED_PAIR_BATCH),
+            "jvp_batch": (self.jvp_batch, _EXPECTED_PAIR_JVP_BATCH),
         }
         if kind in one_call:
             fn, why = one_call[kind]
@@ -236,7 +257,7 @@ class Runner:
         out_struct, second = result
         if kind == "fwd+adjoint":
             calls = [
-                _Call("fwd", _given(self.fwd), (x,), out_struct, _messages.EXPECTED_BY_OUT),
+                _Call("fwd", _given(self.fwd), (x,), out_struct, _EXPECTED_BY_OUT),
                 _Call("adjoint", _given(self.adjoint), (x, ct), second, self.adjoint_why),
             ]
             return calls, tuple
@@ -245,14 +266,12 @@ class Runner:
         row_struct = _unstack(second)
         if kind == "jvp*k":  # `jvp` once per tangent, all submitted together; `y` from the first
             calls = [
-                _Call("jvp", _given(self.jvp), (x, row), (out_struct, row_struct), _messages.EXPECTED_PAIR_JVP)
-                for row in rows
+                _Call("jvp", _given(self.jvp), (x, row), (out_struct, row_struct), _EXPECTED_PAIR_JVP) for row in rows
             ]
             return calls, lambda r: (r[0][0] if r else _zeros(out_struct), _stack([p[1] for p in r], row_struct))
         if kind == "fused*k":  # `fused` once per cotangent; `y` from the first
             calls = [
-                _Call("fused", _given(self.fused), (x, row), (out_struct, row_struct), _messages.EXPECTED_PAIR)
-                for row in rows
+                _Call("fused", _given(self.fused), (x, row), (out_struct, row_struct), _EXPECTED_PAIR) for row in rows
             ]
             return calls, lambda r: (r[0][0] if r else _zeros(out_struct), _stack([p[1] for p in r], row_struct))
         # "fwd+adjoints": the forward once and the adjoints, all at the same time
@@ -260,7 +279,7 @@ class Runner:
             recipe, unique = _multiples(rows, row_struct)
         else:
             recipe, unique = [(j, 1.0) for j in range(k)], list(range(k))
-        calls = [_Call("fwd", _given(self.fwd), (x,), out_struct, _messages.EXPECTED_BY_OUT)]
+        calls = [_Call("fwd", _given(self.fwd), (x,), out_struct, _EXPECTED_BY_OUT)]
         calls += [_Call("adjoint", _given(self.adjoint), (x, rows[j]), row_struct, self.adjoint_why) for j in unique]
 
         def assemble(r):
@@ -363,7 +382,7 @@ class Runner:
         )
         if not ok:
             raise ValueError(
-                _messages.HOST_MISMATCH.format(
+                _MISMATCH.format(
                     call=self.call,
                     impl=c.impl,
                     found=_messages.tree_text(r),

@@ -31,7 +31,6 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Inexact
 
 from .. import _record, _runtime
-from .._checks import _messages
 from .._implementation._expensive import ExpensiveFn
 from .._plan import _cost
 from .._plan._cost import Cost
@@ -39,6 +38,11 @@ from . import _affinity, _executor
 from ._host import host, on_executor, timing_its_own
 from ._runner import _multiples
 from ._sparse_solver import AbstractSparseSolver, SuperLU
+
+_BAD_PATTERN = """`dx.SparsePattern`: {what}, but got {found}.
+A pattern is the row and column index of each stored entry of an `n x n` matrix:
+
+    dx.SparsePattern(rows=np.array([0, 1, 1]), cols=np.array([0, 0, 1]), n=2)"""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -64,18 +68,18 @@ class SparsePattern:
     def __post_init__(self):
         n = self.n
         if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
-            raise ValueError(_messages.SPARSE_BAD_PATTERN.format(what="`n` must be a positive int", found=repr(n)))
+            raise ValueError(_BAD_PATTERN.format(what="`n` must be a positive int", found=repr(n)))
         for what, given in (("rows", self.rows), ("cols", self.cols)):
             a = np.asarray(given)
             if a.ndim != 1 or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
                 raise ValueError(
-                    _messages.SPARSE_BAD_PATTERN.format(
+                    _BAD_PATTERN.format(
                         what=f"`{what}` must be a 1-D integer array", found=f"{a.dtype.name}{list(a.shape)}"
                     )
                 )
             if a.size and (a.min() < 0 or a.max() >= n):
                 raise ValueError(
-                    _messages.SPARSE_BAD_PATTERN.format(
+                    _BAD_PATTERN.format(
                         what=f"every entry of `{what}` must be in [0, n) = [0, {n})",
                         found=f"entries from {a.min()} to {a.max()}",
                     )
@@ -85,7 +89,7 @@ class SparsePattern:
             object.__setattr__(self, what, a)
         if self.rows.shape != self.cols.shape:
             raise ValueError(
-                _messages.SPARSE_BAD_PATTERN.format(
+                _BAD_PATTERN.format(
                     what="`rows` and `cols` must have the same length",
                     found=f"{self.rows.size} rows and {self.cols.size} cols",
                 )
@@ -152,9 +156,7 @@ class SparsePattern:
         """`(values, pattern)` of a square SciPy sparse matrix (any format), in COO order."""
         coo = matrix.tocoo()
         if coo.shape[0] != coo.shape[1]:
-            raise ValueError(
-                _messages.SPARSE_BAD_PATTERN.format(what="the matrix must be square", found=f"shape {coo.shape}")
-            )
+            raise ValueError(_BAD_PATTERN.format(what="the matrix must be square", found=f"shape {coo.shape}"))
         return np.asarray(coo.data), cls(coo.row, coo.col, coo.shape[0])
 
     def todense(self, values: ArrayLike) -> Inexact[Array, "n n"]:
@@ -720,6 +722,25 @@ def _solve_site(
     return timing_its_own(fn, solve, scope=solve.request, adopt=solve.adopt)
 
 
+_NOT_PATTERN = """`dx.sparse_solve(name={name!r})`: `pattern` must be a `dx.SparsePattern`, but got {found}.
+Make one from the index arrays, or from a SciPy matrix:
+
+    pattern = dx.SparsePattern(rows, cols, n)   # or: values, pattern = dx.SparsePattern.from_scipy(matrix)"""
+
+_BAD_OPERAND = """`dx.sparse_solve(name={name!r})`: `{what}` must be {expected}, but got {found}.
+{fix}"""
+
+_FIX_VALUES = (
+    "`values[k]` is the entry at `(pattern.rows[k], pattern.cols[k])`; for several systems, `jax.vmap` over `values`."
+)
+
+_FIX_B = "`b` is one right-hand side; for several, `jax.vmap` over `b` (the factorisation is shared)."
+
+_NO_SCIPY = """`dx.sparse_solve(name={name!r})`: SciPy is not installed, and the solve needs it (the matrix \
+is handed to the
+solver as a `scipy.sparse.csc_matrix`; the default solver is SciPy's `splu`). Install it: `pip install scipy`."""
+
+
 # `pattern` and `solver` typed `Any` so that a wrong value reaches the checks below, whose
 # messages name the call.
 def sparse_solve(
@@ -822,25 +843,26 @@ lam = ct_x` with the forward's factorisation |
         ```
     """
     if importlib.util.find_spec("scipy") is None:
-        raise ImportError(_messages.SPARSE_NO_SCIPY.format(name=name))
+        raise ImportError(_NO_SCIPY.format(name=name))
     if not isinstance(pattern, SparsePattern):
-        raise TypeError(_messages.SPARSE_NOT_PATTERN.format(name=name, found=_found(pattern)))
+        raise TypeError(_NOT_PATTERN.format(name=name, found=_found(pattern)))
     solver = SuperLU() if solver is None else solver
     if not isinstance(solver, AbstractSparseSolver):
-        raise TypeError(_messages.SPARSE_BAD_SOLVER.format(name=name, found=solver))
+        raise TypeError(
+            f"`dx.sparse_solve(name={name!r})`: `solver` must be a `dx.AbstractSparseSolver` (e.g. `dx.SuperLU()`), "
+            f"but got {solver!r}."
+        )
     values, b = jnp.asarray(values), jnp.asarray(b)
     for what, a, shape, fix in (
-        ("values", values, (pattern.nnz,), _messages.SPARSE_FIX_VALUES),
-        ("b", b, (pattern.n,), _messages.SPARSE_FIX_B),
+        ("values", values, (pattern.nnz,), _FIX_VALUES),
+        ("b", b, (pattern.n,), _FIX_B),
     ):
         if a.shape != shape or not jnp.issubdtype(a.dtype, jnp.inexact):
             expected = f"a real or complex array of shape {shape} (for {pattern!r})"
-            raise ValueError(
-                _messages.SPARSE_BAD_OPERAND.format(name=name, what=what, expected=expected, found=_found(a), fix=fix)
-            )
+            raise ValueError(_BAD_OPERAND.format(name=name, what=what, expected=expected, found=_found(a), fix=fix))
     dtype = np.result_type(np.dtype(values.dtype), np.dtype(b.dtype))
     if cost is not None and not isinstance(cost, Cost):
-        raise TypeError(_messages.SPARSE_BAD_COST.format(name=name, found=cost))
+        raise TypeError(f"`dx.sparse_solve(name={name!r})`: `cost` must be a `dx.Cost` or None, but got {cost!r}.")
     if precision not in ("double", "input"):
         raise ValueError(_BAD_PRECISION.format(name=name, found=precision))
     executor = _affinity.pinned(executor)

@@ -13,7 +13,6 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
-from .._checks import _messages
 from .._concurrency import _native_threads
 
 
@@ -98,6 +97,11 @@ def _structurally_symmetric(matrix: Any) -> bool:
     return (pattern != pattern.T).nnz == 0
 
 
+_SINGULAR = """the matrix is singular: {solver} found {why}.
+Check that `values` has no zero (or cancelling) entries on the pivots and that the pattern covers every row and \
+column."""
+
+
 class SuperLU(AbstractSparseSolver):
     """SciPy's sparse LU factorisation, `scipy.sparse.linalg.splu` (SuperLU), the default
     solver of [`deferax.sparse_solve`][].
@@ -140,9 +144,7 @@ class SuperLU(AbstractSparseSolver):
         except RuntimeError as e:  # SuperLU reports a zero pivot as "Factor is exactly singular"
             if "singular" not in str(e):
                 raise
-            raise np.linalg.LinAlgError(
-                _messages.SPARSE_SINGULAR.format(solver="SuperLU", why=f"a zero pivot ({e})")
-            ) from None
+            raise np.linalg.LinAlgError(_SINGULAR.format(solver="SuperLU", why=f"a zero pivot ({e})")) from None
 
     def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
         with _native_threads.capped(1):

@@ -28,6 +28,38 @@ DEFAULT_MAX_TANGENTS = 8
 STRATEGIES = ("standard", "forward-basis")
 
 
+_NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, `fused(x, ct_y) -> (y, ct_x)` or `jvp(x, \
+t_x) -> (y, t_y)`:
+
+    dx.ExpensiveFn(fwd=simulate, bwd=adjoint)   # or
+    dx.ExpensiveFn(fused=simulate_and_adjoint, out=jax.ShapeDtypeStruct((n,), jnp.float64))"""
+
+_NO_OUT = """{call}: the output shape is unknown. With nothing to infer it from ({why}), declare it with `out=`, a \
+pytree of
+`jax.ShapeDtypeStruct` (or a function from the input's structure to one):
+
+    {example}"""
+
+_TRACE_FAILED = """{call}: raised by `{impl}`, traced (with `jax.eval_shape`) on the input {x} to infer the \
+output's shape. Check that its configuration (the sizes of the arrays it holds) fits this input."""
+
+_BAD_COST_HINT = """{call}: `cost` must be a `dx.Cost` or None, but got {found!r}. Give what the implementations cost:
+
+    dx.ExpensiveFn(fwd=..., bwd=..., fused=..., cost=dx.Cost(fwd=0.8, bwd=0.9))"""
+
+_BAD_OUT = "{call}: `out` must be a pytree of `jax.ShapeDtypeStruct` or a callable returning one, but got {found!r}."
+
+_NOT_SEPARABLE_JVP = """{call}: `jvp` could not be batched over the tangent with the primal computed once (its output \
+`y`
+depends on the batch under `jax.vmap`, as a host callback's does), so the primal runs {k} times, once per tangent.
+Give `jvp_batch(x, t_xs) -> (y, t_ys)` to compute it once."""
+
+_NOT_SEPARABLE = """{call}: `fused` could not be batched over the cotangent with the primal computed once (its output \
+`y`
+depends on the batch under `jax.vmap`, as a host callback's does), so the primal runs {k} times, once per basis
+cotangent. Give `fused_batch(x, cts) -> (y, ct_xs)` to compute it once."""
+
+
 class ExpensiveFn(eqx.Module):
     """An expensive function with hand-written derivatives that behaves as a JAX function.
 
@@ -157,21 +189,23 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
             raise ValueError(_messages.BAD_MAX_BASIS.format(where=call, allowed=allowed, found=self.max_basis))
         _checks.check_adjoint_split(call, self.adjoint, self.bwd, combine=self.combine)
         if self.cost is not None and not isinstance(self.cost, Cost):
-            raise TypeError(_messages.BAD_COST_HINT.format(call=call, found=self.cost))
+            raise TypeError(_BAD_COST_HINT.format(call=call, found=self.cost))
         if self.max_tangents is not None and not _checks.is_count(self.max_tangents):
-            raise ValueError(_messages.BAD_MAX_TANGENTS.format(call=call, found=self.max_tangents))
+            raise ValueError(
+                f"{call}: `max_tangents` must be a non-negative int or None, but got {self.max_tangents!r}."
+            )
         if self.prefer is not None and self.prefer not in STRATEGIES:
-            raise ValueError(_messages.BAD_PREFER.format(call=call, found=self.prefer))
+            raise ValueError(f"{call}: `prefer` must be None, 'standard' or 'forward-basis', but got {self.prefer!r}.")
         if self.prefer == "forward-basis" and self.jvp is None and self.jvp_batch is None:
-            raise TypeError(_messages.PREFER_WITHOUT.format(call=call, prefer=self.prefer, give="`jvp` or `jvp_batch`"))
+            raise TypeError(f"{call}: prefer={self.prefer!r} needs `jvp` or `jvp_batch`, which was not given.")
         if self.prefer == "standard" and not self.has_vjp:
-            raise TypeError(_messages.PREFER_WITHOUT.format(call=call, prefer=self.prefer, give="`bwd` or `fused`"))
+            raise TypeError(f"{call}: prefer={self.prefer!r} needs `bwd` or `fused`, which was not given.")
         if self.fwd is None and self.fused is None and self.jvp is None and self.jvp_batch is None:
-            raise TypeError(_messages.NO_PRIMAL.format(call=call))
+            raise TypeError(_NO_PRIMAL.format(call=call))
         if self.out is not None and not callable(self.out):
             leaves = jtu.tree_leaves(self.out)
             if not leaves or not all(isinstance(s, jax.ShapeDtypeStruct) for s in leaves):
-                raise TypeError(_messages.BAD_OUT.format(call=call, found=self.out))
+                raise TypeError(_BAD_OUT.format(call=call, found=self.out))
 
     def _impls(self) -> dict[str, Any]:
         return {
@@ -220,7 +254,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         if self.out is not None:
             out = self.out(structs(x)) if callable(self.out) else self.out
             if callable(self.out) and not all(isinstance(s, jax.ShapeDtypeStruct) for s in jtu.tree_leaves(out)):
-                raise TypeError(_messages.BAD_OUT.format(call=self.title, found=out))
+                raise TypeError(_BAD_OUT.format(call=self.title, found=out))
             _checks.check_declared_width(self.title, "`out=`", out)
             return out
         impl = next((impl for impl in ("fwd", "jvp", "jvp_batch") if self._impls()[impl] is not None), None)
@@ -246,14 +280,14 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
                 raise TypeError(self._no_out(f"`{impl}` is not JAX-traceable: {type(e).__name__}")) from e
             # The implementation's own failure (a configuration that does not fit this input):
             # it stands, first, with the site named.
-            note = _messages.TRACE_FAILED.format(call=self.title, impl=impl, x=_messages.tree_text(x))
+            note = _TRACE_FAILED.format(call=self.title, impl=impl, x=_messages.tree_text(x))
             if not str(e).startswith(self.title) and note not in getattr(e, "__notes__", ()):
                 e.add_note(note)
             raise
 
     def _no_out(self, why: str) -> str:
         example = _messages.out_example("dx.ExpensiveFn", self._impls())
-        return _messages.NO_OUT.format(call=self.title, why=why, example=example)
+        return _NO_OUT.format(call=self.title, why=why, example=example)
 
     def check_out(self, x: PyTree, error: Exception) -> None:
         """After `error` in a trace that used the declared `out=` for `x` (structures): raise
@@ -375,7 +409,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
             # one (vmapped) run of `fused`: recorded here, around the batch
             with _record.site(self.name):
                 return _record.recorded("fused", lambda: separable(cts), not is_concrete((x, cts)))
-        warnings.warn(_messages.NOT_SEPARABLE.format(call=self.title, k=k), stacklevel=2)
+        warnings.warn(_NOT_SEPARABLE.format(call=self.title, k=k), stacklevel=2)
         return _output_each(one, cts)
 
     # ------------------------------------------------------------------ forward mode
@@ -414,7 +448,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         separable = _output_once(one, t_xs)
         if separable is not None:
             return separable(t_xs)
-        warnings.warn(_messages.NOT_SEPARABLE_JVP.format(call=self.title, k=k), stacklevel=2)
+        warnings.warn(_NOT_SEPARABLE_JVP.format(call=self.title, k=k), stacklevel=2)
         return _output_each(one, t_xs)
 
     def output_and_jacobian(self, x: PyTree) -> tuple[PyTree, PyTree]:

@@ -51,7 +51,6 @@ import equinox as eqx
 import numpy as np
 
 from .. import _runtime
-from .._checks import _messages
 
 # A host round trip between two stages (a `pure_callback` out of a compiled program and back,
 # and the executor's hand-off): a trivial `dx.host` site under `jit` took 3.0 ms deferred (one
@@ -59,6 +58,13 @@ from .._checks import _messages
 STAGE_SECONDS = 1e-3
 SAMPLES = 3  # timings of a site's first calls, of which the least is kept
 DEFAULT_STAGE = 0.01  # (in units of one forward, with the equal-cost defaults)
+
+
+_BAD_COST = """`dx.Cost`: `{field}` must be {expected}, but got {found!r}.
+Give seconds (or any one unit for every number), for example:
+
+    dx.Cost(fwd=0.8, bwd=0.9)                       # a forward and an adjoint solve
+    dx.Cost(setup=2.0, fwd=0.05, bwd=0.05)          # a factorisation shared by every solve of a job"""
 
 
 class Cost(eqx.Module):
@@ -117,14 +123,12 @@ class Cost(eqx.Module):
         for field, value in self._seconds().items():
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(
-                    _messages.BAD_COST.format(
-                        field=field, expected="a non-negative, finite number or None", found=value
-                    )
+                    _BAD_COST.format(field=field, expected="a non-negative, finite number or None", found=value)
                 )
         workers = self.workers
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             expected = "a positive int or None (taken from the executor)"
-            raise ValueError(_messages.BAD_COST.format(field="workers", expected=expected, found=self.workers))
+            raise ValueError(_BAD_COST.format(field="workers", expected=expected, found=self.workers))
 
     def _seconds(self) -> dict[str, float | None]:
         return {"fwd": self.fwd, "bwd": self.bwd, "setup": self.setup, "stage": self.stage}

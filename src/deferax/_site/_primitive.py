@@ -130,6 +130,16 @@ def _split_linear(spec: Spec, operands):
     return fn_leaves, x_leaves, y_leaves, t_leaves
 
 
+_FORWARD_MODE = """{call}: forward-mode differentiation (`jax.jvp`, `jax.jacfwd`, `jax.linearize`, \
+`jax.hessian`) needs a
+forward-mode implementation, but this function's derivative is {how}, which serves reverse mode only. Give
+`jvp(x, t_x) -> (y, t_y)` (or `jvp_batch(x, t_xs) -> (y, t_ys)` for several tangents at once):
+
+    dx.ExpensiveFn(fwd=simulate, bwd=adjoint, jvp=simulate_with_tangent)
+
+or use reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`)."""
+
+
 def _linear_impl(*operands, spec: Spec):
     """Forward mode: `t_y = J t_x` with `jvp` (or `jvp_batch`), over every batch level; a
     level that batches only the tangents (`jax.jacfwd`) is one `jvp_batch` call."""
@@ -142,7 +152,7 @@ def _linear_impl(*operands, spec: Spec):
             if static.adjoint is not None
             else "derived from `fused`"
         )
-        raise TypeError(_messages.FORWARD_MODE.format(call=static.title, how=how))
+        raise TypeError(_FORWARD_MODE.format(call=static.title, how=how))
     fn_leaves, x_leaves, _, t_leaves = _split_linear(spec, operands)
     n_fn, n_x, n_y = spec.n_fn, spec.n_x, len(spec.y_structs)
     diff = spec.diff
