@@ -775,8 +775,9 @@ lam = ct_x` with the forward's factorisation |
       of `values` and `b`.
     - `solver`: the sparse direct solver, a [`deferax.AbstractSparseSolver`][]; default
       [`deferax.SuperLU`][] (SciPy's `splu`, imported when it first runs), whose column
-      ordering is chosen from the pattern: `"MMD_AT_PLUS_A"` for a structurally symmetric
-      one, `"COLAMD"` otherwise (`dx.SuperLU(permc_spec=...)` chooses it yourself).
+      ordering is chosen for each pattern on its first factorisation: `"COLAMD"` or
+      `"MMD_AT_PLUS_A"`, whichever fills less (`dx.SuperLU(permc_spec=...)` chooses it
+      yourself).
 
     When the matrix equals its transpose (checked exactly on the host, entries at one
     position summed first), an adjoint right-hand side that is a multiple `c b` of `b` (a
@@ -850,8 +851,6 @@ lam = ct_x` with the forward's factorisation |
         kept = "worker"
     else:  # (a process pool: a backward job may land in any of its processes)
         kept = "none"
-    if isinstance(solver, SuperLU) and solver.permc_spec is None:  # (the ordering chosen once, from the pattern)
-        solver = SuperLU(permc_spec=solver.ordering(pattern.structurally_symmetric))
     solve = _Solve(pattern, solver, dtype, name, precision, kept)
     site = _solve_site(solve, timeout, name, max_basis, cost, _not_kept(solve, executor))
     fn = on_executor(site, executor)
