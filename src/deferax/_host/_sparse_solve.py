@@ -577,6 +577,8 @@ class _Solve:
             solved = dict(zip(to_solve, self._solve(lu, rhs, True), strict=True))
         if reuse:  # (`A^-T c b = c A^-1 b = c y` for a matrix equal to its transpose)
             solved[0] = np.asarray(y, self.work)
+            if not to_solve:  # (no adjoint solve: the cost model times it as free)
+                _cost.observe(self, self._shapes, bwd=0.0)
         zero = np.zeros(self.pattern.n, self.work)
         return np.stack([c * solved[u] if u is not None else zero for u, c in recipe])
 

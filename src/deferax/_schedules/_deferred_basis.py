@@ -129,9 +129,10 @@ class DeferredBasis(AbstractAhead):
     from_backward: ClassVar[tuple[str, ...]] = ("op",)  # pyright: ignore[reportIncompatibleVariableOverride]
 
     @staticmethod
-    def estimate(spec: Spec, k: int) -> Estimates:
-        """The estimates of the standard and the deferred-basis schedule on `k` cotangents."""
-        return estimate(spec, k)
+    def estimate(spec: Spec, k: int, peers: int = 1) -> Estimates:
+        """The estimates of the standard and the deferred-basis schedule on `k` cotangents,
+        with `peers` sites like it deferred at once."""
+        return estimate(spec, k, peers)
 
     def stage_rows(self) -> tuple[str | None, str | None, str | None]:
         return fused_label(self.spec) + f" (k={self.k} cotangents)", None, None
