@@ -56,11 +56,14 @@ def estimate(spec: _site.Spec, k: int, peers: int = 1) -> _cost.Estimates:
     are zero there when the frontier is batched like the output (a loss of each example's
     overlaps): a site that solves only rows that are not multiples of others (`linear`
     in its `cost`, as `dx.sparse_solve`) is estimated on its example's share, like one
-    site of the loop over the examples."""
+    site of the loop over the examples; a host site's examples are jobs run at once, as
+    the loop's sites are (`peers`)."""
     static = spec.static
     if spec.axes and static.cost is not None and static.cost.linear:
         k = math.ceil(k / math.prod(spec.sizes))
     fused = static.fused
+    if spec.axes and isinstance(fused, AbstractImplementation):  # (a host site: a job per example, all at once)
+        peers *= math.prod(spec.sizes)
     one_job = not isinstance(fused, AbstractImplementation) or fused.batch_in_one_job
     # (the jobs the executor runs at once: the site's own separate jobs, or its peers' one jobs)
     workers = fused.jobs_at_once if isinstance(fused, AbstractImplementation) and (not one_job or peers > 1) else 1
