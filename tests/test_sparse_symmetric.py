@@ -165,18 +165,24 @@ def test_the_ordering_is_chosen_from_the_pattern(beam, monkeypatch):
     )
     assert dx.SuperLU().ordering(True) == "MMD_AT_PLUS_A" and dx.SuperLU().ordering(False) == "COLAMD"
     assert dx.SuperLU(permc_spec="NATURAL").ordering(True) == "NATURAL"
+    # the first factorisation of a pattern tries both orderings (the rule of thumb's first),
+    # later ones use the one chosen; an ordering given is used alone
     beam.compliance(DENSITIES)
+    beam.compliance(DENSITIES * 0.5)
     unsymmetric = dx.SparsePattern(np.array([0, 0, 1]), np.array([0, 1, 1]), 2)
     dx.sparse_solve(jnp.array([2.0, 1.0, 3.0]), unsymmetric, jnp.array([1.0, 1.0]))
     beam.compliance(DENSITIES, solver=dx.SuperLU(permc_spec="COLAMD"))
-    assert seen == ["MMD_AT_PLUS_A", "COLAMD", "COLAMD"]
-    # the solver used outside `dx.sparse_solve`, on a matrix: chosen from the matrix
+    assert seen == ["MMD_AT_PLUS_A", "COLAMD", "COLAMD", "COLAMD", "MMD_AT_PLUS_A", "COLAMD"]
+    # (on this 12 x 4 beam COLAMD fills less; on the 180 x 60 one, `MMD_AT_PLUS_A`)
+    chosen, fills = dx.SuperLU().chosen(beam.pattern)
+    assert chosen == "COLAMD" and fills["COLAMD"] < fills["MMD_AT_PLUS_A"]
+    # the solver used outside `dx.sparse_solve`, on a matrix: chosen for the matrix's pattern
     import scipy.sparse
 
     seen.clear()
     dx.SuperLU().factor(scipy.sparse.csc_matrix(np.array([[2.0, 1.0], [1.0, 3.0]])))
     dx.SuperLU().factor(scipy.sparse.csc_matrix(np.array([[2.0, 1.0], [0.0, 3.0]])))
-    assert seen == ["MMD_AT_PLUS_A", "COLAMD"]
+    assert seen == ["MMD_AT_PLUS_A", "COLAMD", "COLAMD"]  # (the second's pattern is `unsymmetric`'s: chosen)
 
 
 def test_a_bad_ordering_is_rejected():

@@ -167,6 +167,9 @@ NATIVE = Native()
 EAGER_CACHE: collections.OrderedDict = collections.OrderedDict()
 # the backward programs found to run alone (`_jaxpr/_replay.py`)
 REPLAY_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# `dx.SuperLU()`'s column ordering chosen for each sparsity pattern, by (shape, digest of the
+# pattern): the ordering and the fill of each one tried (`_host/_sparse_solver.py`)
+ORDERINGS: dict[tuple, tuple[str, dict[str, int]]] = {}
 
 # ----------------------------------------------------------------------------- registries
 
@@ -226,6 +229,7 @@ def reset() -> None:
     with NATIVE_LOCK:
         NATIVE.found = None
     EAGER_CACHE.clear()
+    ORDERINGS.clear()
     REPLAY_ALONE.clear()
     RECOGNITION_RULES.clear()
     RECOGNITION_BUILTINS.clear()

@@ -35,7 +35,7 @@ from .._plan import _cost
 from .._plan._plan import Plan
 from .._schedules import _per_example
 from .._schedules._abstract import AbstractAhead, AbstractSchedule
-from .._schedules._deferred import Deferred
+from .._schedules._deferred import Deferred, peers
 from .._schedules._deferred_basis import Basis, DeferredBasis
 from .._schedules._early import Early
 from .._schedules._forward_basis import ForwardBasis
@@ -104,6 +104,7 @@ class _Check:
         self.n_in = len(program.jaxpr.invars)
         self.eqn_labels = {i: ("y", k) for k, i in enumerate(sites)} | {i: ("n", i) for i in nested}
         self._substituted = None
+        self._candidates: list[int] = []  # (the sites that may run ahead of the value)
         self.fallback = _fallback(program)
 
     # ------------------------------------------------------------------ the order of the plan
@@ -145,6 +146,7 @@ class _Check:
         if candidates:
             ready = [p for p in range(n) if not upstream[p]]  # operands computable in stage 1
             backward, backward_out, ct_deps, labels = self._backward(candidates, ready)
+            self._candidates = candidates
             once = {p: self._ahead_once(backward, backward_out, p) for p in {*ready, *candidates}}
             for p in candidates:
                 reason = once[p]
@@ -290,8 +292,9 @@ class _Check:
         cotangent (`ct_dep`)."""
         spec = self.specs[p]
         sources, outputs = ct_dep
+        alike = peers(spec, [self.specs[q] for q in self._candidates])  # (sites whose jobs run together)
         if not sources:  # (the same work as standard's in one stage fewer: never slower)
-            return Deferred(spec=spec, position=p, estimates=Deferred.estimate(spec))
+            return Deferred(spec=spec, position=p, estimates=Deferred.estimate(spec, alike))
         location = None
         uses = _jaxpr.nonlinear_uses(*self._tail(p))  # (to name the culprit as the user wrote it)
         for index in outputs:
@@ -311,7 +314,7 @@ class _Check:
             return Standard(spec=spec, position=p, reason=reason, location=location)
         limit = spec.static.max_basis
         limit = limit if limit is not None else self.max_basis
-        estimates = DeferredBasis.estimate(spec, basis.k, per_example=basis.example_axes is not None)
+        estimates = DeferredBasis.estimate(spec, basis.k, alike, per_example=basis.example_axes is not None)
         assert estimates.deferred is not None  # (`_cost.estimate` always estimates the deferred schedule)
         if basis.k <= limit if limit is not None else estimates.deferred < estimates.standard:
             ahead = _jaxpr.once_only(basis.program, [True] * len(basis.program.jaxpr.eqns))

@@ -579,6 +579,8 @@ class _Solve:
             solved = dict(zip(to_solve, self._solve(lu, rhs, True), strict=True))
         if reuse:  # (`A^-T c b = c A^-1 b = c y` for a matrix equal to its transpose)
             solved[0] = np.asarray(y, self.work)
+            if not to_solve:  # (no adjoint solve: the cost model times it as free)
+                _cost.observe(self, self._shapes, bwd=0.0)
         zero = np.zeros(self.pattern.n, self.work)
         return np.stack([c * solved[u] if u is not None else zero for u, c in recipe])
 
@@ -796,8 +798,9 @@ lam = ct_x` with the forward's factorisation |
       of `values` and `b`.
     - `solver`: the sparse direct solver, a [`deferax.AbstractSparseSolver`][]; default
       [`deferax.SuperLU`][] (SciPy's `splu`, imported when it first runs), whose column
-      ordering is chosen from the pattern: `"MMD_AT_PLUS_A"` for a structurally symmetric
-      one, `"COLAMD"` otherwise (`dx.SuperLU(permc_spec=...)` chooses it yourself).
+      ordering is chosen for each pattern on its first factorisation: `"COLAMD"` or
+      `"MMD_AT_PLUS_A"`, whichever fills less (`dx.SuperLU(permc_spec=...)` chooses it
+      yourself).
 
     When the matrix equals its transpose (checked exactly on the host, entries at one
     position summed first), an adjoint right-hand side that is a multiple `c b` of `b` (a
@@ -872,8 +875,6 @@ lam = ct_x` with the forward's factorisation |
         kept = "worker"
     else:  # (a process pool: a backward job may land in any of its processes)
         kept = "none"
-    if isinstance(solver, SuperLU) and solver.permc_spec is None:  # (the ordering chosen once, from the pattern)
-        solver = SuperLU(permc_spec=solver.ordering(pattern.structurally_symmetric))
     solve = _Solve(pattern, solver, dtype, name, precision, kept)
     site = _solve_site(solve, timeout, name, max_basis, cost, _not_kept(solve, executor))
     fn = on_executor(site, executor)

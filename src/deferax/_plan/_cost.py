@@ -4,17 +4,25 @@ Soundness is decided elsewhere (`_analysis`); this module only chooses among the
 already allowed. For a site whose cotangent is a combination of `k` fixed cotangents, the
 choice is between the standard schedule (the forward on the forward pass, one adjoint on
 the backward pass: two stages) and the deferred-basis schedule (the forward and `k`
-adjoints before the value is known: one stage). The estimates, in seconds (or in units of
-one forward when nothing is known):
+adjoints before the value is known: one stage). The estimates count what each schedule
+runs, in seconds (or in units of one forward when nothing is known), per site:
 
     standard        = (setup + fwd) + (setup, unless kept) + bwd + 2 * stage
                       (`fused` alone: two calls, 2 * (setup + fwd + bwd) + 2 * stage)
-    deferred-basis  = one job:      setup + fwd + m * bwd + stage
-                      or m + 1 jobs on `workers`: max(longest job, all jobs / workers) + stage
+    deferred-basis  = one job:      J = setup + fwd + m * bwd
+                      or m + 1 jobs on `workers`: J = [setup + fwd] + m * [setup + bwd]
                       (`fused` alone: m jobs of setup + fwd + bwd)
+                      all `peers` sites' jobs at once on `workers`, this site's share:
+                      max(longest job, peers * sum(J) / workers) / peers + stage
 
 with `m = k`, or `ceil(k / 2)` for an adjoint linear over complex numbers on a complex
-output (a complex overlap's basis cotangents `m` and `1j * m` are one solve). For a site
+output (a complex overlap's basis cotangents `m` and `1j * m` are one solve). `peers`: the
+sites of the program like this one (the same host functions and input shapes: the two
+wavelengths of a frequency-domain design), whose stage-2 jobs run together, where the
+standard schedule runs each site's host calls in turn (a 2-core timeline of the waveguide
+bend: the two forward factorisations one after the other, eagerly and under `jit`). A
+kept factorisation (`keeps_setup`) is paid once; a solve found to be a multiple of one
+done (a self-adjoint loss: compliance) costs nothing, and is timed as 0 s. For a site
 with `jvp` or `jvp_batch`, the forward-basis strategy's estimate is these with `n` tangents
 in place of `k` cotangents (see `forward_basis`).
 
@@ -54,7 +62,8 @@ from .. import _runtime
 
 # A host round trip between two stages (a `pure_callback` out of a compiled program and back,
 # and the executor's hand-off): a trivial `dx.host` site under `jit` took 3.0 ms deferred (one
-# stage) and 6.8 ms standard (two) on a 2-core CPU at load 13; less on an idle machine.
+# stage) and 6.8 ms standard (two) on a 2-core CPU at load 13; less on an idle machine
+# (`benchmarks/bench_cost.py`'s "stage" case measures it: see `STAGE_SECONDS` there).
 STAGE_SECONDS = 1e-3
 SAMPLES = 3  # timings of a site's first calls, of which the least is kept
 DEFAULT_STAGE = 0.01  # (in units of one forward, with the equal-cost defaults)
@@ -240,6 +249,7 @@ def estimate(
     fused_only: bool,
     workers: int,
     fused_jobs: bool | None = None,
+    peers: int = 1,
 ) -> Estimates:
     """The estimates for a site on `k` basis cotangents (`k = 1`: the plain deferred
     schedule). `one_job`: the forward and the adjoints run in one job (`fused_batch`, or a
@@ -249,7 +259,9 @@ def estimate(
     the forward too, and the standard schedule calls it twice. `fused_jobs`: the separate
     jobs are `fused` once per cotangent, each computing the forward too (a host site with
     `fused` but no `adjoint` or no `fwd`, and no `fused_batch`), rather than `fwd` and one
-    `adjoint` a cotangent; default `fused_only`."""
+    `adjoint` a cotangent; default `fused_only`. `peers`: how many sites of the program
+    like this one (itself included) run their deferred jobs at once with it on the
+    `workers`; the estimate is this site's share of their stage."""
     hint = Cost() if hint is None else hint
     workers = workers if hint.workers is None else hint.workers
     with _LOCK:
@@ -267,11 +279,11 @@ def estimate(
     else:
         standard = setup + fwd + (0.0 if hint.keeps_setup else setup) + bwd + 2 * stage
     if one_job:
-        deferred = setup + fwd + m * bwd + stage
+        jobs = [setup + fwd + m * bwd]
     else:
         fused_jobs = fused_only if fused_jobs is None else fused_jobs
         jobs = [setup + fwd + bwd] * m if fused_jobs else [setup + fwd] + [setup + bwd] * m
-        deferred = max(max(jobs), sum(jobs) / workers) + stage
+    deferred = max(max(jobs), peers * sum(jobs) / workers) / peers + stage
     return Estimates(standard=standard, deferred=deferred, source=source, note=hint.note)
 
 

@@ -5,6 +5,7 @@ that it needs no expensive output); stage 3 replays both."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -33,21 +34,40 @@ def _replayed_cotangents(args, ct_y):
 replay = returning(1, _replayed_cotangents)
 
 
-def estimate(spec: _site.Spec, k: int, per_example: bool = False) -> _cost.Estimates:
+def peers(spec: _site.Spec, others: Sequence[_site.Spec]) -> int:
+    """How many of `others` (the program's sites that may run ahead of the value, `spec`
+    among them) are like `spec`: the same timed host functions (`timings_key`: for
+    `dx.sparse_solve`, the same pattern and solver) on inputs of the same shapes. Their
+    deferred jobs run at once in one stage (`_cost.estimate`'s `peers`)."""
+    key = spec.static.timings_key
+    if key is None:
+        return 1
+    shapes = tuple(s.shape for s in spec.x_structs)
+    alike = sum(1 for o in others if o.static.timings_key == key and tuple(s.shape for s in o.x_structs) == shapes)
+    return max(alike, 1)
+
+
+def estimate(spec: _site.Spec, k: int, peers: int = 1, per_example: bool = False) -> _cost.Estimates:
     """The estimates for site `spec` on `k` cotangents: one job when its forward and
-    adjoints share one call (`fused_batch`, or a traced `fused` batched over them).
+    adjoints share one call (`fused_batch`, or a traced `fused` batched over them), with
+    `peers` sites like it running their jobs at once (see `peers`).
 
     Under `vmap`, each example's job gets all `k`, of which those of the other examples
     are zero there when the frontier is batched like the output (a loss of each example's
     overlaps): a site that solves only rows that are not multiples of others (`linear`
     in its `cost`, as `dx.sparse_solve`) is estimated on its example's share, like one
-    site of the loop over the examples. (`per_example`: `k` is counted per example already.)"""
+    site of the loop over the examples (`per_example`: `k` is counted per example
+    already); a host site's examples are jobs run at once, as the loop's sites are
+    (`peers`)."""
     static = spec.static
     if spec.axes and static.cost is not None and static.cost.linear and not per_example:
         k = math.ceil(k / math.prod(spec.sizes))
     fused = static.fused
+    if spec.axes and isinstance(fused, AbstractImplementation):  # (a host site: a job per example, all at once)
+        peers *= math.prod(spec.sizes)
     one_job = not isinstance(fused, AbstractImplementation) or fused.batch_in_one_job
-    workers = fused.jobs_at_once if isinstance(fused, AbstractImplementation) and not one_job else 1
+    # (the jobs the executor runs at once: the site's own separate jobs, or its peers' one jobs)
+    workers = fused.jobs_at_once if isinstance(fused, AbstractImplementation) and (not one_job or peers > 1) else 1
     complex_out = any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in spec.y_structs)
     shapes = tuple(s.shape for s in spec.x_structs)
     fused_only = static.fwd is None and static.bwd is None and static.adjoint is None
@@ -62,6 +82,7 @@ def estimate(spec: _site.Spec, k: int, per_example: bool = False) -> _cost.Estim
         fused_only=fused_only,
         workers=workers,
         fused_jobs=fused_jobs,
+        peers=peers,
     )
 
 
@@ -95,9 +116,10 @@ class Deferred(AbstractAhead):
     from_backward: ClassVar[tuple[str, ...]] = ("ct", "op")  # pyright: ignore[reportIncompatibleVariableOverride]
 
     @staticmethod
-    def estimate(spec: Spec) -> Estimates:
-        """The estimates of the standard and the deferred schedule."""
-        return estimate(spec, 1)
+    def estimate(spec: Spec, peers: int = 1) -> Estimates:
+        """The estimates of the standard and the deferred schedule, with `peers` sites like
+        it deferred at once."""
+        return estimate(spec, 1, peers)
 
     def stage_rows(self) -> tuple[str | None, str | None, str | None]:
         return fused_label(self.spec), None, None

@@ -139,10 +139,11 @@ class DeferredBasis(AbstractAhead):
     from_backward: ClassVar[tuple[str, ...]] = ("op",)  # pyright: ignore[reportIncompatibleVariableOverride]
 
     @staticmethod
-    def estimate(spec: Spec, k: int, per_example: bool = False) -> Estimates:
-        """The estimates of the standard and the deferred-basis schedule on `k` cotangents
-        (`per_example`: `k` counted per example already)."""
-        return estimate(spec, k, per_example=per_example)
+    def estimate(spec: Spec, k: int, peers: int = 1, per_example: bool = False) -> Estimates:
+        """The estimates of the standard and the deferred-basis schedule on `k` cotangents,
+        with `peers` sites like it deferred at once (`per_example`: `k` counted per example
+        already)."""
+        return estimate(spec, k, peers, per_example=per_example)
 
     def stage_rows(self) -> tuple[str | None, str | None, str | None]:
         return fused_label(self.spec) + f" ({_per_example.text(self.k, self.basis.example_axes)})", None, None
