@@ -10,7 +10,7 @@ from .. import _runtime
 
 # Held around every call of an implementation declared not thread-safe that deferax runs
 # on its own threads (JAX-native halves and host jobs alike): no two such calls overlap.
-SERIAL_LOCK = threading.RLock()
+_LOCK = threading.RLock()
 
 
 def set_concurrency(enabled: bool) -> None:
@@ -34,7 +34,7 @@ def set_concurrency(enabled: bool) -> None:
 
 
 def serialised(serial: bool) -> bool:
-    """Whether a call of an implementation runs alone, under `SERIAL_LOCK`: for a function
+    """Whether a call of an implementation runs alone, under `_LOCK`: for a function
     that is not thread-safe (`serial`) or while concurrency is switched off (read now, when
     the call runs, also from a program compiled before `set_concurrency` was called). The
     one place that decides it."""
@@ -42,5 +42,5 @@ def serialised(serial: bool) -> bool:
 
 
 def one_at_a_time(serial: bool):
-    """Inside: `SERIAL_LOCK` is held where `serialised(serial)`."""
-    return SERIAL_LOCK if serialised(serial) else contextlib.nullcontext()
+    """Inside: `_LOCK` is held where `serialised(serial)`."""
+    return _LOCK if serialised(serial) else contextlib.nullcontext()

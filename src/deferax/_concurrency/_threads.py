@@ -21,7 +21,7 @@ from .. import _jaxpr, _record, _runtime
 from .._misc import is_concrete
 from . import _placement
 from ._devices import on
-from ._serial import SERIAL_LOCK, serialised
+from ._serial import one_at_a_time, serialised
 
 
 # Compiled once per implementation and input structure; an `eqx.Module` implementation's
@@ -88,7 +88,7 @@ def _both(first, second, serial_: bool):
     while concurrency is switched off (read now, when the halves run, also from a program
     compiled before `set_concurrency` was called)."""
     if serialised(serial_):
-        with SERIAL_LOCK:
+        with one_at_a_time(serial_):
             return first(), second()
     other = _runtime.POOLS.get("halves").submit(second)
     try:

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import _record, _runtime
 from .._concurrency import _native_threads
-from .._concurrency._serial import SERIAL_LOCK, serialised
+from .._concurrency._serial import one_at_a_time, serialised
 
 DEFAULT_WORKERS = _runtime.HOST_WORKERS  # (the size of deferax's thread pool)
 
@@ -233,7 +233,7 @@ def run(
 
     The first failure (in completion order) cancels the jobs that have not started and is
     raised as a `HostError`; the others are not waited for, so nothing hangs on them. With
-    `serial` (or concurrency switched off), one job at a time, under `SERIAL_LOCK`.
+    `serial` (or concurrency switched off), one job at a time, under the serial lock (`one_at_a_time`).
 
     `check(i, result)` checks job `i`'s result against what was declared. When a job
     fails, the results of the others that finish within a second are checked first: a
@@ -251,10 +251,8 @@ def run(
                 check(i, result)
             results.append(result)
         return results
-    if serialised(serial):
-        with SERIAL_LOCK:
-            return _run(call, executor, timeout, jobs, check, workers)
-    return _run(call, executor, timeout, jobs, check, workers)
+    with one_at_a_time(serial):
+        return _run(call, executor, timeout, jobs, check, workers)
 
 
 _GRACE = 1.0  # seconds to let the other jobs finish when one fails, to check their results
