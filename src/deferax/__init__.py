@@ -15,7 +15,7 @@ from ._host._sparse_solver import SuperLU as SuperLU
 from ._implementation._expensive import ExpensiveFn as ExpensiveFn
 from ._implementation._fused import Fused as Fused
 from ._implementation._fused import fuse as fuse
-from ._implementation._expensive import trainable as trainable
+from ._implementation._trainable import trainable as trainable
 from ._jacobian import jacobian as jacobian
 from ._plan._cost import Cost as Cost
 from ._plan._cost import Estimates as Estimates
