@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax._host import _sparse_solve
+from deferax._host import _factorisations
 
 from .helpers import assert_tree_allclose, load_example
 
@@ -69,7 +69,7 @@ def test_value_and_gradient_equal_the_challenge_s_own(problem, jit, monkeypatch)
         step = jax.jit(step)
         jax.block_until_ready(step(design))  # compiled
     tally = Tally(monkeypatch)
-    _sparse_solve.FACTORISATIONS._entries.clear()  # none kept by an earlier test
+    _factorisations.FACTORISATIONS._entries.clear()  # none kept by an earlier test
     with dx.record() as timeline:
         got = jax.block_until_ready(step(design))
     assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-9 * float(np.max(np.abs(expected[1]))))
@@ -78,7 +78,7 @@ def test_value_and_gradient_equal_the_challenge_s_own(problem, jit, monkeypatch)
     deferred = {site.schedule for site in dx.explain(loss, design).sites} != {"standard"}
     assert timeline.counts() == ({"fused_batch": wavelengths} if deferred else {"fwd": wavelengths, "bwd": wavelengths})
     gc.collect()  # (eagerly, kept until the forward's output is collected: a cycle on jax 0.12)
-    assert len(_sparse_solve.FACTORISATIONS) == 0  # none left behind
+    assert len(_factorisations.FACTORISATIONS) == 0  # none left behind
 
 
 def test_plan_names_the_user_s_line(problem):

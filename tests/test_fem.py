@@ -16,7 +16,7 @@ import pytest
 import scipy.linalg
 
 import deferax as dx
-from deferax._host import _sparse_solve
+from deferax._host import _factorisations
 
 from .helpers import load_example
 
@@ -26,9 +26,9 @@ E_MIN, PENAL, NU = 1e-9, 3.0, 0.3
 
 @pytest.fixture(autouse=True)
 def no_factorisations_kept():
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
     yield
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def counted(fn, x):
     recorded steps."""
     fn(x)
     gc.collect()  # (an eager forward's factorisation is kept until its output is collected)
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
     CALLS.clear()
     with dx.record() as timeline:
         out = jax.block_until_ready(fn(x))

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax._host import _sparse_solve
+from deferax._host import _factorisations
 
 
 @pytest.fixture(autouse=True)
 def no_factorisations_kept():
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
     yield
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
 
 
 class Tally:
@@ -68,7 +68,7 @@ def dense(v, b):
 
 def kept() -> int:
     gc.collect()
-    return len(_sparse_solve.FACTORISATIONS)
+    return len(_factorisations.FACTORISATIONS)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

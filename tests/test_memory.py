@@ -23,7 +23,7 @@ import pytest
 import scipy.sparse
 
 import deferax as dx
-from deferax._host import _sparse_solve
+from deferax._host import _factorisations
 
 from .helpers import assert_tree_allclose
 
@@ -58,7 +58,7 @@ class CountingLU(dx.AbstractSparseSolver):
     tally: Tally = eqx.field(static=True)
 
     def factor(self, matrix):
-        held = _sparse_solve.FACTORISATIONS.nbytes
+        held = _factorisations.FACTORISATIONS.nbytes
         with self.tally.lock:
             self.tally.factor += 1
             self.tally.most = max(self.tally.most, held)
@@ -89,11 +89,11 @@ EXPECTED = jax.value_and_grad(loss_of(dense))(VALUES)
 @pytest.fixture(autouse=True)
 def fresh_store():
     """Each test starts with no factorisation kept and ends with the default budget."""
-    _sparse_solve.FACTORISATIONS._entries.clear()
-    _sparse_solve._MEASURED.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
+    _factorisations._MEASURED.clear()
     yield
     dx.set_factorisation_budget(None)
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
 
 
 def one_factorisation_nbytes():
@@ -132,9 +132,9 @@ def test_past_the_budget_the_backward_pass_factors_again(how, jit, past):
         assert tally.factor == (4 if past else 2)  # two sites
         assert tally.most <= budget
         gc.collect()
-        assert _sparse_solve.FACTORISATIONS.nbytes <= budget
+        assert _factorisations.FACTORISATIONS.nbytes <= budget
     gc.collect()  # (eagerly, kept until the forward's output is collected)
-    assert len(_sparse_solve.FACTORISATIONS) == 0
+    assert len(_factorisations.FACTORISATIONS) == 0
 
 
 def test_the_store_keeps_the_newest_that_fit_the_budget():
@@ -147,12 +147,12 @@ def test_the_store_keeps_the_newest_that_fit_the_budget():
     v, p = SITES[0]
     solve = lambda v: dx.sparse_solve(v, p, B, solver=CountingLU(tally))  # noqa: E731
     passes = [jax.vjp(solve, v * (1.0 + 0.1 * i)) for i in range(3)]
-    assert len(_sparse_solve.FACTORISATIONS) == 2
-    assert _sparse_solve.FACTORISATIONS.nbytes <= 2 * nbytes + nbytes // 2
+    assert len(_factorisations.FACTORISATIONS) == 2
+    assert _factorisations.FACTORISATIONS.nbytes <= 2 * nbytes + nbytes // 2
     assert tally.factor == 3
     dx.set_factorisation_budget(nbytes + nbytes // 2)  # (room for one: the newest)
-    assert len(_sparse_solve.FACTORISATIONS) == 1
-    assert _sparse_solve.FACTORISATIONS.nbytes <= nbytes + nbytes // 2
+    assert len(_factorisations.FACTORISATIONS) == 1
+    assert _factorisations.FACTORISATIONS.nbytes <= nbytes + nbytes // 2
     for i in (2, 1, 0):  # the newest reuses its factorisation, the two others factor again
         w = v * (1.0 + 0.1 * i)
         expected = jax.vjp(lambda w: jnp.linalg.solve(p.todense(w), B), w)[1](B)
@@ -161,13 +161,13 @@ def test_the_store_keeps_the_newest_that_fit_the_budget():
     assert tally.most <= 2 * nbytes + nbytes // 2
     del passes
     gc.collect()
-    assert len(_sparse_solve.FACTORISATIONS) == 0
+    assert len(_factorisations.FACTORISATIONS) == 0
 
 
 def test_a_store_never_holds_more_than_its_budget():
     """The store alone, with made-up sizes: each made factorisation is fitted in, dropping
     the oldest; one past the budget on its own is returned but not kept."""
-    store = _sparse_solve.Store(limit=8, budget=100)
+    store = _factorisations.Store(limit=8, budget=100)
     sizes = {"a": 40, "b": 40, "c": 40, "big": 150}
     for key in ("a", "b", "c"):
         assert store.acquire(key, lambda key=key: f"lu {key}", lambda lu: sizes[lu.split()[1]]) == f"lu {key}"
@@ -227,7 +227,7 @@ def test_the_default_budget_is_a_quarter_of_the_machines_memory():
 
 @pytest.mark.parametrize("found", [-1, 1.5, True, "1GB"])
 def test_a_wrong_budget_is_refused(found):
-    default = _sparse_solve._bytes_text(_sparse_solve.default_budget())
+    default = _factorisations._bytes_text(_factorisations.default_budget())
     message = (
         "`dx.set_factorisation_budget`: `nbytes` must be a non-negative int (bytes), or None for the default "
         f"({default}, a quarter of this machine's memory), but got {found!r}.\n"
@@ -292,9 +292,9 @@ def worker_store(barrier):
     """In a worker: its process id and the factorisations its store keeps (after waiting for
     the other worker, so that each worker answers once)."""
     barrier.wait(timeout=60)
-    from deferax._host import _sparse_solve
+    from deferax._host import _factorisations
 
-    return os.getpid(), len(_sparse_solve.FACTORISATIONS), _sparse_solve.FACTORISATIONS.nbytes
+    return os.getpid(), len(_factorisations.FACTORISATIONS), _factorisations.FACTORISATIONS.nbytes
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 import deferax as dx
-from deferax._host import _sparse_solve
+from deferax._host import _factorisations
 from deferax._recognise import _cost as _recognise_cost
 
 from .helpers import assert_tree_allclose
@@ -26,7 +26,7 @@ from jax.experimental.sparse.linalg import spsolve  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def no_factorisations_kept():
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
 
 
 def grid(m, dtype):
@@ -83,7 +83,7 @@ def run(fn, *args, jit=False):
     if jit:
         fn = eqx.filter_jit(fn)
         jax.block_until_ready(fn(*args))  # compile
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
     with dx.record() as timeline:
         got = jax.block_until_ready(fn(*args))
     return got, timeline
@@ -111,7 +111,7 @@ def test_unchanged_loss_gets_one_factorisation_and_plain_jax_gradients(library, 
     steps = timeline.counts(steps=True)
     assert steps["factor"] == 1, steps  # one factorisation serves the forward and every adjoint
     gc.collect()  # (eagerly, a factorisation is kept until the forward's output is collected: cycles on jax 0.12)
-    assert len(_sparse_solve.FACTORISATIONS) == 0
+    assert len(_factorisations.FACTORISATIONS) == 0
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

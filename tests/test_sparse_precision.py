@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax._host import _sparse_solve
+from deferax._host import _factorisations
 
 from .helpers import assert_tree_allclose, load_example
 
 
 @pytest.fixture(autouse=True)
 def no_factorisations_kept():
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,7 @@ def test_nan_or_inf_in_values_is_named_not_called_singular(bad):
         dx.filter_grad(lambda v: jnp.sum(dx.sparse_solve(v, pattern, b, name="fe")))(values)
     with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(msg.format(impl="fwd"))):  # (JAX wraps it)
         jax.jit(lambda v: dx.sparse_solve(v, pattern, b, name="fe"))(values).block_until_ready()
-    assert len(_sparse_solve.FACTORISATIONS) == 0
+    assert len(_factorisations.FACTORISATIONS) == 0
 
 
 def test_a_zero_pivot_is_still_singular():

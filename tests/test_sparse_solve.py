@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax._host import _sparse_solve
+from deferax._host import _factorisations
 
 from .helpers import assert_tree_allclose, finite_difference_grad
 
@@ -24,7 +24,7 @@ from .helpers import assert_tree_allclose, finite_difference_grad
 def no_factorisations_kept():
     """Each test starts with no factorisation kept by an earlier one (a forward pass
     without a backward pass leaves one)."""
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
 
 
 def grid(m, dtype):
@@ -144,7 +144,7 @@ def test_value_and_gradient_match_dense_solve_with_one_factorisation(loss_name, 
     # one factorisation; a solve for b and one for the adjoint right-hand side(s)
     assert tally.counts == {"factor": 1, "solve": 2, "rhs": 2}
     gc.collect()  # (eagerly, kept until the forward's output is collected: a cycle on jax 0.12)
-    assert len(_sparse_solve.FACTORISATIONS) == 0  # nothing kept once the backward pass is done
+    assert len(_factorisations.FACTORISATIONS) == 0  # nothing kept once the backward pass is done
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -174,7 +174,7 @@ def test_standard_schedule_under_jax_grad_reuses_the_forward_factorisation():
     assert_tree_allclose(got, jax.value_and_grad(reference)((values, b)), rtol=1e-11, atol=1e-12)
     assert tally.counts == {"factor": 1, "solve": 2, "rhs": 2}
     gc.collect()  # (eagerly, kept until the forward's output is collected: a cycle on jax 0.12)
-    assert len(_sparse_solve.FACTORISATIONS) == 0
+    assert len(_factorisations.FACTORISATIONS) == 0
 
 
 def test_a_dropped_factorisation_is_made_again():
@@ -182,16 +182,16 @@ def test_a_dropped_factorisation_is_made_again():
     tally = Tally()
     solve = sparse(pattern, tally)
     x, vjp = jax.vjp(solve, values, b)
-    limit = _sparse_solve.FACTORISATIONS.limit
+    limit = _factorisations.FACTORISATIONS.limit
     # forward passes with no backward pass yet (their outputs alive) push the first one out
     kept = [solve(values + i + 1.0, b) for i in range(limit)]
-    assert len(_sparse_solve.FACTORISATIONS) == limit
+    assert len(_factorisations.FACTORISATIONS) == limit
     got = vjp(MODE)
     assert_tree_allclose(got, jax.vjp(dense(pattern), values, b)[1](MODE), rtol=1e-11, atol=1e-12)
     assert tally.counts["factor"] == 1 + limit + 1
     del kept, x, vjp
     gc.collect()  # (a vjp function's residuals may sit in a cycle: jax 0.12)
-    assert len(_sparse_solve.FACTORISATIONS) == 0  # each released with the output that could still be differentiated
+    assert len(_factorisations.FACTORISATIONS) == 0  # each released with the output that could still be differentiated
 
 
 @pytest.mark.parametrize("kind", ["real", "complex", "real matrix, complex b"])
@@ -307,7 +307,7 @@ def test_vmap_over_wavelengths_inside_the_loss_is_deferred_like_the_loop(joint, 
     assert_tree_allclose(got, jax.value_and_grad(reference)(vs), rtol=1e-10, atol=1e-12)
     assert timeline.counts() == {"fused_batch": 3}
     assert tally.counts == {"factor": 3, "solve": 6, "rhs": 6}
-    assert len(_sparse_solve.FACTORISATIONS) == 0
+    assert len(_factorisations.FACTORISATIONS) == 0
 
 
 @pytest.mark.parametrize("kind", ["real", "complex"])
@@ -319,7 +319,7 @@ def test_forward_mode(kind):
     got = jax.jvp(solve, (values, b), t)
     assert_tree_allclose(got, jax.jvp(dense(pattern), (values, b), t), rtol=1e-11, atol=1e-12)
     assert tally.counts["factor"] == 1  # the tangent solve reuses the forward's factorisation
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
     tally.clear()
     holomorphic = kind == "complex"  # (x is holomorphic in b)
     jac = jax.jacfwd(solve, argnums=1, holomorphic=holomorphic)(
@@ -389,7 +389,7 @@ def test_singular_matrix():
         dx.sparse_solve(values, pattern, jnp.array([1.0, 0.0]))
     with pytest.raises(dx.HostError, match=re.escape(msg.replace("`fwd`", "`fused`"))):
         dx.filter_grad(lambda v: jnp.sum(dx.sparse_solve(v, pattern, jnp.array([1.0, 0.0]))))(values)
-    assert len(_sparse_solve.FACTORISATIONS) == 0
+    assert len(_factorisations.FACTORISATIONS) == 0
 
 
 def test_bad_patterns():
@@ -450,7 +450,7 @@ def test_a_lease_ending_inside_the_stores_lock_does_not_deadlock():
     """A lease ends in a finalizer, which the garbage collector may run on a thread that
     holds the store's lock (a job factoring another matrix): it must not take the lock
     there (it did, and that thread, then every solve, waited forever)."""
-    store = _sparse_solve.Store(limit=8)
+    store = _factorisations.Store(limit=8)
 
     class Output:  # (stands for the forward's output array)
         pass

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax._host import _sparse_solve
+from deferax._host import _factorisations
 
 from .helpers import assert_tree_allclose, load_example
 
 
 @pytest.fixture(autouse=True)
 def no_factorisations_kept():
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def dense(pattern, values, b):
 def counted(fn, *args):
     fn(*args)  # (compiled; SciPy imported)
     gc.collect()  # (an eager forward's factorisation is kept until its output is collected)
-    _sparse_solve.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS._entries.clear()
     with dx.record() as timeline:
         out = fn(*args)
     return out, timeline.counts(steps=True)

@@ -30,7 +30,7 @@ from .. import _runtime
 from . import _executor
 
 # Matrices whose worker is remembered, per client: enough for the forward passes still
-# waiting for their backward pass (`_sparse_solve.FACTORISATIONS` keeps at most as many).
+# waiting for their backward pass (`_factorisations.FACTORISATIONS` keeps at most as many).
 REMEMBERED = 64
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Any
 
@@ -17,16 +16,11 @@ from .._checks import _checks, _messages
 from .._misc import is_concrete, stacked, structs, zero_like, zeros
 from .._plan import _cost
 from .._plan._cost import Cost
+from . import _strategy
 from ._abstract import AbstractFused, AbstractImplementation, Implementation
+from ._batched import NOT_SEPARABLE, NOT_SEPARABLE_JVP, output_each, output_once
 from ._derived import AdjointHalf, CombineStep, DerivedFused, PrimalHalf
-
-# The most tangents the forward-basis strategy takes by default, when the function also has
-# a reverse-mode implementation (`bwd` or `fused`) and its costs are not known (a `cost=`
-# hint or timings of earlier calls decide instead); `ExpensiveFn(max_tangents=...)` sets it.
-DEFAULT_MAX_TANGENTS = 8
-
-STRATEGIES = ("standard", "forward-basis")
-
+from ._traceable import annotated, checked_function, untraceable
 
 _NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, `fused(x, ct_y) -> (y, ct_x)` or `jvp(x, \
 t_x) -> (y, t_y)`:
@@ -48,16 +42,6 @@ _BAD_COST_HINT = """{call}: `cost` must be a `dx.Cost` or None, but got {found!r
     dx.ExpensiveFn(fwd=..., bwd=..., fused=..., cost=dx.Cost(fwd=0.8, bwd=0.9))"""
 
 _BAD_OUT = "{call}: `out` must be a pytree of `jax.ShapeDtypeStruct` or a callable returning one, but got {found!r}."
-
-_NOT_SEPARABLE_JVP = """{call}: `jvp` could not be batched over the tangent with the primal computed once (its output \
-`y`
-depends on the batch under `jax.vmap`, as a host callback's does), so the primal runs {k} times, once per tangent.
-Give `jvp_batch(x, t_xs) -> (y, t_ys)` to compute it once."""
-
-_NOT_SEPARABLE = """{call}: `fused` could not be batched over the cotangent with the primal computed once (its output \
-`y`
-depends on the batch under `jax.vmap`, as a host callback's does), so the primal runs {k} times, once per basis
-cotangent. Give `fused_batch(x, cts) -> (y, ct_xs)` to compute it once."""
 
 
 class ExpensiveFn(eqx.Module):
@@ -194,7 +178,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
             raise ValueError(
                 f"{call}: `max_tangents` must be a non-negative int or None, but got {self.max_tangents!r}."
             )
-        if self.prefer is not None and self.prefer not in STRATEGIES:
+        if self.prefer is not None and self.prefer not in _strategy.STRATEGIES:
             raise ValueError(f"{call}: `prefer` must be None, 'standard' or 'forward-basis', but got {self.prefer!r}.")
         if self.prefer == "forward-basis" and self.jvp is None and self.jvp_batch is None:
             raise TypeError(f"{call}: prefer={self.prefer!r} needs `jvp` or `jvp_batch`, which was not given.")
@@ -264,7 +248,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
             )
         if impl != "fwd":
             fwd = lambda x_: self._forward_mode_output(x_)[1]  # noqa: E731
-        elif _typed.typechecking_enabled() and _annotated(self.fwd):
+        elif _typed.typechecking_enabled() and annotated(self.fwd):
             # `fwd`'s annotations checked, as when it runs: a wrong shape is its error. (A new
             # function, traced each time; `fwd` itself is traced once and cached by JAX.)
             fwd = lambda x_: self._typed_call("fwd", self.fwd, (x_,))  # noqa: E731
@@ -276,7 +260,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         except _typed.AnnotationError:
             raise
         except Exception as e:
-            if _untraceable(e):  # a host (NumPy) function: nothing to infer the shape from
+            if untraceable(e):  # a host (NumPy) function: nothing to infer the shape from
                 raise TypeError(self._no_out(f"`{impl}` is not JAX-traceable: {type(e).__name__}")) from e
             # The implementation's own failure (a configuration that does not fit this input):
             # it stands, first, with the site named.
@@ -324,7 +308,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
             return _record.recorded(impl, lambda: self._typed_call(impl, fn, args), not is_concrete(args))
 
     def _typed_call(self, impl: str, fn: Any, args: tuple) -> Any:
-        checked = _checked_function(fn) if _typed.typechecking_enabled() else None
+        checked = checked_function(fn) if _typed.typechecking_enabled() else None
         if checked is None:
             return fn(*args)
         where = f"{self.title} `{impl}`"
@@ -338,7 +322,7 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
             try:
                 y = self.invoke("fwd", x)
             except TypeError as e:
-                if self.out is not None or not _untraceable(e):
+                if self.out is not None or not untraceable(e):
                     raise
                 raise TypeError(self._no_out(f"`fwd` is not JAX-traceable: {type(e).__name__}")) from e
             if self.out is not None:  # otherwise the output structure *is* fwd's: nothing to check
@@ -404,13 +388,13 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         def one(ct):
             return self.run_fused(x, ct)
 
-        separable = _output_once(one, cts)
+        separable = output_once(one, cts)
         if separable is not None:
             # one (vmapped) run of `fused`: recorded here, around the batch
             with _record.site(self.name):
                 return _record.recorded("fused", lambda: separable(cts), not is_concrete((x, cts)))
-        warnings.warn(_NOT_SEPARABLE.format(call=self.title, k=k), stacklevel=2)
-        return _output_each(one, cts)
+        warnings.warn(NOT_SEPARABLE.format(call=self.title, k=k), stacklevel=2)
+        return output_each(one, cts)
 
     # ------------------------------------------------------------------ forward mode
 
@@ -445,11 +429,11 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         def one(t):
             return self._jvp(x, t, y_struct)
 
-        separable = _output_once(one, t_xs)
+        separable = output_once(one, t_xs)
         if separable is not None:
             return separable(t_xs)
-        warnings.warn(_NOT_SEPARABLE_JVP.format(call=self.title, k=k), stacklevel=2)
-        return _output_each(one, t_xs)
+        warnings.warn(NOT_SEPARABLE_JVP.format(call=self.title, k=k), stacklevel=2)
+        return output_each(one, t_xs)
 
     def output_and_jacobian(self, x: PyTree) -> tuple[PyTree, PyTree]:
         """`(y, J)`: the output and its tangents along the `n` unit tangents of `x` (stacked
@@ -469,144 +453,22 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
 
     def forward_basis_estimates(self, shapes: tuple, n: int) -> _cost.Estimates | None:
         """The estimates of the standard schedule and the forward-basis strategy on an input
-        of leaves of `shapes` with `n` numbers (`_cost.forward_basis`); None without `jvp`
-        or `jvp_batch`. One job computes the output and all `n` tangents, unless a host
-        function's `jvp` runs once per tangent."""
-        if self.jvp is None and self.jvp_batch is None:
-            return None
-        batch = self.jvp_batch
-        one_job = not isinstance(batch, AbstractImplementation) or batch.batch_in_one_job
-        fused_only = self.fwd is None and self.bwd is None and self.adjoint is None
-        workers = batch.jobs_at_once if isinstance(batch, AbstractImplementation) and not one_job else 1
-        return _cost.forward_basis(self.timings_key, shapes, self.cost, n, one_job, fused_only, workers)
+        of leaves of `shapes` with `n` numbers; None without `jvp` or `jvp_batch`
+        (`_strategy.forward_basis_estimates`)."""
+        return _strategy.forward_basis_estimates(self, shapes, n)
 
     def by_estimate(self, estimates: _cost.Estimates | None) -> bool:
         """Whether `estimates` (what `forward_basis_estimates` returned) choose between the
-        standard schedule and the forward-basis strategy: both are possible (`jvp` or
-        `jvp_batch`, and `bwd` or `fused`), the user set neither `prefer` nor
-        `max_tangents`, and the costs are known (a `cost=` hint or timings of earlier
-        calls, not the equal-cost defaults)."""
-        return (
-            estimates is not None
-            and estimates.source != "defaults"
-            and self.has_vjp
-            and self.prefer is None
-            and self.max_tangents is None
-        )
+        standard schedule and the forward-basis strategy (`_strategy.by_estimate`)."""
+        return _strategy.by_estimate(self, estimates)
 
     def strategy(self, n: int, estimates: _cost.Estimates | None) -> str:
         """The reverse-mode strategy of a call whose input has `n` numbers, given its
-        `estimates` (what `forward_basis_estimates` returned):
-
-        - `"forward-basis"`: the primal and `n` tangents in one batched call during the
-          forward pass (one stage), `ct_x = J^T ct_y` after; possible with `jvp` or
-          `jvp_batch`. Chosen when the function has nothing else for reverse mode (within
-          `max_tangents` if given); else when `n <= max_tangents` if given; else, where
-          costs are known (`by_estimate`), when its estimate is below the standard
-          schedule's; else, with the equal-cost defaults, by the fixed rule
-          `n <= DEFAULT_MAX_TANGENTS` (fewest sequential expensive stages, then fewest
-          expensive calls);
-        - `"standard"`: `fwd` on the forward pass, `bwd` on the backward pass (two stages).
-
-        `prefer` forces either. [`deferax.filter_value_and_grad`][] decides it once, in its
-        plan; a site's JVP rule decides it only outside (`_site._primitive._jvp_strategy`)."""
-        if self.prefer in STRATEGIES:
-            return self.prefer
-        if self.jvp is None and self.jvp_batch is None:
-            return "standard"
-        limit = self.max_tangents if self.max_tangents is not None else DEFAULT_MAX_TANGENTS
-        if not self.has_vjp:
-            if self.max_tangents is None or n <= limit:
-                return "forward-basis"
-            return "standard"  # reverse mode then fails with TOO_MANY_TANGENTS, forward mode works
-        if self.by_estimate(estimates):
-            assert estimates is not None and estimates.forward_basis is not None  # (`_cost.forward_basis`'s)
-            return "forward-basis" if estimates.forward_basis < estimates.standard else "standard"
-        return "forward-basis" if n <= limit else "standard"
+        `estimates`: `"forward-basis"` or `"standard"` (`_strategy.strategy`)."""
+        return _strategy.strategy(self, n, estimates)
 
     # ------------------------------------------------------------------ calling
 
     def __call__(self, x: PyTree) -> PyTree:
         x = jtu.tree_map(jnp.asarray, x)
         return _site.bind_site(self, x)
-
-
-def _output_once(one: Any, stacked_: Any) -> Any:
-    """`jax.vmap(one)` over the leading axis of `stacked`, where `one(s) -> (y, out)`, with
-    `y` computed once (not batched); None when `vmap` cannot see that `y` does not depend
-    on `s` (a host callback computes it, say). Only traces to find out."""
-    separable = jax.vmap(one, out_axes=(None, 0))
-    try:
-        jax.eval_shape(separable, stacked_)  # traces only: nothing expensive runs
-    except ValueError as error:
-        if "out_axes" not in str(error):
-            raise
-        return None
-    return separable
-
-
-def _output_each(one: Any, stacked_: Any) -> tuple[Any, Any]:
-    """`jax.vmap(one)` over the leading axis of `stacked`, `y` computed for each element (the
-    first one kept): correct, but the primal runs once per element."""
-    y, outs = jax.vmap(one)(stacked_)
-    return jtu.tree_map(lambda a: a[0], y), outs
-
-
-def _untraceable(error: Exception) -> bool:
-    """Whether `error`, raised by an implementation traced on abstract values, says that JAX
-    cannot trace it (a NumPy or host function), rather than that it failed on this input."""
-    if isinstance(error, _UNTRACEABLE):
-        return True
-    # a compiled extension rejecting the tracer itself: SciPy's "argument 1 must be
-    # numpy.ndarray, not DynamicJaxprTracer"
-    return type(error) is TypeError and "Tracer" in str(error)
-
-
-_UNTRACEABLE = (
-    jax.errors.TracerArrayConversionError,  # `np.asarray(x)`, a NumPy or SciPy function
-    jax.errors.ConcretizationTypeError,  # `float(x)`, `int(x)`, `if x > 0:`, `x.item()`
-    jax.errors.TracerIntegerConversionError,  # `x` as an index: `items[x]`, `range(x)`
-)
-
-
-def _checked_function(fn: Any) -> Any:
-    """The function whose annotations `ExpensiveFn._typed_call` checks for an implementation
-    `fn`: `fn` itself (a function or a method), a Module's `__call__`, or None (a
-    `TypedModule` checks its own wherever it is called; other callables are not checked)."""
-    if isinstance(fn, _typed.TypedModule):
-        return None
-    if inspect.isfunction(fn) or inspect.ismethod(fn):
-        return fn
-    method = type(fn).__call__ if isinstance(fn, eqx.Module) else None
-    return method if inspect.isfunction(method) else None
-
-
-def _annotated(fn: Any) -> bool:
-    """Whether `fn` has annotations that `ExpensiveFn._typed_call` would check."""
-    return bool(getattr(_checked_function(fn), "__annotations__", None))
-
-
-def trainable(tree: PyTree) -> PyTree[bool]:
-    """A filter spec for `eqx.partition`: `True` for the floating-point arrays of `tree` that
-    a model learns, `False` for everything else, including every array held by an
-    [`deferax.ExpensiveFn`][] (its implementations' configuration: a source, a grid,
-    material constants).
-
-    Those arrays get a zero gradient, but an optimizer still moves them: weight decay
-    (`optax.adamw`) shrinks any parameter it is given. Keep them out of the optimizer:
-
-    !!! Example
-
-        ```python
-        params, static = eqx.partition(model, dx.trainable(model))
-        opt_state = optimizer.init(params)
-        # in the step: model = eqx.combine(params, static); differentiate w.r.t. params
-        ```
-    """
-    return jtu.tree_map(
-        lambda node: (
-            jtu.tree_map(lambda _: False, node) if isinstance(node, ExpensiveFn) else eqx.is_inexact_array(node)
-        ),
-        tree,
-        is_leaf=lambda node: isinstance(node, ExpensiveFn),
-    )

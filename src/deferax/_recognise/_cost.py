@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from .. import _runtime
-from .._host._sparse_solve import SparsePattern
+from .._host._sparse_pattern import SparsePattern
 from .._host._sparse_solver import SuperLU
 from .._plan import _cost
 

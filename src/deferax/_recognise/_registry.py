@@ -17,7 +17,7 @@ from typing import Any
 import equinox as eqx
 
 from .. import _jaxpr, _runtime
-from .._host._sparse_solve import SparsePattern
+from .._host._sparse_pattern import SparsePattern
 from .._implementation._expensive import ExpensiveFn
 
 _BAD_PRIMITIVE = """`dx.register_recognition`: `primitive` must be a `jax.extend.core.Primitive` (the object \

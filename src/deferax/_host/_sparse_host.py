@@ -1,0 +1,233 @@
+"""`_Solve`: the host functions of one sparse solve (`fwd`, `bwd`, `fused`, `jvp` and their
+batches), NumPy in and out, which factor the matrix once per call with the solver and keep the
+forward's factorisation for the backward pass in the store (`_factorisations.FACTORISATIONS`).
+The derivatives they compute are in `_sparse_solve`'s docstring."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _record
+from .._plan import _cost
+from ._factorisations import FACTORISATIONS, record_nbytes
+from ._runner import _multiples
+from ._sparse_pattern import SparsePattern
+from ._sparse_solver import AbstractSparseSolver
+
+_NOT_FINITE = """`values` holds {count} NaN or infinite entries of {nnz} (the first: `values[{first}] = {value}`, \
+at row {row}, column {col}), so the matrix cannot be factored.
+Find where they come from, for example with `jax.config.update("jax_debug_nans", True)`, or \
+`jnp.isfinite(values).all()` before the solve."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Solve:
+    """The host functions of one sparse solve (pattern, solver, dtype and precision): NumPy in
+    and out. Compares by value, so equal solves share compiled programs and factorisations.
+    The factorisations and solves are timed, for the choice of schedule (`_cost`, under the
+    solve itself).
+
+    `dtype` is the solution's (the inputs' result dtype); the solver factors and solves in
+    `work`, at least float64 (complex128) unless `precision="input"`, and the results are
+    rounded to `dtype` only where they leave the host."""
+
+    pattern: SparsePattern
+    solver: AbstractSparseSolver
+    dtype: np.dtype
+    name: str = "sparse_solve"
+    precision: str = "double"
+    # Where a forward's factorisation waits for the backward pass: "here", in this process's
+    # store, where `request` counts its users (the jobs run on threads of this process);
+    # "worker", in the store of the worker that made it, where each job of the matrix is sent
+    # (a Dask client, `_affinity.Pinned`): a forward adds a user, its backward removes two;
+    # "none", nowhere (a process pool, whose jobs go to any of its processes: a factorisation
+    # kept in one would wait there for a backward pass that lands in another, `limit` of
+    # them a process): each job factors and lets it go.
+    kept: str = "here"
+
+    @property
+    def work(self) -> np.dtype:
+        """The dtype the solver factors and solves in."""
+        least = np.float64 if self.precision == "double" else np.float32
+        return np.promote_types(self.dtype, least)
+
+    def _factor(self, values: np.ndarray) -> Any:
+        import scipy.sparse
+
+        bad = ~np.isfinite(values)
+        if bad.any():  # (SuperLU would report a zero pivot, or return NaN without a word)
+            first = int(np.argmax(bad))
+            raise ValueError(
+                _NOT_FINITE.format(
+                    count=int(bad.sum()),
+                    nnz=values.size,
+                    first=first,
+                    value=values[first],
+                    row=self.pattern.rows[first],
+                    col=self.pattern.cols[first],
+                )
+            )
+        p = self.pattern
+        matrix = scipy.sparse.csc_matrix((values.astype(self.work), (p.rows, p.cols)), shape=(p.n, p.n))
+        start = time.perf_counter()
+        lu = self.solver.factor(matrix)
+        end = time.perf_counter()
+        _cost.observe(self, self._shapes, setup=end - start)
+        _record.step("factor", start, end)
+        return lu
+
+    @property
+    def _shapes(self) -> tuple:  # (the site's input shapes, by which its timings are kept)
+        return ((self.pattern.nnz,), (self.pattern.n,))
+
+    def _key(self, values: np.ndarray) -> Any:
+        return (self, values.dtype.str, values.tobytes())
+
+    def _nbytes(self, lu: Any) -> int:
+        """The bytes of the factorisation `lu`, as its solver reports them (the first one's
+        kept for the plan: `nbytes_of`)."""
+        nbytes = int(self.solver.nbytes(lu, self.work))
+        record_nbytes(self, nbytes)
+        return nbytes
+
+    def _acquire(self, values: np.ndarray) -> Any:
+        """The factorisation of the matrix, kept or made, with one more user (see `_factorisations.Store`)."""
+        return FACTORISATIONS.acquire(self._key(values), lambda: self._factor(values), self._nbytes)
+
+    @contextlib.contextmanager
+    def _factorised(self, values: np.ndarray, uses: int) -> Iterator[Any]:
+        """The factorisation of the matrix, kept or made; inside, it is used, and after,
+        `uses` users fewer for it (this use, and a forward pass's for a backward pass)."""
+        key = self._key(values)
+        try:
+            yield self._acquire(values)
+        finally:
+            FACTORISATIONS.release(key, uses)
+
+    def _solve(self, lu: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
+        """`A^-1 rhs` (or `A^-T rhs`) for `rhs` of shape `(n,)` or `(k, n)`: one call of the solver."""
+        rhs = np.asarray(rhs, self.work)
+        start = time.perf_counter()
+        out = self.solver.solve(lu, rhs.T if rhs.ndim == 2 else rhs, transpose)
+        end = time.perf_counter()
+        _record.step("solve", start, end)
+        per_rhs = (end - start) / (rhs.shape[0] if rhs.ndim == 2 else 1)
+        _cost.observe(self, self._shapes, **{"bwd" if transpose else "fwd": per_rhs})
+        return np.asarray(out, self.work).T if rhs.ndim == 2 else np.asarray(out, self.work)
+
+    def _cotangents(self, x: tuple, y: np.ndarray, lam: np.ndarray) -> tuple:
+        """`(ct_values, ct_b)` from `lam = A^-T ct_y` (one, or `k` stacked)."""
+        values, b = x
+        ct_values = -lam[..., self.pattern.rows] * y[self.pattern.cols]
+        return _like(ct_values, values.dtype), _like(lam, b.dtype)
+
+    def _product(self, t_values: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """`dA y` for the entries' tangent `t_values` (one, or `k` stacked)."""
+        terms = np.asarray(t_values, self.work) * y[self.pattern.cols]
+        out = np.zeros((*terms.shape[:-1], self.pattern.n), self.work)
+        np.add.at(out, (..., self.pattern.rows), terms)  # pyright: ignore[reportArgumentType]  (NumPy's stub omits `...`)
+        return out
+
+    def fwd(self, x: tuple) -> np.ndarray:
+        values, b = x
+        if self.kept == "none":
+            with self._factorised(values, uses=1) as lu:
+                return self._solve(lu, b, False).astype(self.dtype)
+        # a user until `request` ends (in a Dask worker, for `bwd` to remove)
+        lu = self._acquire(values)
+        return self._solve(lu, b, False).astype(self.dtype)
+
+    def bwd(self, x: tuple, y: np.ndarray, ct_y: np.ndarray) -> tuple:
+        if self.kept != "here":  # (a Dask worker's store: this use, and the forward's; or this use alone)
+            with self._factorised(x[0], uses=2 if self.kept == "worker" else 1) as lu:
+                return self._cotangents(x, y, self._adjoints(lu, x, y, ct_y[None])[0])
+        lu = self._acquire(x[0])  # a user until `request` ends
+        return self._cotangents(x, y, self._adjoints(lu, x, y, ct_y[None])[0])
+
+    def _adjoints(self, lu: Any, x: tuple, y: np.ndarray, cts: np.ndarray) -> np.ndarray:
+        """`lam = A^-T ct` for each row of `cts`, solved once per row that is not a multiple
+        of another (or zero). For a matrix equal to its transpose, a row that is a multiple
+        `c b` of the right-hand side (a self-adjoint loss: compliance) is `c y`, not solved."""
+        values, b = x
+        stacked = [np.asarray(b, cts.dtype), *cts]  # (`b` first: a cotangent may be a multiple of it)
+        recipe, unique = _multiples(stacked, jax.ShapeDtypeStruct((), self.dtype))
+        recipe = recipe[1:]  # (the cotangents')
+        used = sorted({u for u, _ in recipe if u is not None})
+        reuse = bool(used) and used[0] == 0 and unique[0] == 0 and self.pattern._symmetric(np.asarray(values))
+        to_solve = used[1:] if reuse else used
+        solved = {}
+        if to_solve:
+            rhs = np.stack([stacked[unique[u]] for u in to_solve])
+            solved = dict(zip(to_solve, self._solve(lu, rhs, True), strict=True))
+        if reuse:  # (`A^-T c b = c A^-1 b = c y` for a matrix equal to its transpose)
+            solved[0] = np.asarray(y, self.work)
+            if not to_solve:  # (no adjoint solve: the cost model times it as free)
+                _cost.observe(self, self._shapes, bwd=0.0)
+        zero = np.zeros(self.pattern.n, self.work)
+        return np.stack([c * solved[u] if u is not None else zero for u, c in recipe])
+
+    @contextlib.contextmanager
+    def request(self, kind: str, elements: list) -> Iterator[None]:
+        """Around one host request of `fwd` or `bwd` (each of `elements` a row's arguments,
+        `(x,)` or `(x, y, ct_y)`): its rows' uses of each matrix become, after a forward,
+        one hold for the backward passes; after a backward, nothing (with the forward's
+        hold, if it has one: the rows of one request are all of one backward pass). See
+        `_factorisations.Store`."""
+        if self.kept != "here" or kind not in ("fwd", "bwd"):
+            yield
+            return
+        rows = collections.Counter(self._key(args[0][0]) for args in elements)
+        try:
+            yield
+        except BaseException:
+            for key, n in rows.items():
+                FACTORISATIONS.release(key, n)
+            raise
+        for key, n in rows.items():
+            if kind == "fwd":
+                FACTORISATIONS.hold(key, n)
+            else:
+                FACTORISATIONS.release(key, n, hold=True)
+
+    def adopt(self, kind: str, args: tuple, out: Any) -> None:
+        """An eager forward's hold becomes a lease on its output `out` (see `_factorisations.Store`)."""
+        if self.kept == "here" and kind == "fwd":
+            FACTORISATIONS.lease(self._key(args[0][0]), out)
+
+    def fused(self, x: tuple, ct_y: np.ndarray) -> tuple:
+        y, ct_xs = self.fused_batch(x, ct_y[None])
+        return y, tuple(c[0] for c in ct_xs)
+
+    def fused_batch(self, x: tuple, cts: np.ndarray) -> tuple:
+        values, b = x
+        # The adjoint is linear in the cotangent: a row that is a multiple of another
+        # (a complex overlap's `m` and `1j * m`) or zero is not solved (`_adjoints`).
+        with self._factorised(values, uses=1) as lu:
+            y = self._solve(lu, b, False)
+            lam = self._adjoints(lu, x, y, np.asarray(cts))
+        return y.astype(self.dtype), self._cotangents(x, y, lam)
+
+    def jvp(self, x: tuple, t_x: tuple) -> tuple:
+        y, t_ys = self.jvp_batch(x, tuple(t[None] for t in t_x))
+        return y, t_ys[0]
+
+    def jvp_batch(self, x: tuple, t_xs: tuple) -> tuple:
+        values, b = x
+        t_values, t_b = t_xs
+        with self._factorised(values, uses=1) as lu:
+            y = self._solve(lu, b, False)
+            t_y = self._solve(lu, np.asarray(t_b, self.work) - self._product(t_values, y), False)
+        return y.astype(self.dtype), t_y.astype(self.dtype)
+
+
+def _like(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`a` as a cotangent of dtype `dtype`: its real part for a real one."""
+    return np.asarray(a if np.issubdtype(dtype, np.complexfloating) else np.real(a), dtype)

@@ -1,0 +1,136 @@
+"""`SparsePattern`: where the stored entries of a square sparse matrix are, the static half of
+`sparse_solve`'s matrix (its `values`, a JAX array, are the other)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Inexact
+
+_BAD_PATTERN = """`dx.SparsePattern`: {what}, but got {found}.
+A pattern is the row and column index of each stored entry of an `n x n` matrix:
+
+    dx.SparsePattern(rows=np.array([0, 1, 1]), cols=np.array([0, 0, 1]), n=2)"""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SparsePattern:
+    """Where the stored entries of a square sparse matrix are: the static half of
+    [`deferax.sparse_solve`][]'s matrix (its `values` are the other, a JAX array).
+
+    Entry `k` of `values` sits at row `rows[k]`, column `cols[k]`; entries at the same
+    position add up (as in SciPy's COO format). A pattern is hashable and compares by
+    value, so a program built for one pattern is reused for an equal one.
+
+    **Arguments:**
+
+    - `rows`, `cols`: integer index arrays of equal length `nnz`, each entry in `[0, n)`.
+    - `n`: the size of the matrix.
+    """
+
+    rows: np.ndarray
+    cols: np.ndarray
+    n: int
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)  # (set in `__post_init__`)
+
+    def __post_init__(self):
+        n = self.n
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
+            raise ValueError(_BAD_PATTERN.format(what="`n` must be a positive int", found=repr(n)))
+        for what, given in (("rows", self.rows), ("cols", self.cols)):
+            a = np.asarray(given)
+            if a.ndim != 1 or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
+                raise ValueError(
+                    _BAD_PATTERN.format(
+                        what=f"`{what}` must be a 1-D integer array", found=f"{a.dtype.name}{list(a.shape)}"
+                    )
+                )
+            if a.size and (a.min() < 0 or a.max() >= n):
+                raise ValueError(
+                    _BAD_PATTERN.format(
+                        what=f"every entry of `{what}` must be in [0, n) = [0, {n})",
+                        found=f"entries from {a.min()} to {a.max()}",
+                    )
+                )
+            a = a.astype(np.int64)  # (a copy: the caller's array may change, the pattern may not)
+            a.setflags(write=False)
+            object.__setattr__(self, what, a)
+        if self.rows.shape != self.cols.shape:
+            raise ValueError(
+                _BAD_PATTERN.format(
+                    what="`rows` and `cols` must have the same length",
+                    found=f"{self.rows.size} rows and {self.cols.size} cols",
+                )
+            )
+        object.__setattr__(self, "n", int(n))
+        object.__setattr__(self, "_hash", hash((self.n, self.rows.tobytes(), self.cols.tobytes())))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SparsePattern):
+            return NotImplemented
+        return self is other or (
+            self._hash == other._hash
+            and self.n == other.n
+            and np.array_equal(self.rows, other.rows)
+            and np.array_equal(self.cols, other.cols)
+        )
+
+    def __repr__(self) -> str:
+        return f"SparsePattern(n={self.n}, nnz={self.nnz})"
+
+    @property
+    def nnz(self) -> int:
+        """The number of stored entries (the length of `values`)."""
+        return int(self.rows.size)
+
+    @property
+    def structurally_symmetric(self) -> bool:
+        """Whether an entry at `(i, j)` always has one at `(j, i)` (finite-element and most
+        frequency-domain matrices): [`deferax.SuperLU`][] then orders its columns for `A + A^T`."""
+        return self._transposition() is not None
+
+    def _transposition(self) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """`(inverse, transposed, m)`: the `m` distinct positions, each entry's position
+        among them (`inverse`) and each position's mirror (`transposed`); None when some
+        position has no mirror. Computed once per pattern."""
+        if "_transposed" not in self.__dict__:
+            n = self.n
+            positions, inverse = np.unique(self.rows * n + self.cols, return_inverse=True)
+            mirrors = (positions % n) * n + positions // n
+            transposed = np.searchsorted(positions, mirrors)
+            found = transposed < positions.size
+            found[found] = positions[transposed[found]] == mirrors[found]
+            value = (inverse.ravel(), transposed, positions.size) if found.all() else None
+            object.__setattr__(self, "_transposed", value)
+        return self.__dict__["_transposed"]
+
+    def _symmetric(self, values: np.ndarray) -> bool:
+        """Whether the matrix with entries `values` equals its transpose, exactly (entries at
+        one position summed first)."""
+        t = self._transposition()
+        if t is None:
+            return False
+        inverse, transposed, m = t
+        summed = np.bincount(inverse, weights=np.real(values), minlength=m)
+        if np.iscomplexobj(values):
+            summed = summed + 1j * np.bincount(inverse, weights=np.imag(values), minlength=m)
+        return bool(np.array_equal(summed, summed[transposed]))
+
+    @classmethod
+    def from_scipy(cls, matrix: Any) -> tuple[np.ndarray, SparsePattern]:
+        """`(values, pattern)` of a square SciPy sparse matrix (any format), in COO order."""
+        coo = matrix.tocoo()
+        if coo.shape[0] != coo.shape[1]:
+            raise ValueError(_BAD_PATTERN.format(what="the matrix must be square", found=f"shape {coo.shape}"))
+        return np.asarray(coo.data), cls(coo.row, coo.col, coo.shape[0])
+
+    def todense(self, values: ArrayLike) -> Inexact[Array, "n n"]:
+        """The dense matrix, in JAX (differentiable): for checks and small references."""
+        values = jnp.asarray(values)
+        return jnp.zeros((self.n, self.n), values.dtype).at[self.rows, self.cols].add(values)

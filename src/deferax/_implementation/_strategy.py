@@ -1,0 +1,79 @@
+"""The reverse-mode strategy of an `ExpensiveFn` (the `fn` of each function here, typed `Any`:
+`_expensive` imports this module), behind its methods of the same names: the forward-basis
+strategy (the primal and the `n` unit tangents in one call, `ct_x = J^T ct_y`) or the
+standard schedule (`fwd`, then `bwd`), chosen by `prefer`, `max_tangents`, the estimates
+where the costs are known, else a fixed rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._plan import _cost
+from ._abstract import AbstractImplementation
+
+# The most tangents the forward-basis strategy takes by default, when the function also has
+# a reverse-mode implementation (`bwd` or `fused`) and its costs are not known (a `cost=`
+# hint or timings of earlier calls decide instead); `ExpensiveFn(max_tangents=...)` sets it.
+DEFAULT_MAX_TANGENTS = 8
+
+STRATEGIES = ("standard", "forward-basis")
+
+
+def forward_basis_estimates(fn: Any, shapes: tuple, n: int) -> _cost.Estimates | None:
+    """The estimates of the standard schedule and the forward-basis strategy on an input
+    of leaves of `shapes` with `n` numbers (`_cost.forward_basis`); None without `jvp`
+    or `jvp_batch`. One job computes the output and all `n` tangents, unless a host
+    function's `jvp` runs once per tangent."""
+    if fn.jvp is None and fn.jvp_batch is None:
+        return None
+    batch = fn.jvp_batch
+    one_job = not isinstance(batch, AbstractImplementation) or batch.batch_in_one_job
+    fused_only = fn.fwd is None and fn.bwd is None and fn.adjoint is None
+    workers = batch.jobs_at_once if isinstance(batch, AbstractImplementation) and not one_job else 1
+    return _cost.forward_basis(fn.timings_key, shapes, fn.cost, n, one_job, fused_only, workers)
+
+
+def by_estimate(fn: Any, estimates: _cost.Estimates | None) -> bool:
+    """Whether `estimates` (what `forward_basis_estimates` returned) choose between the
+    standard schedule and the forward-basis strategy: both are possible (`jvp` or
+    `jvp_batch`, and `bwd` or `fused`), the user set neither `prefer` nor
+    `max_tangents`, and the costs are known (a `cost=` hint or timings of earlier
+    calls, not the equal-cost defaults)."""
+    return (
+        estimates is not None
+        and estimates.source != "defaults"
+        and fn.has_vjp
+        and fn.prefer is None
+        and fn.max_tangents is None
+    )
+
+
+def strategy(fn: Any, n: int, estimates: _cost.Estimates | None) -> str:
+    """The reverse-mode strategy of a call whose input has `n` numbers, given its
+    `estimates` (what `forward_basis_estimates` returned):
+
+    - `"forward-basis"`: the primal and `n` tangents in one batched call during the
+      forward pass (one stage), `ct_x = J^T ct_y` after; possible with `jvp` or
+      `jvp_batch`. Chosen when the function has nothing else for reverse mode (within
+      `max_tangents` if given); else when `n <= max_tangents` if given; else, where
+      costs are known (`by_estimate`), when its estimate is below the standard
+      schedule's; else, with the equal-cost defaults, by the fixed rule
+      `n <= DEFAULT_MAX_TANGENTS` (fewest sequential expensive stages, then fewest
+      expensive calls);
+    - `"standard"`: `fwd` on the forward pass, `bwd` on the backward pass (two stages).
+
+    `prefer` forces either. [`deferax.filter_value_and_grad`][] decides it once, in its
+    plan; a site's JVP rule decides it only outside (`_site._primitive._jvp_strategy`)."""
+    if fn.prefer in STRATEGIES:
+        return fn.prefer
+    if fn.jvp is None and fn.jvp_batch is None:
+        return "standard"
+    limit = fn.max_tangents if fn.max_tangents is not None else DEFAULT_MAX_TANGENTS
+    if not fn.has_vjp:
+        if fn.max_tangents is None or n <= limit:
+            return "forward-basis"
+        return "standard"  # reverse mode then fails with TOO_MANY_TANGENTS, forward mode works
+    if by_estimate(fn, estimates):
+        assert estimates is not None and estimates.forward_basis is not None  # (`_cost.forward_basis`'s)
+        return "forward-basis" if estimates.forward_basis < estimates.standard else "standard"
+    return "forward-basis" if n <= limit else "standard"
