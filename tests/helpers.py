@@ -2,7 +2,9 @@
 
 import collections
 import importlib.util
+import os
 import pathlib
+import uuid
 
 import equinox as eqx
 import jax
@@ -183,3 +185,22 @@ def load_example(name: str, module_name: str | None = None):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# Runs counted across processes (process pools, Dask workers): a file a run.
+
+
+def record(directory, what):
+    """Leave a file per run: `runs/<what>-<pid>-<unique>`."""
+    os.makedirs(os.path.join(directory, "runs"), exist_ok=True)
+    pathlib.Path(directory, "runs", f"{what}-{os.getpid()}-{uuid.uuid4().hex}").touch()
+
+
+def runs(directory):
+    """{what: number of runs}, and the set of process ids that ran them."""
+    counts, pids = {}, set()
+    for path in pathlib.Path(directory, "runs").iterdir():
+        what, pid, _ = path.name.rsplit("-", 2)
+        counts[what] = counts.get(what, 0) + 1
+        pids.add(int(pid))
+    return counts, pids

@@ -10,7 +10,6 @@ import re
 import sys
 import threading
 import time
-import uuid
 
 import equinox as eqx
 import jax
@@ -20,7 +19,7 @@ import pytest
 
 import deferax as dx
 
-from .helpers import assert_tree_allclose, load_example, plain_fdfd_design
+from .helpers import assert_tree_allclose, load_example, plain_fdfd_design, record, runs
 
 distributed = pytest.importorskip("distributed")
 dask = pytest.importorskip("dask")
@@ -64,22 +63,6 @@ def executor(client):
 def given(client, how):
     """What the caller gives as `executor=`: the client itself, or an executor made from it."""
     return client if how == "client" else client.get_executor()
-
-
-def record(directory, what):
-    """Leave a file per run: `runs/<what>-<pid>-<unique>`."""
-    os.makedirs(os.path.join(directory, "runs"), exist_ok=True)
-    pathlib.Path(directory, "runs", f"{what}-{os.getpid()}-{uuid.uuid4().hex}").touch()
-
-
-def runs(directory):
-    """{what: number of runs}, and the set of process ids that ran them."""
-    counts, pids = {}, set()
-    for path in pathlib.Path(directory, "runs").iterdir():
-        what, pid, _ = path.name.rsplit("-", 2)
-        counts[what] = counts.get(what, 0) + 1
-        pids.add(int(pid))
-    return counts, pids
 
 
 def wait_for(path, seconds=20.0):

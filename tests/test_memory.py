@@ -10,10 +10,8 @@ import concurrent.futures as cf
 import gc
 import multiprocessing
 import os
-import pathlib
 import re
 import threading
-import uuid
 
 import equinox as eqx
 import jax
@@ -25,7 +23,7 @@ import scipy.sparse
 import deferax as dx
 from deferax._host import _factorisations
 
-from .helpers import assert_tree_allclose
+from .helpers import assert_tree_allclose, record, runs
 
 M = 6  # a 6 x 6 grid: 36 unknowns
 
@@ -258,21 +256,6 @@ def test_a_solvers_factorisation_bytes():
 
 
 # ----------------------------------------------------------------------------- a process pool
-
-
-def record(directory, what):
-    """Leave a file per run: `runs/<what>-<pid>-<unique>`."""
-    os.makedirs(os.path.join(directory, "runs"), exist_ok=True)
-    pathlib.Path(directory, "runs", f"{what}-{os.getpid()}-{uuid.uuid4().hex}").touch()
-
-
-def runs(directory):
-    counts, pids = {}, set()
-    for path in pathlib.Path(directory, "runs").iterdir():
-        what, pid, _ = path.name.rsplit("-", 2)
-        counts[what] = counts.get(what, 0) + 1
-        pids.add(int(pid))
-    return counts, pids
 
 
 class RecordingLU(dx.AbstractSparseSolver):
