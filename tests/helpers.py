@@ -204,3 +204,26 @@ def runs(directory):
         counts[what] = counts.get(what, 0) + 1
         pids.add(int(pid))
     return counts, pids
+
+
+def host_sine(calls, **kwargs):
+    """`sin` as host code with its derivatives (`bwd` reads `y`: it cannot be deferred)."""
+
+    def fwd(x):
+        calls.append("fwd")
+        return np.sin(x)
+
+    def bwd(x, y, ct):
+        calls.append("bwd")
+        return ct * np.sqrt(1 - y**2)  # cos(x), for x in (-pi/2, pi/2)
+
+    def jvp_batch(x, ts):
+        calls.append("jvp_batch")
+        return np.sin(x), ts * np.cos(x)
+
+    def jvp(x, t):
+        calls.append("jvp")
+        return np.sin(x), t * np.cos(x)
+
+    forward = {"jvp": jvp} if kwargs.pop("jvp_only", False) else {"jvp_batch": jvp_batch}
+    return dx.host(fwd, bwd=bwd, **forward, out=lambda s: s, name="sine", **kwargs)

@@ -11,7 +11,7 @@ import pytest
 import deferax as dx
 from deferax._plan import _cost
 
-from .helpers import assert_tree_allclose
+from .helpers import assert_tree_allclose, host_sine
 
 STAGE = _cost.STAGE_SECONDS
 HEAVY = dx.Cost(setup=10.0, fwd=1.0, bwd=0.1)  # a factorisation dominates
@@ -37,29 +37,6 @@ def forward_basis_by_hand(setup, fwd, tangent, n, jobs=1, workers=1):
         return setup + fwd + n * tangent + STAGE
     one = setup + fwd + tangent
     return max(one, n * one / workers) + STAGE
-
-
-def host_sine(calls, **kwargs):
-    """`sin` as host code with its derivatives (`bwd` reads `y`: it cannot be deferred)."""
-
-    def fwd(x):
-        calls.append("fwd")
-        return np.sin(x)
-
-    def bwd(x, y, ct):
-        calls.append("bwd")
-        return ct * np.sqrt(1 - y**2)  # cos(x), for x in (-pi/2, pi/2)
-
-    def jvp_batch(x, ts):
-        calls.append("jvp_batch")
-        return np.sin(x), ts * np.cos(x)
-
-    def jvp(x, t):
-        calls.append("jvp")
-        return np.sin(x), t * np.cos(x)
-
-    forward = {"jvp": jvp} if kwargs.pop("jvp_only", False) else {"jvp_batch": jvp_batch}
-    return dx.host(fwd, bwd=bwd, **forward, out=lambda s: s, name="sine", **kwargs)
 
 
 def loss(f):

@@ -6,13 +6,12 @@ timings known then."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import deferax as dx
 from deferax._plan import _cost
 
-from .helpers import assert_tree_allclose
+from .helpers import assert_tree_allclose, host_sine
 
 # (setup, fwd, bwd) decided by the callback: the opposite of what equal costs choose
 TO_STANDARD = (0.0, 1.0, 1.0)  # n = 2: forward-basis by the fixed rule; standard by these
@@ -24,24 +23,6 @@ def no_timings():
     dx.forget_timings()
     yield
     dx.forget_timings()
-
-
-def host_sine(calls):
-    """`sin` as host code with `fwd`, `bwd` (reading `y`) and `jvp_batch`: each run listed."""
-
-    def fwd(x):
-        calls.append("fwd")
-        return np.sin(x)
-
-    def bwd(x, y, ct):
-        calls.append("bwd")
-        return ct * np.sqrt(1 - y**2)  # cos(x), for x in (-pi/2, pi/2)
-
-    def jvp_batch(x, ts):
-        calls.append("jvp_batch")
-        return np.sin(x), ts * np.cos(x)
-
-    return dx.host(fwd, bwd=bwd, jvp_batch=jvp_batch, out=lambda s: s, name="sine")
 
 
 def loss_deciding(f, x, timings, nested=False):
