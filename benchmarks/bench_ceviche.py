@@ -204,10 +204,6 @@ def main():
     sides["parallel floor"] = lambda: at_once(
         [lambda w=w, v=v: w.factored.fused_batch(v, ct) for w, v in zip(floor, values, strict=True)]
     )
-    print(
-        f"the floors factor with splu's default ordering (COLAMD); deferax's SuperLU() orders this pattern "
-        f"with {dx.SuperLU().ordering(floor[0].pattern.structurally_symmetric)}"
-    )
 
     # OpenBLAS's threads spin for about 0.1 s after a call that used them (its
     # OPENBLAS_THREAD_TIMEOUT) before they sleep: the reference's solves, on default threads,
@@ -221,6 +217,11 @@ def main():
         with dx.record() as timeline:
             jax.block_until_ready(step(jnp.asarray(fresh())))
         print(f"  {name}: after the timings, a step runs {dict(sorted(timeline.counts().items()))}")
+    chosen = dx.SuperLU().chosen(floor[0].pattern)
+    print(
+        "  the floors factor with splu's default ordering (COLAMD); deferax's SuperLU() measured "
+        + ("nothing for this pattern" if chosen is None else f"{chosen[0]} for it (factors' entries: {chosen[1]})")
+    )
     ref = median(times["reference"])
     for name in times:
         if name != "reference":
@@ -228,6 +229,11 @@ def main():
     default, fused = median(times["default"]), median(times["hand-written fused"])
     print(result_line("bench_ceviche", "default", default, ref, TARGETS["default"], "deferax", "reference"))
     print(result_line("bench_ceviche", "default-vs-fused", default, fused, TARGETS["fused"], "deferax", "fused"))
+    d_spread, f_spread = (max(times[n]) - min(times[n]) for n in ("default", "hand-written fused"))
+    print(
+        f"  spread (max - min) of the default's repeats {fmt(d_spread)}, of the hand-written site's {fmt(f_spread)}: "
+        + ("no wider" if d_spread <= f_spread else "WIDER")
+    )
     par = median(times["parallel floor"])
     print(f"  parallel floor / serial floor: {par / median(times['serial floor']):.2f} (0.5: the two jobs overlapped)")
     for name, case, label in (

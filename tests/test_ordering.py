@@ -4,6 +4,8 @@ counted by SciPy's `splu` here, independently), reused for the pattern's later
 factorisations, overridable, and forgotten by `_runtime.reset`. Solutions and gradients
 against SciPy in float64."""
 
+import itertools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -93,3 +95,61 @@ def test_an_ordering_given_is_used_alone(splu_calls):
     assert splu_calls == ["MMD_AT_PLUS_A"] and int(lu.nnz) == fill(matrix, "MMD_AT_PLUS_A")
     assert solver.chosen(matrix) is None and dx.SuperLU().chosen(matrix) is None
     assert repr(solver) == "SuperLU(permc_spec='MMD_AT_PLUS_A')"
+
+
+def test_the_pattern_digest_is_computed_once_for_a_patterns_matrices(monkeypatch):
+    """`dx.sparse_solve`'s matrices of one pattern share its read-only structure: its digest
+    (the key of the ordering chosen) is computed once, not once a factorisation; a user's
+    writable matrix is digested every time (it may change in place), and a changed structure
+    gets another key."""
+    import hashlib
+
+    from deferax._host import _sparse_solver
+
+    made = []
+    blake2b = hashlib.blake2b
+    monkeypatch.setattr(hashlib, "blake2b", lambda **kw: made.append(1) or blake2b(**kw))
+    a = laplacian(6)
+    values, pattern = dx.SparsePattern.from_scipy(a)
+    first = pattern._csc(values)
+    key = _sparse_solver._pattern_key(first)
+    assert key == _sparse_solver._pattern_key(scipy.sparse.csc_matrix(a))  # (the same structure, the same key)
+    made.clear()
+    for scale in (1.0, 2.0, 3.0):
+        assert _sparse_solver._pattern_key(pattern._csc(scale * values)) == key
+    assert made == []
+    mine = scipy.sparse.csc_matrix(a)  # (writable: digested each time)
+    _sparse_solver._pattern_key(mine)
+    _sparse_solver._pattern_key(mine)
+    assert len(made) == 2
+    mine.indices[[0, 1]] = mine.indices[[1, 0]]  # (changed in place: another structure)
+    assert _sparse_solver._pattern_key(mine) != key
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.complex128])
+def test_a_patterns_matrix_is_scipys_coo_conversion(dtype):
+    """The matrix `dx.sparse_solve` factors, assembled from the pattern's structure computed
+    once, is SciPy's COO-to-CSC conversion of the same entries: duplicates summed, indices
+    sorted (as its flags claim), in the entries' dtype; for a pattern with and without
+    repeated positions."""
+    rng = np.random.default_rng(0)
+    n = 30
+    rows, cols = rng.integers(0, n, 200), rng.integers(0, n, 200)  # (repeated positions)
+    for r, c in ((rows, cols), np.divmod(rng.permutation(n * n)[:150], n)):
+        values = rng.normal(size=r.size).astype(dtype)
+        if np.iscomplexobj(values):
+            values = values + 1j * rng.normal(size=r.size).astype(dtype)
+        pattern = dx.SparsePattern(r, c, n)
+        for scale in (1.0, -2.5):  # (a second matrix of the pattern, from the structure kept)
+            v = (scale * values).astype(dtype)
+            got = pattern._csc(v)
+            want = scipy.sparse.csc_matrix((v, (r, c)), shape=(n, n))
+            want.sum_duplicates()
+            assert got.dtype == dtype
+            assert got.has_canonical_format and got.has_sorted_indices
+            np.testing.assert_array_equal(got.indptr, want.indptr)
+            np.testing.assert_array_equal(got.indices, want.indices)
+            tol = 1e-5 if dtype == np.float32 else 1e-12
+            np.testing.assert_allclose(got.data, want.data, rtol=tol, atol=tol)
+            sorted_within = all(np.all(np.diff(got.indices[a:b]) > 0) for a, b in itertools.pairwise(got.indptr))
+            assert sorted_within

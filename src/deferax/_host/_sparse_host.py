@@ -60,8 +60,6 @@ class _Solve:
         return np.promote_types(self.dtype, least)
 
     def _factor(self, values: np.ndarray) -> Any:
-        import scipy.sparse
-
         bad = ~np.isfinite(values)
         if bad.any():  # (SuperLU would report a zero pivot, or return NaN without a word)
             first = int(np.argmax(bad))
@@ -75,8 +73,7 @@ class _Solve:
                     col=self.pattern.cols[first],
                 )
             )
-        p = self.pattern
-        matrix = scipy.sparse.csc_matrix((values.astype(self.work), (p.rows, p.cols)), shape=(p.n, p.n))
+        matrix = self.pattern._csc(values.astype(self.work, copy=False))
         start = time.perf_counter()
         lu = self.solver.factor(matrix)
         end = time.perf_counter()
@@ -98,9 +95,11 @@ class _Solve:
         record_nbytes(self, nbytes)
         return nbytes
 
-    def _acquire(self, values: np.ndarray) -> Any:
-        """The factorisation of the matrix, kept or made, with one more user (see `_factorisations.Store`)."""
-        return FACTORISATIONS.acquire(self._key(values), lambda: self._factor(values), self._nbytes)
+    def _acquire(self, values: np.ndarray, key: Any = None) -> Any:
+        """The factorisation of the matrix, kept or made, with one more user (see
+        `_factorisations.Store`); `key`: `_key(values)`, where it was made already."""
+        key = self._key(values) if key is None else key
+        return FACTORISATIONS.acquire(key, lambda: self._factor(values), self._nbytes)
 
     @contextlib.contextmanager
     def _factorised(self, values: np.ndarray, uses: int) -> Iterator[Any]:
@@ -108,7 +107,7 @@ class _Solve:
         `uses` users fewer for it (this use, and a forward pass's for a backward pass)."""
         key = self._key(values)
         try:
-            yield self._acquire(values)
+            yield self._acquire(values, key)
         finally:
             FACTORISATIONS.release(key, uses)
 

@@ -122,6 +122,36 @@ class SparsePattern:
             summed = summed + 1j * np.bincount(inverse, weights=np.imag(values), minlength=m)
         return bool(np.array_equal(summed, summed[transposed]))
 
+    def _csc(self, values: np.ndarray) -> Any:
+        """The matrix with entries `values` (in the dtype given), as a `scipy.sparse.csc_matrix`
+        in canonical form (sorted, entries at one position summed), as SciPy's COO
+        conversion makes it. Its structure is computed once per pattern and shared by every
+        matrix made here (read-only), so each call only gathers and sums `values`."""
+        import scipy.sparse
+
+        if "_csc_structure" not in self.__dict__:
+            n = self.n
+            positions, inverse = np.unique(self.cols * n + self.rows, return_inverse=True)  # (column-major)
+            inverse = inverse.ravel()
+            index = np.int32 if n <= np.iinfo(np.int32).max and positions.size <= np.iinfo(np.int32).max else np.int64
+            indices = (positions % n).astype(index)
+            indptr = np.r_[0, np.cumsum(np.bincount(positions // n, minlength=n))].astype(index)
+            for a in (inverse, indices, indptr):
+                a.setflags(write=False)
+            object.__setattr__(self, "_csc_structure", (inverse, indices, indptr))
+        inverse, indices, indptr = self.__dict__["_csc_structure"]
+        if indices.size == self.nnz:  # (no two entries at one position)
+            data = np.empty_like(values)
+            data[inverse] = values
+        else:  # (`bincount` sums in the entries' order, as SciPy's conversion does)
+            data = np.bincount(inverse, weights=np.real(values), minlength=indices.size).astype(values.dtype)
+            if np.iscomplexobj(values):
+                data += 1j * np.bincount(inverse, weights=np.imag(values), minlength=indices.size)
+        matrix = scipy.sparse.csc_matrix((data, indices, indptr), shape=(self.n, self.n), copy=False)
+        matrix.has_sorted_indices = True  # (sorted by construction: no check, no copy)
+        matrix.has_canonical_format = True
+        return matrix
+
     @classmethod
     def from_scipy(cls, matrix: Any) -> tuple[np.ndarray, SparsePattern]:
         """`(values, pattern)` of a square SciPy sparse matrix (any format), in COO order."""

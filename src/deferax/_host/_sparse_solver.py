@@ -8,6 +8,7 @@ runs, not when deferax is imported.
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import Any
 
 import equinox as eqx
@@ -95,15 +96,40 @@ but got {{found!r}}.""".format(orderings=", ".join(map(repr, _ORDERINGS)))
 _TRIED = ("COLAMD", "MMD_AT_PLUS_A")
 
 
+# the digests of CSC structures whose arrays cannot change (a `SparsePattern`'s, shared by every
+# matrix made from it), by the identities of those arrays
+_DIGESTS: dict[tuple[int, int], tuple[tuple, tuple]] = _runtime.store({})
+
+
 def _pattern_key(matrix: Any) -> tuple:
     """The identity of the CSC `matrix`'s pattern (its shape and a digest of its structure),
-    by which the ordering chosen for it is kept."""
+    by which the ordering chosen for it is kept. Computed once for the read-only structure
+    that `dx.sparse_solve` shares between the matrices of a pattern (O(nnz) otherwise)."""
     import hashlib
 
+    arrays = (matrix.indptr, matrix.indices)
+    owners = tuple(_fixed_owner(a) for a in arrays)
+    ident = (id(owners[0]), id(owners[1]))
+    known = _DIGESTS.get(ident)
+    if known is not None and all(r() is o for r, o in zip(known[0], owners, strict=True)):
+        return known[1]
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(np.ascontiguousarray(matrix.indptr).tobytes())
-    digest.update(np.ascontiguousarray(matrix.indices).tobytes())
-    return (matrix.shape, digest.hexdigest())
+    for a in arrays:
+        digest.update(np.ascontiguousarray(a).tobytes())
+    key = (matrix.shape, digest.hexdigest())
+    if all(o is not None for o in owners):
+        refs = tuple(weakref.ref(o, lambda _, ident=ident: _DIGESTS.pop(ident, None)) for o in owners)
+        _DIGESTS[ident] = (refs, key)
+    return key
+
+
+def _fixed_owner(a: Any) -> np.ndarray | None:
+    """The read-only array that owns `a`'s memory and that `a` is the whole of (`a` itself, or
+    the array SciPy took a view of), whose contents therefore never change; None otherwise."""
+    owner = a.base if isinstance(a, np.ndarray) and isinstance(a.base, np.ndarray) else a
+    if not isinstance(owner, np.ndarray) or owner.base is not None or owner.flags.writeable:
+        return None
+    return owner if owner.dtype == a.dtype and owner.shape == a.shape else None
 
 
 def _structurally_symmetric(matrix: Any) -> bool:
