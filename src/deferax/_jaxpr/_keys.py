@@ -152,9 +152,13 @@ def _param_key(p):
         # (a wrapped function, a `custom_vjp`'s backward rule, is made anew by every trace:
         # keyed by identity, it would never match again and only fill the cache)
         raise _Unkeyable
-    if isinstance(p, eqx.Module) or (
-        dataclasses.is_dataclass(p) and not isinstance(p, type) and p.__dataclass_params__.frozen  # pyright: ignore[reportAttributeAccessIssue]  (set by @dataclass; typeshed omits it)
-    ):
+    frozen = dataclasses.is_dataclass(p) and not isinstance(p, type) and p.__dataclass_params__.frozen  # pyright: ignore[reportAttributeAccessIssue]  (set by @dataclass; typeshed omits it)
+    if frozen and _compares_itself(kind):
+        # (its own `__eq__` and `__hash__`, as `dx.SparsePattern`'s, which keeps read-only
+        # copies of its index arrays and a hash made once: by itself, as any hashable
+        # parameter below, not by the bytes of its fields on every call)
+        return (kind, p)
+    if isinstance(p, eqx.Module) or frozen:
         # field by field (an `ExpensiveFn` and its Module implementations are immutable
         # dataclasses): a number among them by its bits, as a literal, where `==` would take
         # 0.0 for -0.0 and 1 for True. (A mutable one can change after its program is
@@ -170,6 +174,17 @@ def _param_key(p):
     except TypeError:
         raise _Unkeyable from None
     return (type(p), p)
+
+
+@_runtime.cached(maxsize=None)
+def _compares_itself(cls: type) -> bool:
+    """Whether the frozen dataclass `cls` compares and hashes by its own methods, not those
+    `dataclasses` writes from its fields (declared with `eq=False`)."""
+    return (
+        not cls.__dataclass_params__.eq  # pyright: ignore[reportAttributeAccessIssue]
+        and cls.__eq__ is not object.__eq__
+        and cls.__hash__ not in (None, object.__hash__)
+    )
 
 
 @_runtime.cached(maxsize=None)
