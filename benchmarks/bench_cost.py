@@ -157,7 +157,7 @@ def run_case(name: str, loss, x, forced: dict, repeats: int) -> float | None:
     if all(e is not None and e.deferred is not None for e in estimates):
         est[deferred_name] = sum(e.deferred for e in estimates)  # pyright: ignore[reportOptionalMemberAccess]
     unit = " s" if all(e is not None and e.source != "defaults" for e in estimates) else " (units of one forward)"
-    times = interleaved({k: (lambda f=f: f(x)) for k, f in sides.items()}, repeats)
+    times = interleaved({k: (lambda f=f: f(x)) for k, f in sides.items()}, repeats, settle=0.05)
     for side, ts in times.items():
         shown = f"estimated {est[side]:.4g}{unit}, " if side in est else ""
         print(f"  {side:15s}: {shown}measured {describe(ts)}")
