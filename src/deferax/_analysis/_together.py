@@ -24,33 +24,41 @@ def jobs_leave(check, p: int) -> bool:
 
 
 def may_run_together(check, ready) -> bool:
-    """Whether standard sites' backward jobs may run at once (`Together`): two or more
-    could, and every site's operands need no expensive output (so every output is known
-    in stage 2), none is called inside `lax.scan` or the like, and the schedule is chosen."""
+    """Whether standard sites' backward jobs may run at once (`Together`), or the plan says
+    why not: two sites or more, of which one at least has host functions, every site's
+    operands need no expensive output (so every output is known in stage 2), none is
+    called inside `lax.scan` or the like, and the schedule is chosen (`"auto"`)."""
     n = len(check.sites)
     return (
         check.schedule == "auto"
         and check.fallback is None
         and not check.nested
+        and n >= 2
         and len(ready) == n
-        and sum(jobs_leave(check, p) for p in range(n)) >= 2
+        and any(jobs_leave(check, p) for p in range(n))
     )
 
 
 def in_turn(check, schedules, upstream) -> None:
-    """Why the standard sites' backward jobs run in turn, where a nested expensive call is
-    the only thing that stops them, added to their reasons."""
-    if not check.nested or check.schedule != "auto" or check.fallback is not None:
+    """Why the standard host sites' backward jobs run in turn where `may_run_together`
+    found a site that takes an expensive output, or one called inside `lax.scan` or the
+    like, added to their reasons."""
+    n = len(check.sites)
+    if check.schedule != "auto" or check.fallback is not None or n + len(check.nested) < 2:
         return
-    eligible = [
-        p for p, s in schedules.items() if isinstance(s, Standard | Early) and jobs_leave(check, p) and not upstream[p]
+    eligible = [p for p, s in schedules.items() if isinstance(s, Standard | Early) and jobs_leave(check, p)]
+    why = [
+        f"the input of site #{p} `{check.specs[p].name}` depends on an expensive output"
+        for p in range(n)
+        if upstream[p]
     ]
-    if len(eligible) < 2:
+    if check.nested:
+        kinds = ", ".join(sorted({_jaxpr.kind_of(check.program.jaxpr.eqns[i]) for i in check.nested}))
+        why.append(f"the expensive call inside {kinds} runs on the program's own passes")
+    if not eligible or not why:
         return
-    kinds = ", ".join(sorted({_jaxpr.kind_of(check.program.jaxpr.eqns[i]) for i in check.nested}))
-    why = f"; backward jobs in turn: the expensive call inside {kinds} runs on the program's own passes"
     for p in eligible:
-        schedules[p] = _with_reason(schedules[p], why)
+        schedules[p] = _with_reason(schedules[p], "; backward jobs in turn: " + "; ".join(why))
 
 
 def choose(check, schedules, once) -> None:
