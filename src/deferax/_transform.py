@@ -231,7 +231,7 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, re
         with _stage("deferax stage 1: operands and cotangents"):
             operands, cts = (compiled.stage1 if compiled is not None else ft.partial(_stage1.stage1, analysis))(ins)
         with _stage("deferax stage 2: expensive calls"):
-            ys, diff_cts = _stage2.stage2(analysis, operands, cts, eager=eager)
+            ys, diff_cts = _stage2.by_position(analysis.ahead, _stage2.stage2(analysis.ahead, operands, cts, eager))
         if analysis.together:
             with _stage("deferax stage 2b: backward jobs at once"):
                 backward = compiled.backward_cotangents if compiled is not None else None

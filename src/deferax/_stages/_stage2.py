@@ -121,20 +121,12 @@ def _split_batch(batch: tuple, a: Any) -> Any:
     return np.reshape(a, (*batch, *np.shape(a)[1:]))
 
 
-def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[dict, dict]:
-    """`(ys, diff_cts)` by position: each site's output leaves and, for a deferred site, the
-    cotangents of the differentiable leaves of its input (stacked for a basis site).
-
-    Eagerly, the calls run concurrently on threads. Traced (under `jit` or `vmap`), each is
-    part of the surrounding program, where XLA:CPU runs them one after another; when there
-    are several and all of them leave the program anyway (host functions, `dx.fuse`, a
-    `fused` made from `fwd` and `adjoint`), they leave it through one callback that runs
-    them all concurrently; under a `vmap` of the whole step, on the whole batch (each host
-    site's functions get it in one submission, other halves run one example after another).
-    """
-    results = _run(analysis.ahead, operands, cts, eager)
-    ys = {s.position: r[0] for s, r in zip(analysis.ahead, results, strict=True)}
-    diff_cts = {s.position: r[1] for s, r in zip(analysis.ahead, results, strict=True)}
+def by_position(sites: tuple[AbstractAhead, ...], results: list) -> tuple[dict, dict]:
+    """`(ys, diff_cts)` by position, from stage 2's `results` for `sites`: each site's output
+    leaves and, for a deferred site, the cotangents of the differentiable leaves of its
+    input (stacked for a basis site)."""
+    ys = {s.position: r[0] for s, r in zip(sites, results, strict=True)}
+    diff_cts = {s.position: r[1] for s, r in zip(sites, results, strict=True)}
     return ys, diff_cts
 
 
@@ -159,12 +151,21 @@ def stage2b(analysis: Analysis, operands: dict, ys: dict, cts: dict, eager: bool
     leaves of each one's input, by position."""
     jobs = tuple(s.backward() for s in analysis.together)
     given = {j.position: (ys[j.position], cts[j.position]) for j in jobs}
-    results = _run(jobs, operands, given, eager)
+    results = stage2(jobs, operands, given, eager)
     return {j.position: r[0] for j, r in zip(jobs, results, strict=True)}
 
 
-def _run(sites: tuple[_Job, ...], operands: dict, cts: dict, eager: bool) -> list:
-    """Each of `sites`' calls, concurrently where it can (see `stage2`)."""
+def stage2(sites: tuple[_Job, ...], operands: dict, cts: dict, eager: bool) -> list:
+    """The calls of `sites` (`analysis.ahead`, or stage 2b's `bwd` jobs), concurrently: a
+    result each, `(y, ct_x)` (see `by_position`).
+
+    Eagerly, the calls run concurrently on threads. Traced (under `jit` or `vmap`), each is
+    part of the surrounding program, where XLA:CPU runs them one after another; when there
+    are several and all of them leave the program anyway (host functions, `dx.fuse`, a
+    `fused` made from `fwd` and `adjoint`), they leave it through one callback that runs
+    them all concurrently; under a `vmap` of the whole step, on the whole batch (each host
+    site's functions get it in one submission, other halves run one example after another).
+    """
     work = _Stage2(sites)
     placements = work.placements
     results = None
