@@ -314,3 +314,29 @@ def test_a_process_pools_workers_keep_no_factorisation(pool, tmp_path, jit):
         "its jobs run on a ProcessPoolExecutor, which cannot send the backward job to the process that factored: "
         "the factorisation is not kept for the backward pass, which factors again"
     )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_forward_beside_a_deferred_site_keeps_its_factorisation(jit):
+    """A standard site's forward runs in stage 2 beside a deferred site (under `jit`, inside
+    their one callback): its factorisation waits for the backward pass all the same, one
+    factorisation a step (it was two under `jit`: the callback's output let it go)."""
+    tally = Tally()
+    m = np.diag([2.0, 3.0, 4.0])
+    d = dx.host(lambda x: m @ x, adjoint=lambda x, ct: m.T @ ct, out=lambda s: s, name="d")
+    v, p = SITES[0]
+
+    def loss(args, d=d, solve=lambda v: dx.sparse_solve(v, p, B, solver=CountingLU(tally), max_basis=0)):
+        v, x = args
+        return jnp.sum(d(x)) + jnp.sum(solve(v) ** 2)
+
+    assert dx.explain(loss, (v, B[:3])).stages[0] == ("d: fused", "sparse_solve: fwd")
+    fn = dx.filter_value_and_grad(loss)
+    fn = jax.jit(fn) if jit else fn
+    want = jax.value_and_grad(lambda args: loss(args, lambda x: jnp.asarray(m) @ x, lambda v: dense(v, p)))((v, B[:3]))
+    for _ in range(2):
+        tally.factor = 0
+        assert_tree_allclose(fn((v, B[:3])), want, rtol=1e-11, atol=1e-12)
+        assert tally.factor == 1
+    gc.collect()
+    assert len(_factorisations.FACTORISATIONS) == 0

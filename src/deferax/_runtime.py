@@ -71,6 +71,9 @@ WHERE: contextvars.ContextVar[str | None] = contextvars.ContextVar("deferax_wher
 TIMED_OUTSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_timed_outside", default=False)
 # the strategy the plan chose for each site that stage 3 differentiates, by `Spec` (`_site/_primitive.py`)
 PLANNED: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_planned", default=None)
+# inside: the host functions run from stage 2's gathered callback, whose outputs leave as
+# NumPy arrays (no lease is taken on them: `_host/_host.py`, `_host/_factorisations.py`)
+IN_CALLBACK: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_in_callback", default=False)
 
 CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     TYPECHECKING,
@@ -82,6 +85,7 @@ CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     WHERE,
     TIMED_OUTSIDE,
     PLANNED,
+    IN_CALLBACK,
 )
 
 # ----------------------------------------------------------------------------- thread pools

@@ -142,6 +142,9 @@ class _Compiled:
     def __init__(self, analysis: Analysis, has_diff: list[bool]):
         self.analysis = analysis
         self.stage1 = jax.jit(ft.partial(_stage1.stage1, analysis))
+        self.backward_cotangents = (
+            jax.jit(ft.partial(_stage2.backward_cotangents, analysis)) if analysis.together else None
+        )
         # With standard sites left, stage 3 runs their implementations: it runs uncompiled,
         # as in Equinox, so that they run eagerly (and read what they read afresh).
         self.stage3 = None if analysis.live else jax.jit(ft.partial(_stage3.stage3, analysis, has_diff))
@@ -219,15 +222,21 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, re
     if analysis.plan.fallback is not None:
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
     outside = [s.spec.name for s in analysis.deferring if s.leaves_program] if differentiated else []
+    assert not (differentiated and analysis.together)  # (the standard schedule was requested: none)
     if outside:
         sites = ", ".join(f"`{name}`" for name in outside)
         raise ValueError(_DEFERRED_UNDER_DIFFERENTIATION.format(where=_WHERE, sites=sites))
     results = None
-    if analysis.deferring:
+    if analysis.ahead:
         with _stage("deferax stage 1: operands and cotangents"):
             operands, cts = (compiled.stage1 if compiled is not None else ft.partial(_stage1.stage1, analysis))(ins)
         with _stage("deferax stage 2: expensive calls"):
-            ys, diff_cts = _stage2.stage2(analysis, operands, cts, eager=eager)
+            ys, diff_cts = _stage2.by_position(analysis.ahead, _stage2.stage2(analysis.ahead, operands, cts, eager))
+        if analysis.together:
+            with _stage("deferax stage 2b: backward jobs at once"):
+                backward = compiled.backward_cotangents if compiled is not None else None
+                backward = backward or ft.partial(_stage2.backward_cotangents, analysis)
+                diff_cts |= _stage2.stage2b(analysis, operands, ys, backward(ins, ys), eager=eager)
         results = (cts, ys, diff_cts)
     with _stage("deferax stage 3: value and gradients"):
         if compiled is not None and compiled.stage3 is not None:

@@ -40,6 +40,8 @@ from .._schedules._deferred_basis import Basis, DeferredBasis
 from .._schedules._early import Early
 from .._schedules._forward_basis import ForwardBasis
 from .._schedules._standard import Standard
+from .._schedules._together import Together
+from . import _together
 from ._bwd import bwd_decisions
 
 
@@ -58,6 +60,10 @@ class Analysis:
     # the reverse-mode strategy planned for each site not deferred ("standard" or "forward-basis"), by `Spec`:
     # stage 3 differentiates them so (`_site.planned`), whatever timings came in since
     strategies: dict = dataclasses.field(default_factory=dict)
+    # G, pruned to the cotangents of the together sites, which stage 2b evaluates with the
+    # real outputs: (consts, leaves, ys, seed) -> cts; and ("ct", position, leaf) for each output
+    together_backward: Any = None
+    together_out: tuple = ()
 
     @property
     def deferring(self) -> tuple[AbstractAhead, ...]:
@@ -65,9 +71,14 @@ class Analysis:
         return tuple(s for s in self.ahead if s.defers)
 
     @property
+    def together(self) -> tuple[Together, ...]:
+        """The standard sites whose backward jobs run at once in stage 2b."""
+        return tuple(s for s in self.ahead if isinstance(s, Together))
+
+    @property
     def live(self) -> bool:
         """Whether stage 3 still runs expensive implementations (standard sites)."""
-        return bool(self.nested) or not all(s.defers for s in self.schedules)
+        return bool(self.nested) or not all(s.defers or isinstance(s, Together) for s in self.schedules)
 
 
 def analyse(
@@ -143,11 +154,14 @@ class _Check:
             else:
                 schedules[p] = Standard(spec=self.specs[p], position=p, reason=reason)
         backward, backward_out = None, ()
-        if candidates:
-            ready = [p for p in range(n) if not upstream[p]]  # operands computable in stage 1
-            backward, backward_out, ct_deps, labels = self._backward(candidates, ready)
+        ready = [p for p in range(n) if not upstream[p]]  # operands computable in stage 1
+        # (standard sites whose backward jobs may run at once: their cotangents are traced too)
+        jointly = _together.may_run_together(self, ready)
+        if candidates or jointly:
+            backward, backward_out, ct_deps, labels = self._backward(list(range(n)) if jointly else candidates, ready)
             self._candidates = candidates
-            once = {p: self._ahead_once(backward, backward_out, p) for p in {*ready, *candidates}}
+            # (a site that is not a candidate takes only its operands from stage 1)
+            once = {p: self._ahead_once(backward, backward_out, p, p in candidates) for p in {*ready, *candidates}}
             for p in candidates:
                 reason = once[p]
                 schedules[p] = (
@@ -170,10 +184,20 @@ class _Check:
                 and not once.get(p)
             ):
                 schedules[p] = Early.of(schedule)
+        if jointly:
+            _together.choose(self, schedules, {p: self._ahead_once(backward, backward_out, p) for p in range(n)})
+        else:
+            _together.in_turn(self, schedules, upstream)
         ordered = tuple(schedules[p] for p in range(n))
         ahead = tuple(s for s in ordered if isinstance(s, AbstractAhead) and s.defers)
         ahead += tuple(s for s in ordered if isinstance(s, AbstractAhead) and not s.defers)
+        together_backward, together_out = None, ()
         if backward is not None:
+            jointly_at = {s.position for s in ahead if isinstance(s, Together)}
+            if jointly_at:
+                wanted = [kind == "ct" and p in jointly_at for kind, p, _ in backward_out]
+                together_backward = _jaxpr.prune(backward, wanted)
+                together_out = tuple(o for o, u in zip(backward_out, wanted, strict=True) if u)
             keep = [kind in ordered[p].from_backward for kind, p, _ in backward_out]
             backward = _jaxpr.prune(backward, keep)
             backward_out = tuple(o for o, u in zip(backward_out, keep, strict=True) if u)
@@ -183,7 +207,19 @@ class _Check:
             for (_, spec, _), s in zip(self._entries(), plan.sites, strict=True)
             if s.schedule in ("standard", "forward-basis")
         }
-        return Analysis(plan, self.program, self.sites, self.nested, ordered, ahead, backward, backward_out, strategies)
+        return Analysis(
+            plan,
+            self.program,
+            self.sites,
+            self.nested,
+            ordered,
+            ahead,
+            backward,
+            backward_out,
+            strategies,
+            together_backward,
+            together_out,
+        )
 
     def _structural(self, k, upstream, feeds) -> str | None:
         spec = self.specs[k]
@@ -279,11 +315,15 @@ class _Check:
                 ct_deps[k] = (prev | (d - {"seed"}), [*outputs, index])
         return closed, tuple(out), ct_deps, (labels, inner)
 
-    def _ahead_once(self, backward, backward_out, k) -> str | None:
-        """Why site `k`'s input and cotangent cannot be computed ahead of the expensive
-        calls: what stage 1 evaluates for them must happen once a call (it happens again
-        in stage 3)."""
-        targets = [v for v, (_, j, _) in zip(backward.jaxpr.outvars, backward_out, strict=True) if j == k]
+    def _ahead_once(self, backward, backward_out, k, cotangent: bool = True) -> str | None:
+        """Why site `k`'s input and cotangent (with `cotangent`; else its input) cannot be
+        computed ahead of the expensive calls: what stage 1 evaluates for them must happen
+        once a call (it happens again in stage 3)."""
+        targets = [
+            v
+            for v, (kind, j, _) in zip(backward.jaxpr.outvars, backward_out, strict=True)
+            if j == k and (cotangent or kind == "op")
+        ]
         found = _jaxpr.once_only(backward, _jaxpr.needed_equations(backward.jaxpr, targets))
         return None if found is None else _once_reason("its input and cotangent", found)
 
@@ -369,14 +409,22 @@ class _Check:
 
 def _stages(every, ahead) -> tuple[tuple[str, ...], ...]:
     """The expensive work in order: the deferred sites' `fused` calls together with the
-    `fwd` of every standard site that needs no expensive output; then the other sites'
-    forward pass in program order; then every standard site's `bwd`, in reverse."""
+    `fwd` of every standard site that needs no expensive output; then the together sites'
+    `bwd`, all at once; then the other sites' forward pass in program order; then every
+    other standard site's `bwd`, in reverse."""
     rows = [schedule.stage_rows() for schedule in every]
     stages: list[tuple[str, ...]] = []
     if ahead:
         stages.append(tuple(s.stage_rows()[0] for s in ahead))  # pyright: ignore[reportArgumentType]  (every one runs in stage 2)
+    jointly = tuple(s.stage_rows()[2] for s in ahead if isinstance(s, Together))
+    if jointly:
+        stages.append(jointly)  # pyright: ignore[reportArgumentType]  (each has a backward row)
     stages.extend((forward,) for _, forward, _ in rows if forward is not None)
-    stages.extend((backward,) for _, _, backward in reversed(rows) if backward is not None)
+    stages.extend(
+        (backward,)
+        for s, (_, _, backward) in reversed(list(zip(every, rows, strict=True)))
+        if backward is not None and not isinstance(s, Together)
+    )
     return tuple(stages)
 
 

@@ -94,7 +94,8 @@ class _Host(eqx.Module):
         if is_concrete(args):
             args = jtu.tree_map(np.asarray, args)
             out = jtu.tree_map(jnp.asarray, runner(kind, result, arg_structs, shapes, *args))
-            if runner.adopt is not None:
+            # (from a callback, `out` is dropped when it leaves as NumPy: nothing to adopt)
+            if runner.adopt is not None and not _runtime.IN_CALLBACK.get():
                 runner.adopt(kind, args, out)
             return out
         # (with the caller's context: the site's name and schedule, for the recording)

@@ -24,7 +24,9 @@ bend: the two forward factorisations one after the other, eagerly and under `jit
 kept factorisation (`keeps_setup`) is paid once; a solve found to be a multiple of one
 done (a self-adjoint loss: compliance) costs nothing, and is timed as 0 s. For a site
 with `jvp` or `jvp_batch`, the forward-basis strategy's estimate is these with `n` tangents
-in place of `k` cotangents (see `forward_basis`).
+in place of `k` cotangents (see `forward_basis`). For standard sites that need no
+expensive output, whose forward jobs may run at once and whose backward jobs may too
+(`together`), the estimate of all of them in turn against all of them at once.
 
 The numbers come from the site's `cost=` hint, else from timings of its earlier calls
 (`observe`), else from equal-cost defaults (`fwd = bwd = 1`, no setup, and a stage worth a
@@ -238,6 +240,22 @@ def forget_timings() -> None:
 # ----------------------------------------------------------------------------- the estimates
 
 
+def _numbers(key: Hashable, shapes: tuple, hint: Cost, defaults: bool = False) -> tuple:
+    """`(setup, fwd, bwd, stage, source)` for a site: its hint's numbers, else its timings,
+    else the equal-cost defaults (all of them with `defaults`)."""
+    with _LOCK:
+        measured = dict(_DECIDED.get((key, shapes), {}))
+    given = {f: value for f, value in hint._seconds().items() if f != "stage" and value is not None}
+    if defaults or not {"fwd", "bwd"} <= set(measured) | set(given):  # (seconds are not mixed with the defaults' units)
+        measured = {}
+        given = {} if defaults else given
+    numbers = {"fwd": 1.0, "bwd": 1.0, "setup": 0.0} | measured | given
+    source = "measured" if set(measured) - set(given) else "hint" if given else "defaults"
+    stage = hint.stage if hint.stage is not None and not defaults else None
+    stage = stage if stage is not None else DEFAULT_STAGE if source == "defaults" else STAGE_SECONDS
+    return numbers["setup"], numbers["fwd"], numbers["bwd"], stage, source
+
+
 def estimate(
     *,
     key: Hashable,
@@ -264,15 +282,7 @@ def estimate(
     `workers`; the estimate is this site's share of their stage."""
     hint = Cost() if hint is None else hint
     workers = workers if hint.workers is None else hint.workers
-    with _LOCK:
-        measured = dict(_DECIDED.get((key, shapes), {}))
-    given = {f: value for f, value in hint._seconds().items() if f != "stage" and value is not None}
-    if not {"fwd", "bwd"} <= set(measured) | set(given):  # (seconds are not mixed with the defaults' units)
-        measured = {}
-    numbers = {"fwd": 1.0, "bwd": 1.0, "setup": 0.0} | measured | given
-    source = "measured" if set(measured) - set(given) else "hint" if given else "defaults"
-    stage = hint.stage if hint.stage is not None else DEFAULT_STAGE if source == "defaults" else STAGE_SECONDS
-    setup, fwd, bwd = numbers["setup"], numbers["fwd"], numbers["bwd"]
+    setup, fwd, bwd, stage, source = _numbers(key, shapes, hint)
     m = math.ceil(k / 2) if hint.linear and complex_out else k
     if fused_only:
         standard = 2 * (setup + fwd + bwd) + 2 * stage
@@ -317,3 +327,64 @@ def forward_basis(
         forward_basis=tangents.deferred,
         note=standard.note,
     )
+
+
+class Together(eqx.Module):
+    """The estimates of standard sites that may run their jobs at once (`together`).
+
+    **Fields:**
+
+    - `in_turn`: each site's forward, then each one's backward, one after another (the sum
+      of their standard estimates).
+    - `at_once`: the forward jobs at once, then the backward jobs at once.
+    - `workers`: the jobs that run at once (the fewest of the sites').
+    - `source`: as [`deferax.Estimates`][]'s.
+    """
+
+    in_turn: float
+    at_once: float
+    workers: int
+    source: str
+
+    @property
+    def faster(self) -> bool:
+        """Whether the jobs at once are estimated faster, on more than one worker (on one,
+        what they save is a host round trip: within what the estimate can tell)."""
+        return self.workers > 1 and self.at_once < self.in_turn
+
+    def text(self) -> str:
+        """`"estimated X s at once against Y s in turn"`."""
+        unit = "" if self.source == "defaults" else " s"
+        return f"estimated {self.at_once:.4g}{unit} at once against {self.in_turn:.4g}{unit} in turn"
+
+
+def together(sites: list[tuple[Hashable, tuple, Cost | None, int]]) -> Together:
+    """The estimates of standard sites (`(key, shapes, hint, workers)` each, as for `estimate`)
+    whose forward jobs run at once in one stage and whose backward jobs run at once in the
+    next, from the same numbers as `estimate`'s:
+
+        in turn    = sum of each site's standard estimate
+                     = sum (setup + fwd + (setup, unless kept) + bwd + 2 * stage)
+        at once    = max(longest forward job, all forward jobs / workers)
+                     + max(longest backward job, all backward jobs / workers) + 3 * stage
+
+    (two stages of jobs, and one more for the backward program evaluated ahead of the
+    value, with the real outputs). `workers`: the fewest of the sites' (a hint's first).
+    A site whose numbers are seconds beside one on the equal-cost defaults puts every site
+    on the defaults (seconds are not mixed with their units)."""
+    hints = [Cost() if hint is None else hint for _, _, hint, _ in sites]
+    numbers = [_numbers(key, shapes, hint) for (key, shapes, _, _), hint in zip(sites, hints, strict=True)]
+    if len({n[4] == "defaults" for n in numbers}) > 1:
+        numbers = [_numbers(key, shapes, hint, True) for (key, shapes, _, _), hint in zip(sites, hints, strict=True)]
+    workers = min(w if hint.workers is None else hint.workers for (_, _, _, w), hint in zip(sites, hints, strict=True))
+    forward, backward, in_turn = [], [], 0.0
+    for (setup, fwd, bwd, stage, _), hint in zip(numbers, hints, strict=True):
+        again = 0.0 if hint.keeps_setup else setup
+        forward.append(setup + fwd)
+        backward.append(again + bwd)
+        in_turn += setup + fwd + again + bwd + 2 * stage
+    stage = max(n[3] for n in numbers)
+    at_once = sum(max(max(jobs), sum(jobs) / workers) for jobs in (forward, backward)) + 3 * stage
+    sources = {n[4] for n in numbers}
+    source = "measured" if "measured" in sources else "hint" if "hint" in sources else "defaults"
+    return Together(in_turn=in_turn, at_once=at_once, workers=workers, source=source)

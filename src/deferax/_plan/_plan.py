@@ -25,7 +25,8 @@ class Site(eqx.Module):
       primal once and `k` adjoints in one batched `fused` call, combined once the output
       is known), `"forward-basis"` (the primal and `n` tangents in one `jvp_batch` call,
       `ct_x = J^T ct_y` after) or `"standard"` (`fwd` on the forward pass, `bwd` on the
-      backward pass).
+      backward pass; for independent host sites, their `fwd` jobs at once and then their
+      `bwd` jobs at once, as `reason` and `stages` say).
     - `reason`: for a site not deferred, why it could not be; `None` for a deferred one.
     - `location`: for a standard site whose cotangent depends on an output, the operation
       and the user's `file:line` that make it so; otherwise `None`.

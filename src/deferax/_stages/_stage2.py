@@ -1,7 +1,11 @@
 """Stage 2 of a deferred schedule: the expensive calls. One `fused` per deferred site
 (batched over its `vmap` levels, or over its basis cotangents and its levels), and the
 `fwd` of the standard sites that need no expensive output, concurrently: each site's
-schedule makes its call (`AbstractAhead.call`), here on the site's `Placement`."""
+schedule makes its call (`AbstractAhead.call`), here on the site's `Placement`.
+
+Stage 2b, for the together sites (`_schedules/_together.py`): the cotangents of their
+outputs from the backward program evaluated with the real outputs, then their `bwd` jobs,
+concurrently, as stage 2 runs its calls."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import functools as ft
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
@@ -19,9 +24,12 @@ from .._concurrency._placement import Placement, placed
 from .._concurrency._serial import one_at_a_time
 from .._implementation._abstract import AbstractImplementation
 from .._schedules._abstract import AbstractAhead
+from .._schedules._together import BackwardJob
+
+_Job = AbstractAhead | BackwardJob  # (what stage 2 runs: a site's call, or a together site's `bwd`)
 
 
-def _on_host(schedule: AbstractAhead) -> bool:
+def _on_host(schedule: _Job) -> bool:
     """Whether a site's stage-2 work is host functions (`dx.host`), whose callback takes a
     batch from `vmap` whole."""
     impl = schedule.impl
@@ -32,8 +40,8 @@ class _Stage2:
     """The stage-2 work of one trace of the step: each site's call on its placement (`run`),
     and all of them together (`run_all`), eagerly or from one callback (`from_callback`)."""
 
-    def __init__(self, analysis: Analysis):
-        self.sites = analysis.ahead
+    def __init__(self, sites: tuple[_Job, ...]):
+        self.sites = sites
         # the i-th site's halves on the i-th pair of devices
         self.placements = tuple(Placement(i, not s.spec.static.thread_safe) for i, s in enumerate(self.sites))
         # the host sites' work, taking a batch whole (compiled once for this trace of the
@@ -88,11 +96,13 @@ class _Stage2:
         the batch's leading axes: the sites run on the batch flattened to one axis."""
         leaves = jtu.tree_leaves(concrete)
         batch = np.shape(leaves[0])[: np.ndim(leaves[0]) - rank] if leaves else ()
-        if not batch:
-            return jtu.tree_map(np.asarray, self.run_all(placements, *concrete))
-        size = int(np.prod(batch))
-        flat = jtu.tree_map(ft.partial(_merge_batch, len(batch), size), concrete)
-        return jtu.tree_map(ft.partial(_split_batch, batch), self.run_all(placements, *flat, size=size))
+        # (what the host functions return here leaves as NumPy: see `_runtime.IN_CALLBACK`)
+        with _jaxpr.setting(_runtime.IN_CALLBACK, True):
+            if not batch:
+                return jtu.tree_map(np.asarray, self.run_all(placements, *concrete))
+            size = int(np.prod(batch))
+            flat = jtu.tree_map(ft.partial(_merge_batch, len(batch), size), concrete)
+            return jtu.tree_map(ft.partial(_split_batch, batch), self.run_all(placements, *flat, size=size))
 
 
 def _index(i: int, a: Any) -> Any:
@@ -111,9 +121,43 @@ def _split_batch(batch: tuple, a: Any) -> Any:
     return np.reshape(a, (*batch, *np.shape(a)[1:]))
 
 
-def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[dict, dict]:
-    """`(ys, diff_cts)` by position: each site's output leaves and, for a deferred site, the
-    cotangents of the differentiable leaves of its input (stacked for a basis site).
+def by_position(sites: tuple[AbstractAhead, ...], results: list) -> tuple[dict, dict]:
+    """`(ys, diff_cts)` by position, from stage 2's `results` for `sites`: each site's output
+    leaves and, for a deferred site, the cotangents of the differentiable leaves of its
+    input (stacked for a basis site)."""
+    ys = {s.position: r[0] for s, r in zip(sites, results, strict=True)}
+    diff_cts = {s.position: r[1] for s, r in zip(sites, results, strict=True)}
+    return ys, diff_cts
+
+
+def backward_cotangents(analysis: Analysis, ins: list, ys: dict) -> dict:
+    """The cotangents of the together sites' outputs, by position: the backward program
+    evaluated with the real outputs of every site (`ys`, by position, from stage 2)."""
+    seed = jnp.ones((), analysis.program.jaxpr.outvars[0].aval.dtype)
+    leaves = [y for s in analysis.schedules for y in ys[s.position]]
+    outs = _jaxpr.interpret(analysis.together_backward, [*ins, *leaves, seed])
+    cts: dict = {}
+    for (_, p, j), value in zip(analysis.together_out, outs, strict=True):
+        y = ys[p][j]
+        if value.dtype == jax.dtypes.float0:  # (an integer output's: its implementations get zeros)
+            value = jnp.zeros(jnp.shape(y), jnp.result_type(y))
+        cts.setdefault(p, []).append(value)
+    return cts
+
+
+def stage2b(analysis: Analysis, operands: dict, ys: dict, cts: dict, eager: bool) -> dict:
+    """The together sites' `bwd` jobs, concurrently, from their outputs `ys` and the
+    cotangents `cts` of them (`backward_cotangents`): the cotangents of the differentiable
+    leaves of each one's input, by position."""
+    jobs = tuple(s.backward() for s in analysis.together)
+    given = {j.position: (ys[j.position], cts[j.position]) for j in jobs}
+    results = stage2(jobs, operands, given, eager)
+    return {j.position: r[0] for j, r in zip(jobs, results, strict=True)}
+
+
+def stage2(sites: tuple[_Job, ...], operands: dict, cts: dict, eager: bool) -> list:
+    """The calls of `sites` (`analysis.ahead`, or stage 2b's `bwd` jobs), concurrently: a
+    result each, `(y, ct_x)` (see `by_position`).
 
     Eagerly, the calls run concurrently on threads. Traced (under `jit` or `vmap`), each is
     part of the surrounding program, where XLA:CPU runs them one after another; when there
@@ -122,8 +166,8 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
     them all concurrently; under a `vmap` of the whole step, on the whole batch (each host
     site's functions get it in one submission, other halves run one example after another).
     """
-    work = _Stage2(analysis)
-    sites, placements = work.sites, work.placements
+    work = _Stage2(sites)
+    placements = work.placements
     results = None
     if eager:
         results = work.run_all(placements, operands, cts)
@@ -142,6 +186,4 @@ def stage2(analysis: Analysis, operands: dict, cts: dict, eager: bool) -> tuple[
             results = jax.pure_callback(callback, shapes, mine, vmap_method="broadcast_all")
     if results is None:
         results = [work.run(p, operands, cts) for p in placements]
-    ys = {s.position: r[0] for s, r in zip(sites, results, strict=True)}
-    diff_cts = {s.position: r[1] for s, r in zip(sites, results, strict=True)}
-    return ys, diff_cts
+    return results
