@@ -37,6 +37,7 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+import re  # noqa: E402
 import time  # noqa: E402
 
 import equinox as eqx  # noqa: E402
@@ -51,6 +52,7 @@ from deferax._plan import _cost  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 TARGET = 1.05
+AT_ONCE = "standard at once"  # (the standard schedule, the sites' backward jobs at once)
 SLEEP = 0.005  # seconds, in the host case's `fwd` and adjoint
 
 
@@ -147,7 +149,15 @@ def run_case(name: str, loss, x, forced: dict, repeats: int) -> float | None:
         "standard": eqx.filter_jit(dx.filter_value_and_grad(loss, schedule="standard")),
         deferred_name: eqx.filter_jit(dx.filter_value_and_grad(loss, **forced)),
     }
+    at_once = None
+    if len(plan.sites) > 1 and forced:  # (the standard sites' jobs at once: `max_basis=0` keeps them standard)
+        at_once = dx.filter_value_and_grad(loss, max_basis=0)
+        jax.block_until_ready(at_once(x))
+        if _backward_at_once(dx.explain(at_once, x)):
+            sides[AT_ONCE] = eqx.filter_jit(at_once)
     chosen = sorted({s.schedule for s in plan.sites})
+    if chosen == ["standard"] and _backward_at_once(plan):
+        chosen = [AT_ONCE]
     print(f"--- {name}: {len(plan.sites)} site(s), the default chose {', '.join(chosen)}")
     for timings in _cost._DECIDED.values():
         shown = ", ".join(f"{k} {fmt(v)}" for k, v in sorted(timings.items()))
@@ -157,10 +167,15 @@ def run_case(name: str, loss, x, forced: dict, repeats: int) -> float | None:
     if all(e is not None and e.deferred is not None for e in estimates):
         est[deferred_name] = sum(e.deferred for e in estimates)  # pyright: ignore[reportOptionalMemberAccess]
     unit = " s" if all(e is not None and e.source != "defaults" for e in estimates) else " (units of one forward)"
+    if AT_ONCE in sides:
+        assert at_once is not None
+        found = re.search(r"estimated ([0-9.e+-]+)(?: s)? at once", dx.explain(at_once, x).sites[0].reason or "")
+        if found:
+            est[AT_ONCE] = float(found.group(1))
     times = interleaved({k: (lambda f=f: f(x)) for k, f in sides.items()}, repeats, settle=0.05)
     for side, ts in times.items():
         shown = f"estimated {est[side]:.4g}{unit}, " if side in est else ""
-        print(f"  {side:15s}: {shown}measured {describe(ts)}")
+        print(f"  {side:17s}: {shown}measured {describe(ts)}")
     if name == "stage":  # (no choice to judge: one stage's cost, from the standard schedule's two)
         work = sum(v for k, v in _cost._DECIDED[next(iter(_cost._DECIDED))].items() if k in ("fwd", "bwd"))
         stage = (median(times["standard"]) - work) / 2
@@ -170,7 +185,7 @@ def run_case(name: str, loss, x, forced: dict, repeats: int) -> float | None:
         return None
     # the default's schedule, timed both as the default and forced (one program: pooled)
     (schedule,) = chosen if len(chosen) == 1 else ("mixed",)
-    pooled = {"standard": times["standard"], deferred_name: times[deferred_name]}
+    pooled = {k: times[k] for k in ("standard", AT_ONCE, deferred_name) if k in times}
     if schedule in pooled:
         pooled[schedule] = pooled[schedule] + times["default"]
     else:
@@ -184,6 +199,11 @@ def run_case(name: str, loss, x, forced: dict, repeats: int) -> float | None:
         f"fastest {fastest} {fmt(median(pooled[fastest]))}, ratio {ratio:.2f} ({goal})"
     )
     return ratio
+
+
+def _backward_at_once(plan) -> bool:
+    """Whether the plan runs standard sites' backward jobs at once (a stage of two `bwd`s or more)."""
+    return any(sum(": bwd" in job for job in stage) > 1 for stage in plan.stages)
 
 
 def main():

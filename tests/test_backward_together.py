@@ -493,3 +493,88 @@ def test_two_sparse_solves_on_dask(client, tmp_path, jit):
     counts, pids = runs(directory)
     assert counts == {"factor": 2}
     assert len(pids) == 2
+
+
+def linear_sine(name, calls, barrier=None, **kwargs):
+    """`sin` as host code with a linear `adjoint`, and `fused` and `fused_batch` (the forward
+    and its adjoints in one job): the site may be deferred on a basis. The adjoint waits at
+    `barrier` for the other site's."""
+
+    def fwd(x):
+        calls.append(f"{name}.fwd")
+        return np.sin(x)
+
+    def adjoint(x, ct):
+        calls.append(f"{name}.adjoint")
+        if barrier is not None:
+            barrier.wait()
+        return ct * np.cos(x)
+
+    def fused(x, ct):
+        calls.append(f"{name}.fused")
+        return np.sin(x), ct * np.cos(x)
+
+    def fused_batch(x, cts):
+        calls.append(f"{name}.fused_batch")
+        return np.sin(x), cts * np.cos(x)
+
+    return dx.host(fwd, adjoint=adjoint, fused=fused, fused_batch=fused_batch, out=lambda s: s, name=name, **kwargs)
+
+
+def squared_sums(a, b):
+    """Each site's cotangent a multiple of one fixed cotangent (k = 1): a basis candidate."""
+    return lambda x: jnp.sum(a(x)) ** 2 + jnp.sum(b(2 * x)) ** 2
+
+
+# a factorisation-like setup, kept for the backward pass, and 3 solves to a basis cotangent
+# (the estimate of each site deferred on its basis: 10 + 1 + 3 * 3 = 20, each site alone on
+# the workers; standard, with both sites' forward jobs at once, then their backward jobs at
+# once: 11 + 1)
+KEPT_SETUP = dx.Cost(setup=10.0, fwd=1.0, bwd=3.0, keeps_setup=True)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_basis_sites_go_back_to_standard_when_their_jobs_at_once_cost_less(jit):
+    """Two sites that could each be deferred on a basis of k = 1: deferred, each pays its
+    setup in two jobs (the forward's and the adjoint's); standard with their jobs at once,
+    the setup is paid once and kept. The estimates choose the latter, the plan says why, the
+    adjoint jobs overlap (the barrier), and no `fused` runs: one `fwd` and one `adjoint` a
+    site a step, with plain JAX's value and gradient."""
+    calls, barrier = [], threading.Barrier(2, timeout=WAIT)
+    loss = squared_sums(
+        linear_sine("a", calls, barrier, cost=KEPT_SETUP), linear_sine("b", calls, barrier, cost=KEPT_SETUP)
+    )
+    plan = dx.explain(dx.filter_value_and_grad(loss), X)
+    assert [s.schedule for s in plan.sites] == ["standard", "standard"]
+    for s in plan.sites:
+        assert "deferring its k=1 fixed cotangents is estimated slower than the standard sites' jobs at once" in (
+            s.reason or ""
+        )
+        assert "backward jobs at once with #0, #1" in (s.reason or "")
+    assert plan.stages[-1] == ("a: bwd", "b: bwd")
+    fn = step(loss, jit)
+    want = jax.value_and_grad(squared_sums(jnp.sin, jnp.sin))(X)
+    for _ in range(2):
+        calls.clear()
+        assert_tree_allclose(fn(X), want, rtol=1e-12, atol=1e-12)
+        assert collections.Counter(calls) == collections.Counter(
+            f"{n}.{i}" for n in ("a", "b") for i in ("fwd", "adjoint")
+        )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"max_basis": 1}, {"cost": dx.Cost(setup=10.0, fwd=1.0, bwd=3.0, keeps_setup=True, workers=1)}],
+    ids=["max_basis", "one-worker"],
+)
+def test_basis_sites_stay_deferred_when_asked_or_alone_on_a_worker(options):
+    """`max_basis` decides the basis schedule by itself, not the estimates; on one worker the
+    jobs at once save nothing: the sites stay deferred on their basis (one `fused_batch` job
+    a site, no `fwd`, no `adjoint`), with plain JAX's value and gradient."""
+    calls = []
+    cost = options.get("cost", KEPT_SETUP)
+    loss = squared_sums(linear_sine("a", calls, cost=cost), linear_sine("b", calls, cost=cost))
+    fn = dx.filter_value_and_grad(loss, **{k: v for k, v in options.items() if k != "cost"})
+    assert [s.schedule for s in dx.explain(fn, X).sites] == ["deferred-basis", "deferred-basis"]
+    assert_tree_allclose(fn(X), jax.value_and_grad(squared_sums(jnp.sin, jnp.sin))(X), rtol=1e-12, atol=1e-12)
+    assert collections.Counter(calls) == collections.Counter(["a.fused_batch", "b.fused_batch"])

@@ -92,7 +92,10 @@ def decide(loss, x):
     [
         # per site: standard = SETUP + FWD + BWD + 2 STAGE (the factorisation kept: one adjoint solve);
         # one job of SETUP + FWD + 3 BWD (6 real cotangents, `m` and `1j m` one solve) per site
-        ((1.0, 1.2), 2, "deferred-basis"),  # two jobs at once on two workers: half of both each
+        # two jobs at once on two workers, half of both each (0.020 + 0.020 - one stage they
+        # share = 0.039); but standard, both forward jobs at once, then both backward jobs
+        # (the factorisations kept): 0.032 + 0.002 + 3 stages = 0.037
+        ((1.0, 1.2), 2, "standard"),
         ((1.0,), 2, "standard"),  # one job alone: the 2 adjoint solves more are not paid back
         ((1.0, 1.2), 1, "standard"),  # one worker: the jobs in turn
     ],
@@ -112,6 +115,15 @@ def test_two_wavelengths_on_two_workers(wavelengths, workers, expected):
         assert site.k == 6 and site.schedule == expected
         assert site.estimates.standard == pytest.approx(standard)
         assert site.estimates.deferred == pytest.approx(deferred)
+    if peers == 2 and workers == 2:  # (why not deferred: the jobs at once, estimated by the same numbers)
+        at_once = (SETUP + FWD) + BWD + 3 * STAGE
+        assert at_once == pytest.approx(0.037) and 2 * deferred - STAGE == pytest.approx(0.039)
+        for site in plan.sites:
+            assert f"estimated slower than the standard sites' jobs at once ({2 * deferred - STAGE:.4g} s against " in (
+                site.reason or ""
+            )
+            assert f"{at_once:.4g} s)" in (site.reason or "")
+        assert plan.stages == (("sparse_solve: fwd",) * 2, ("sparse_solve: bwd",) * 2)
     assert_tree_allclose(grad(EPS), jax.value_and_grad(lambda e: bend(wavelengths)(e, dense_solve))(EPS), rtol=1e-9)
 
 

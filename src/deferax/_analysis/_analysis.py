@@ -116,6 +116,7 @@ class _Check:
         self.eqn_labels = {i: ("y", k) for k, i in enumerate(sites)} | {i: ("n", i) for i in nested}
         self._substituted = None
         self._candidates: list[int] = []  # (the sites that may run ahead of the value)
+        self.why_not_deferred: dict[int, str] = {}  # (each basis site's reason to stay standard, by position)
         self.fallback = _fallback(program)
 
     # ------------------------------------------------------------------ the order of the plan
@@ -169,6 +170,8 @@ class _Check:
                     if reason
                     else self._decide(p, ct_deps[p], backward, labels)
                 )
+        if jointly:
+            _together.against_basis(self, schedules, candidates)
         for p in range(n):
             schedule = schedules[p]
             if isinstance(schedule, Standard):
@@ -348,6 +351,7 @@ class _Check:
             reason = "its cotangent depends on " + ", ".join(self._source(lab) for lab in sorted(sources, key=str))
         if location is not None:
             reason += f", through {location}"
+        self.why_not_deferred[p] = reason  # (for a basis site put back on the standard schedule)
         basis = self._basis(p)
         if spec.axes and spec.static.fused_batch is None and basis.example_axes is None:
             reason += "; the basis schedule is used for a site under `vmap` only with a `fused_batch`"

@@ -10,6 +10,7 @@ from typing import Any
 from .. import _jaxpr
 from .._implementation._abstract import AbstractImplementation
 from .._plan import _cost
+from .._schedules._deferred_basis import DeferredBasis
 from .._schedules._early import Early
 from .._schedules._forward_basis import ForwardBasis
 from .._schedules._standard import Standard
@@ -100,6 +101,56 @@ def choose(check, schedules, once) -> None:
         why = f"; backward jobs in turn: {estimates.text()} with {members}"
     for p in group:
         schedules[p] = _with_reason(schedules[p], why)
+
+
+def against_basis(check, schedules, candidates) -> None:
+    """Sites put on the deferred-basis schedule by their estimates (no `max_basis`) go back
+    to the standard schedule where the standard sites' jobs at once are estimated faster than
+    those sites deferred on their basis beside the others in turn or at once: the bend's two
+    wavelengths, each a factorisation, a forward and one adjoint solve at once (`choose` then
+    groups them), rather than a factorisation, a forward and `k / 2` adjoint solves each.
+    Every site must then be able to run at once with the others (else nothing changes)."""
+    n = len(check.sites)
+    basis = [
+        p
+        for p in candidates
+        if isinstance(schedules[p], DeferredBasis) and _limit(check, p) is None and jobs_leave(check, p)
+    ]
+    if not basis:
+        return
+    standard = [p for p in range(n) if p not in basis and not schedules[p].defers]
+    if any(not (isinstance(schedules[p], Standard) and jobs_leave(check, p)) for p in standard):
+        return  # (a site that cannot run at once: `choose` would keep the group in turn)
+    jointly = _cost.together([_cost_of(check, p) for p in sorted([*basis, *standard])])
+    estimates = [schedules[p].estimates for p in basis]
+    if not jointly.faster or any(e is None or e.deferred is None or e.source != jointly.source for e in estimates):
+        return  # (no gain; or estimates in other units than the jobs at once: not compared)
+    # each basis site's estimate is its share of the stage they all run in, plus that stage
+    deferred = sum(e.deferred for e in estimates) - (len(basis) - 1) * jointly.stage  # pyright: ignore[reportOptionalOperand, reportOptionalMemberAccess]  (checked above)
+    if len(standard) > 1:
+        now = _cost.together([_cost_of(check, p) for p in standard])
+        deferred += now.at_once if now.faster else now.in_turn
+    elif standard:
+        deferred += sum(schedules[p].estimates.standard for p in standard if schedules[p].estimates is not None)
+    if jointly.at_once >= deferred:
+        return
+    unit = "" if jointly.source == "defaults" else " s"
+    for p in basis:
+        s = schedules[p]
+        why = (
+            f"; deferring its k={s.k} fixed cotangents is estimated slower than the standard sites' jobs at "
+            f"once ({deferred:.4g}{unit} against {jointly.at_once:.4g}{unit})"
+        )
+        reason = check.why_not_deferred[p] + why
+        schedules[p] = Standard(
+            spec=s.spec, position=p, reason=reason, location=s.location, k=s.k, estimates=s.estimates
+        )
+
+
+def _limit(check, p: int) -> int | None:
+    """The `max_basis` that decides site `p`'s basis schedule (None: its estimates do)."""
+    limit = check.specs[p].static.max_basis
+    return limit if limit is not None else check.max_basis
 
 
 def _cost_of(check, p: int) -> tuple:

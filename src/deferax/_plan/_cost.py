@@ -339,12 +339,14 @@ class Together(eqx.Module):
     - `at_once`: the forward jobs at once, then the backward jobs at once.
     - `workers`: the jobs that run at once (the fewest of the sites').
     - `source`: as [`deferax.Estimates`][]'s.
+    - `stage`: one stage's overhead in these numbers.
     """
 
     in_turn: float
     at_once: float
     workers: int
     source: str
+    stage: float = 0.0
 
     @property
     def faster(self) -> bool:
@@ -387,4 +389,4 @@ def together(sites: list[tuple[Hashable, tuple, Cost | None, int]]) -> Together:
     at_once = sum(max(max(jobs), sum(jobs) / workers) for jobs in (forward, backward)) + 3 * stage
     sources = {n[4] for n in numbers}
     source = "measured" if "measured" in sources else "hint" if "hint" in sources else "defaults"
-    return Together(in_turn=in_turn, at_once=at_once, workers=workers, source=source)
+    return Together(in_turn=in_turn, at_once=at_once, workers=workers, source=source, stage=stage)
