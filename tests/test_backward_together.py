@@ -578,3 +578,29 @@ def test_basis_sites_stay_deferred_when_asked_or_alone_on_a_worker(options):
     assert [s.schedule for s in dx.explain(fn, X).sites] == ["deferred-basis", "deferred-basis"]
     assert_tree_allclose(fn(X), jax.value_and_grad(squared_sums(jnp.sin, jnp.sin))(X), rtol=1e-12, atol=1e-12)
     assert collections.Counter(calls) == collections.Counter(["a.fused_batch", "b.fused_batch"])
+
+
+def test_basis_sites_stay_deferred_where_standard_would_take_the_forward_basis_strategy():
+    """A site that, put back on the standard schedule, would be differentiated on the
+    forward-basis strategy (one input number, a `jvp_batch`: the output and its one tangent in
+    one call) runs in turn there, not at once: the basis sites are not moved, and stay
+    deferred on their basis, with plain JAX's value and gradient."""
+
+    def with_jvp(name):
+        return dx.host(
+            np.sin,
+            adjoint=lambda x, ct: ct * np.cos(x),
+            fused=lambda x, ct: (np.sin(x), ct * np.cos(x)),
+            fused_batch=lambda x, cts: (np.sin(x), cts * np.cos(x)),
+            jvp_batch=lambda x, ts: (np.sin(x), ts * np.cos(x)),
+            out=lambda s: s,
+            name=name,
+            cost=KEPT_SETUP,
+        )
+
+    x = jnp.array([0.3])
+    loss = squared_sums(with_jvp("a"), with_jvp("b"))
+    fn = dx.filter_value_and_grad(loss)
+    sites = dx.explain(fn, x).sites
+    assert [s.schedule for s in sites] == ["deferred-basis", "deferred-basis"]
+    assert_tree_allclose(fn(x), jax.value_and_grad(squared_sums(jnp.sin, jnp.sin))(x), rtol=1e-12, atol=1e-12)

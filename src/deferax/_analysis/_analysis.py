@@ -171,7 +171,7 @@ class _Check:
                     else self._decide(p, ct_deps[p], backward, labels)
                 )
         if jointly:
-            _together.against_basis(self, schedules, candidates)
+            _together.against_basis(self, schedules, candidates, lambda s: isinstance(_with_forward_basis(s), Standard))
         for p in range(n):
             schedule = schedules[p]
             if isinstance(schedule, Standard):

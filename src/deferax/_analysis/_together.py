@@ -103,13 +103,15 @@ def choose(check, schedules, once) -> None:
         schedules[p] = _with_reason(schedules[p], why)
 
 
-def against_basis(check, schedules, candidates) -> None:
+def against_basis(check, schedules, candidates, stays_standard) -> None:
     """Sites put on the deferred-basis schedule by their estimates (no `max_basis`) go back
     to the standard schedule where the standard sites' jobs at once are estimated faster than
     those sites deferred on their basis beside the others in turn or at once: the bend's two
     wavelengths, each a factorisation, a forward and one adjoint solve at once (`choose` then
     groups them), rather than a factorisation, a forward and `k / 2` adjoint solves each.
-    Every site must then be able to run at once with the others (else nothing changes)."""
+    Every site must then be able to run at once with the others (else nothing changes), and
+    stay on the standard strategy (`stays_standard` of its `Standard` schedule: not moved to
+    the forward-basis one, which runs in turn)."""
     n = len(check.sites)
     basis = [
         p
@@ -135,6 +137,7 @@ def against_basis(check, schedules, candidates) -> None:
     if jointly.at_once >= deferred:
         return
     unit = "" if jointly.source == "defaults" else " s"
+    switched = {}
     for p in basis:
         s = schedules[p]
         why = (
@@ -142,9 +145,11 @@ def against_basis(check, schedules, candidates) -> None:
             f"once ({deferred:.4g}{unit} against {jointly.at_once:.4g}{unit})"
         )
         reason = check.why_not_deferred[p] + why
-        schedules[p] = Standard(
+        switched[p] = Standard(
             spec=s.spec, position=p, reason=reason, location=s.location, k=s.k, estimates=s.estimates
         )
+    if all(stays_standard(s) for s in switched.values()):
+        schedules.update(switched)
 
 
 def _limit(check, p: int) -> int | None:
