@@ -237,6 +237,22 @@ MUTATIONS = [
         [("reset", "for clear in _CLEARS:", "for clear in []:")],
         ["tests/test_runtime.py"],
     ),
+    (
+        "a together site's fwd run again in stage 3 (twice a step)",
+        [
+            (
+                "Together.stage3",
+                "return (lambda eqn, ops: replay(",
+                "return (lambda eqn, ops: _site.outputs(spec, *ops) and replay(",
+            )
+        ],
+        ["tests/test_backward_together.py"],
+    ),
+    (
+        "basis sites never weighed against the standard sites' jobs at once",
+        [("against_basis", "if jointly.at_once >= deferred:", "if True:")],
+        ["tests/test_backward_together.py"],
+    ),
 ]
 
 
