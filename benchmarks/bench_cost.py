@@ -26,7 +26,7 @@ and `RESULT bench_cost <case> chosen-vs-fastest: ... ratio R` (target R <= 1.05)
 of the default's schedule (its times as the default and forced, one program, pooled) over
 the fastest schedule's.
 
-    python benchmarks/bench_cost.py                 # full sizes, 15 repeats (the fem case spreads widely)
+    python benchmarks/bench_cost.py                 # full sizes, 31 repeats (the fem case spreads widely)
     python benchmarks/bench_cost.py --small         # smoke test
     python benchmarks/bench_cost.py --case bend     # one case
 """
@@ -210,7 +210,7 @@ def main():
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--case", choices=["bend", "fem", "host", "stage"], action="append", help="run only these")
     args = p.parse_args()
-    repeats = args.repeats or (2 if args.small else 15)
+    repeats = args.repeats or (2 if args.small else 31)
     print(f"bench_cost: {machine()}; at the start: {load()}")
     for name, (loss, x, forced) in cases(args.small).items():
         if args.case and name not in args.case:
