@@ -4,6 +4,7 @@ import collections
 import importlib.util
 import os
 import pathlib
+import threading
 import uuid
 
 import equinox as eqx
@@ -13,6 +14,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 import deferax as dx
+from deferax._host import _factorisations
 
 
 def tree_allclose(a, b, *, rtol=1e-10, atol=1e-10) -> bool:
@@ -227,3 +229,42 @@ def host_sine(calls, **kwargs):
 
     forward = {"jvp": jvp} if kwargs.pop("jvp_only", False) else {"jvp_batch": jvp_batch}
     return dx.host(fwd, bwd=bwd, **forward, out=lambda s: s, name="sine", **kwargs)
+
+
+class Tally:
+    """Thread-safe count of factorisations, and the most bytes the store held at any of them."""
+
+    def __init__(self):
+        self.factor = 0
+        self.most = 0
+        self.lock = threading.Lock()
+
+
+class CountingLU(dx.AbstractSparseSolver):
+    """SciPy's `splu`, counting its factorisations and reading the store's bytes at each."""
+
+    tally: Tally = eqx.field(static=True)
+
+    def factor(self, matrix):
+        held = _factorisations.FACTORISATIONS.nbytes
+        with self.tally.lock:
+            self.tally.factor += 1
+            self.tally.most = max(self.tally.most, held)
+        return dx.SuperLU().factor(matrix)
+
+    def solve(self, factorisation, rhs, transpose):
+        return dx.SuperLU().solve(factorisation, rhs, transpose)
+
+
+class RecordingLU(dx.AbstractSparseSolver):
+    """SciPy's `splu`, each factorisation leaving a file in `directory` (`record`: from any
+    process, a pool's worker or a Dask worker)."""
+
+    directory: str = eqx.field(static=True)
+
+    def factor(self, matrix):
+        record(self.directory, "factor")
+        return dx.SuperLU().factor(matrix)
+
+    def solve(self, factorisation, rhs, transpose):
+        return dx.SuperLU().solve(factorisation, rhs, transpose)

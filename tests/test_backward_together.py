@@ -25,7 +25,7 @@ import scipy.sparse
 import deferax as dx
 from deferax._host import _factorisations
 
-from .helpers import assert_tree_allclose, record, runs
+from .helpers import CountingLU, RecordingLU, Tally, assert_tree_allclose, runs
 
 X = jnp.array([0.1, -0.4, 0.7])
 WAIT = 10.0  # seconds a job waits at the barrier for the others
@@ -376,26 +376,6 @@ def operator(shift):
 B = jnp.linspace(1.0, 2.0, M * M)
 
 
-class Tally:
-    def __init__(self):
-        self.factor = 0
-        self.lock = threading.Lock()
-
-
-class CountingLU(dx.AbstractSparseSolver):
-    """SciPy's `splu`, counting its factorisations."""
-
-    tally: Tally = eqx.field(static=True)
-
-    def factor(self, matrix):
-        with self.tally.lock:
-            self.tally.factor += 1
-        return dx.SuperLU().factor(matrix)
-
-    def solve(self, factorisation, rhs, transpose):
-        return dx.SuperLU().solve(factorisation, rhs, transpose)
-
-
 def solves(two, solve):
     """Two solves, on two matrices or on one matrix with two right-hand sides; a loss
     nonlinear in each solution."""
@@ -434,19 +414,6 @@ def test_two_sparse_solves(jit, two):
         del got
         gc.collect()  # (eagerly, a factorisation is kept while the forward's output lives)
         assert len(_factorisations.FACTORISATIONS) == 0
-
-
-class RecordingLU(dx.AbstractSparseSolver):
-    """SciPy's `splu`, each factorisation leaving a file (from any process)."""
-
-    directory: str = eqx.field(static=True)
-
-    def factor(self, matrix):
-        record(self.directory, "factor")
-        return dx.SuperLU().factor(matrix)
-
-    def solve(self, factorisation, rhs, transpose):
-        return dx.SuperLU().solve(factorisation, rhs, transpose)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

@@ -19,7 +19,7 @@ import pytest
 
 import deferax as dx
 
-from .helpers import assert_tree_allclose, load_example, plain_fdfd_design, record, runs
+from .helpers import RecordingLU, assert_tree_allclose, load_example, plain_fdfd_design, record, runs
 
 distributed = pytest.importorskip("distributed")
 dask = pytest.importorskip("dask")
@@ -229,19 +229,6 @@ def test_fdfd_example_on_dask(executor):
     assert on_dask[-1] > on_dask[0]
 
 
-class CountedLU(dx.AbstractSparseSolver):
-    """SciPy's `splu`, recording each factorisation (and the worker's process) in `directory`."""
-
-    directory: str = eqx.field(static=True)
-
-    def factor(self, matrix):
-        record(self.directory, "factor")
-        return dx.SuperLU().factor(matrix)
-
-    def solve(self, factorisation, rhs, transpose):
-        return dx.SuperLU().solve(factorisation, rhs, transpose)
-
-
 def helmholtz(n, k0):
     """A complex 2D Helmholtz operator on an n x n grid, as `(values, pattern)`."""
     import scipy.sparse as sp
@@ -269,7 +256,7 @@ def test_sparse_solve_keeps_each_matrix_on_one_worker(client, tmp_path, jit):
 
     for step in range(3):
         directory = str(tmp_path / f"step{step}")
-        on_dask = lambda v, p, d=directory: dx.sparse_solve(v, p, b, solver=CountedLU(d), executor=client)  # noqa: E731
+        on_dask = lambda v, p, d=directory: dx.sparse_solve(v, p, b, solver=RecordingLU(d), executor=client)  # noqa: E731
         vs = tuple(jnp.asarray(v) * (1.0 + 0.1 * step) for v, _ in sites)
         fn = jax.value_and_grad(lambda vs, s=on_dask: loss(vs, s))
         got = (jax.jit(fn) if jit else fn)(vs)

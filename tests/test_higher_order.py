@@ -4,9 +4,7 @@ hook, and leave nothing kept behind; derivatives of derivatives through a host s
 an error that names the site and says what is supported."""
 
 import gc
-import threading
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,32 +13,14 @@ import pytest
 import deferax as dx
 from deferax._host import _factorisations
 
+from .helpers import CountingLU, Tally
+
 
 @pytest.fixture(autouse=True)
 def no_factorisations_kept():
     _factorisations.FACTORISATIONS._entries.clear()
     yield
     _factorisations.FACTORISATIONS._entries.clear()
-
-
-class Tally:
-    def __init__(self):
-        self.factor = 0
-        self.lock = threading.Lock()
-
-
-class CountingSolver(dx.AbstractSparseSolver):
-    """SuperLU, counting its factorisations."""
-
-    tally: Tally = eqx.field(static=True)
-
-    def factor(self, matrix):
-        with self.tally.lock:
-            self.tally.factor += 1
-        return dx.SuperLU().factor(matrix)
-
-    def solve(self, factorisation, rhs, transpose):
-        return dx.SuperLU().solve(factorisation, rhs, transpose)
 
 
 N = 8
@@ -59,7 +39,7 @@ VALUES, PATTERN, B = system()
 
 
 def sparse(tally):
-    return lambda v, b: dx.sparse_solve(v, PATTERN, b, solver=CountingSolver(tally))
+    return lambda v, b: dx.sparse_solve(v, PATTERN, b, solver=CountingLU(tally))
 
 
 def dense(v, b):

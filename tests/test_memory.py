@@ -11,7 +11,6 @@ import gc
 import multiprocessing
 import os
 import re
-import threading
 
 import equinox as eqx
 import jax
@@ -23,7 +22,7 @@ import scipy.sparse
 import deferax as dx
 from deferax._host import _factorisations
 
-from .helpers import assert_tree_allclose, record, runs
+from .helpers import CountingLU, RecordingLU, Tally, assert_tree_allclose, runs
 
 M = 6  # a 6 x 6 grid: 36 unknowns
 
@@ -39,31 +38,6 @@ def operator(m, shift):
 
 SITES = [operator(M, 0.0), operator(M, 0.5)]  # two matrices, two sites
 B = jnp.linspace(1.0, 2.0, M * M)
-
-
-class Tally:
-    """Thread-safe count of factorisations, and the most bytes the store held at any of them."""
-
-    def __init__(self):
-        self.factor = 0
-        self.most = 0
-        self.lock = threading.Lock()
-
-
-class CountingLU(dx.AbstractSparseSolver):
-    """SciPy's `splu`, counting its factorisations and reading the store's bytes at each."""
-
-    tally: Tally = eqx.field(static=True)
-
-    def factor(self, matrix):
-        held = _factorisations.FACTORISATIONS.nbytes
-        with self.tally.lock:
-            self.tally.factor += 1
-            self.tally.most = max(self.tally.most, held)
-        return dx.SuperLU().factor(matrix)
-
-    def solve(self, factorisation, rhs, transpose):
-        return dx.SuperLU().solve(factorisation, rhs, transpose)
 
 
 def loss_of(solve):
@@ -256,19 +230,6 @@ def test_a_solvers_factorisation_bytes():
 
 
 # ----------------------------------------------------------------------------- a process pool
-
-
-class RecordingLU(dx.AbstractSparseSolver):
-    """SciPy's `splu`, leaving a file in `directory` at each factorisation (in a worker)."""
-
-    directory: str = eqx.field(static=True)
-
-    def factor(self, matrix):
-        record(self.directory, "factor")
-        return dx.SuperLU().factor(matrix)
-
-    def solve(self, factorisation, rhs, transpose):
-        return dx.SuperLU().solve(factorisation, rhs, transpose)
 
 
 def worker_store(barrier):

@@ -33,7 +33,30 @@ def given(spec: Spec):
     return returning(1, ft.partial(_standard_cotangents, spec))
 
 
-class Early(AbstractAhead):
+class AbstractForwardAhead(AbstractAhead):
+    """A standard site whose `fwd` runs in stage 2 (`Early`, and `Together`, whose `bwd` also
+    runs ahead): its stage-2 call is its `fwd` on the operands stage 1 computed, with no
+    cotangent; on the backward pass, or in stage 2b, its `bwd`."""
+
+    def stage_rows(self) -> tuple[str | None, str | None, str | None]:
+        return stage_label(self.spec, "fwd"), None, stage_label(self.spec, "bwd")
+
+    def stage1_cotangents(self, ins: list, ys: list, traced: list | None) -> Any:
+        return None
+
+    @property
+    def impl(self) -> Any:
+        return self.spec.static.fwd
+
+    @property
+    def leaves_program(self) -> bool:
+        return isinstance(self.impl, AbstractImplementation)
+
+    def call(self, operands: list, cts: Any) -> tuple:
+        return _site.outputs(self.spec, *operands), None
+
+
+class Early(AbstractForwardAhead):
     """A standard site whose `fwd` runs in stage 2 (its fields as `Standard`'s)."""
 
     spec: Spec
@@ -58,23 +81,6 @@ class Early(AbstractAhead):
             k=standard.k,
             estimates=standard.estimates,
         )
-
-    def stage_rows(self) -> tuple[str | None, str | None, str | None]:
-        return stage_label(self.spec, "fwd"), None, stage_label(self.spec, "bwd")
-
-    def stage1_cotangents(self, ins: list, ys: list, traced: list | None) -> Any:
-        return None
-
-    @property
-    def impl(self) -> Any:
-        return self.spec.static.fwd
-
-    @property
-    def leaves_program(self) -> bool:
-        return isinstance(self.impl, AbstractImplementation)
-
-    def call(self, operands: list, cts: Any) -> tuple:
-        return _site.outputs(self.spec, *operands), None
 
     def stage3(self, y: list, ct_x: Any) -> tuple:
         spec = self.spec

@@ -23,8 +23,8 @@ from .._implementation._abstract import AbstractImplementation
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule
 from .._site import Spec
-from ._abstract import AbstractAhead, stage_label
 from ._deferred import replay
+from ._early import AbstractForwardAhead
 
 
 def leaves_both(spec: Spec) -> bool:
@@ -34,7 +34,7 @@ def leaves_both(spec: Spec) -> bool:
     return isinstance(static.fwd, AbstractImplementation) and isinstance(static.bwd, AbstractImplementation)
 
 
-class Together(AbstractAhead):
+class Together(AbstractForwardAhead):
     """A standard site whose `fwd` runs in stage 2 and whose `bwd` runs in stage 2b, at once
     with the other such sites' (its fields as `Standard`'s; `reason` also says with which
     sites, and the estimates that chose it)."""
@@ -63,23 +63,8 @@ class Together(AbstractAhead):
             estimates=standard.estimates,
         )
 
-    def stage_rows(self) -> tuple[str | None, str | None, str | None]:
-        # (the analysis puts its backward row in the stage of the backward jobs at once)
-        return stage_label(self.spec, "fwd"), None, stage_label(self.spec, "bwd")
-
-    def stage1_cotangents(self, ins: list, ys: list, traced: list | None) -> Any:
-        return None
-
-    @property
-    def impl(self) -> Any:
-        return self.spec.static.fwd
-
-    @property
-    def leaves_program(self) -> bool:
-        return isinstance(self.impl, AbstractImplementation)
-
-    def call(self, operands: list, cts: Any) -> tuple:
-        return _site.outputs(self.spec, *operands), None
+    # (its stage rows are `Early`'s: the analysis puts its backward row in the stage of the
+    # backward jobs at once)
 
     def backward(self) -> BackwardJob:
         """Its job in stage 2b."""
