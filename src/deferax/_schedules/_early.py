@@ -33,6 +33,19 @@ def given(spec: Spec):
     return returning(1, ft.partial(_standard_cotangents, spec))
 
 
+def standard_fields(standard: Any, why: str = "") -> dict:
+    """The fields of a standard site's schedule (`Standard`, `Early`, `Together`), taken from
+    another one, `standard`, with `why` added to its reason."""
+    return {
+        "spec": standard.spec,
+        "position": standard.position,
+        "reason": standard.reason + why,
+        "location": standard.location,
+        "k": standard.k,
+        "estimates": standard.estimates,
+    }
+
+
 class AbstractForwardAhead(AbstractAhead):
     """A standard site whose `fwd` runs in stage 2 (`Early`, and `Together`, whose `bwd` also
     runs ahead): its stage-2 call is its `fwd` on the operands stage 1 computed, with no
@@ -73,14 +86,7 @@ class Early(AbstractForwardAhead):
     @staticmethod
     def of(standard: Standard) -> Early:
         assert standard.position is not None  # (a top-level site)
-        return Early(
-            spec=standard.spec,
-            position=standard.position,
-            reason=standard.reason,
-            location=standard.location,
-            k=standard.k,
-            estimates=standard.estimates,
-        )
+        return Early(**standard_fields(standard))
 
     def stage3(self, y: list, ct_x: Any) -> tuple:
         spec = self.spec

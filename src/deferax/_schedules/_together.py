@@ -24,7 +24,7 @@ from .._plan._cost import Estimates
 from .._plan._plan import Schedule
 from .._site import Spec
 from ._deferred import replay
-from ._early import AbstractForwardAhead
+from ._early import AbstractForwardAhead, standard_fields
 
 
 def leaves_both(spec: Spec) -> bool:
@@ -54,14 +54,7 @@ class Together(AbstractForwardAhead):
     def of(standard: Any, why: str) -> Together:
         """`standard` (a `Standard` or `Early` site), its backward job run at once with
         others, `why` added to its reason."""
-        return Together(
-            spec=standard.spec,
-            position=standard.position,
-            reason=standard.reason + why,
-            location=standard.location,
-            k=standard.k,
-            estimates=standard.estimates,
-        )
+        return Together(**standard_fields(standard, why))
 
     # (its stage rows are `Early`'s: the analysis puts its backward row in the stage of the
     # backward jobs at once)
