@@ -151,11 +151,14 @@ def test_a_traced_non_differentiable_input_is_left_as_is(declared):
 
     plan = dx.explain(loss, (X, SCALE))
     assert plan.sites == ()
-    assert re.search(r"its input `scale` depends on the loss's arguments but is not `Differentiable`",
-                     plan.recognised[0].reason)  # fmt: skip
+    expected = r"its input `scale` depends on the loss's arguments but is not `Differentiable`"
+    assert re.search(expected, plan.recognised[0].reason)
 
 
 def test_recognise_tesseract_rejects_other_objects():
-    with pytest.raises(TypeError, match=r"`dx.recognise_tesseract`: `tesseract` must be a `tesseract_core.Tesseract` "
-                       r"\(the object passed to `tesseract_jax.apply_tesseract`\), but got 'model'"):  # fmt: skip
+    expected = (
+        r"`dx.recognise_tesseract`: `tesseract` must be a `tesseract_core.Tesseract` "
+        r"\(the object passed to `tesseract_jax.apply_tesseract`\), but got 'model'"
+    )
+    with pytest.raises(TypeError, match=expected):
         dx.recognise_tesseract("model")

@@ -61,6 +61,12 @@ def _one_rhs(solve):
     return lambda values, b: solve(values, b[:, 0])[:, None]
 
 
+# klujax's handle-based API (a factorisation kept as hidden state between calls): never rewritten.
+_HANDLE_PRIMITIVES = (
+    "solve_with_symbol tsolve_with_symbol solve_with_numeric tsolve_with_numeric factor refactor refactor_and_solve"
+)
+
+
 def _never(name):
     return lambda operands, params: _HANDLES.format(name=name)
 
@@ -70,11 +76,7 @@ def register():
 
     for p in (klujax.solve_f64, klujax.solve_c128):
         _registry.register_recognition(p, rule, name=NAME)
-    handles = [
-        "solve_with_symbol", "tsolve_with_symbol", "solve_with_numeric", "tsolve_with_numeric",
-        "factor", "refactor", "refactor_and_solve",
-    ]  # fmt: skip
-    for base in handles:
+    for base in _HANDLE_PRIMITIVES.split():
         for suffix in ("_f64", "_c128"):
             p = getattr(klujax, base + suffix, None)
             if p is not None:

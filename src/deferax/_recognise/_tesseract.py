@@ -106,8 +106,8 @@ def rule(operands, params):
     traced = [i for i, o in enumerate(operands) if isinstance(o, jax.ShapeDtypeStruct)]
     if not traced:
         return "none of its inputs depends on the loss's arguments: there is nothing to differentiate"
-    slots = unflatten_args(tuple(_Slot(i) for i in range(len(operands))), p.static_args, p.input_pytreedef,
-                           p.static_input_mask)  # fmt: skip
+    slots = tuple(_Slot(i) for i in range(len(operands)))
+    slots = unflatten_args(slots, p.static_args, p.input_pytreedef, p.static_input_mask)
     paths = pytree_to_path_dict(slots, schema_paths=client.differentiable_input_paths)
     # (one entry per leaf, in the leaves' order; None where the path is not differentiable)
     for (path, mark), slot in zip(paths.items(), jax.tree.leaves(slots), strict=True):
