@@ -92,10 +92,12 @@ def test_float32_stiffness_is_factored_in_float64(beam, schedule, jit):
     assert c.dtype == jnp.float32 and g.dtype == jnp.float32
     assert relative(c, want_c) < 1e-5
     assert relative(g, want_g) < 1e-5
-    # the same entries factored in single precision are far off: the test can tell
+    # the same entries factored in single precision are off by ten times the tolerance above, or
+    # more: the test can tell (how far depends on the ordering and on the BLAS kernels: 7e-4 in
+    # value with MMD and OpenBLAS's Haswell kernels, 5e-3 with COLAMD)
     c32, g32 = dx.filter_value_and_grad(compliance(beam, precision="input"), schedule=schedule)(values)
     assert c32.dtype == jnp.float32 and g32.dtype == jnp.float32
-    assert relative(c32, want_c) > 1e-3 and relative(g32, want_g) > 1e-3
+    assert relative(c32, want_c) > 1e-4 and relative(g32, want_g) > 1e-4
 
 
 def test_jax_grad_and_forward_mode_in_float32(beam):
