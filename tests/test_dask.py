@@ -187,6 +187,7 @@ def test_retries_of_a_dask_executor(client, tmp_path):
     assert counts == {"fwd": 2, "adjoint": 1}  # the forward job raised once and ran again
 
 
+@pytest.mark.serial  # (bounds the wall time of a timed-out job)
 def test_timeout_on_a_worker(executor, tmp_path):
     loss = linear_loss(solver(tmp_path, executor, fail="sleep", timeout=0.5))
     t0 = time.perf_counter()

@@ -614,6 +614,7 @@ def test_exception_under_jit_carries_the_message():
         assert_tree_allclose(fn(X0), expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.serial  # (bounds the wall time of a timed-out job)
 def test_timeout():
     def solve(x):
         if x[0] < 0:
