@@ -4,6 +4,8 @@ concrete, user custom rules may call sites, other inputs differentiated are told
 an enclosing derivative gets the standard schedule. Each against Equinox on the same
 program (float64), eagerly and under `eqx.filter_jit`, with execution counts."""
 
+import collections
+import os
 import re
 
 import equinox as eqx
@@ -11,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.linalg
 
 import deferax as dx
 
-from .helpers import P0, W, assert_tree_allclose, make, plain, ref
+from .helpers import P0, W, assert_tree_allclose, finite_difference_grad, hlo_ops, make, plain, ref
 
 # ----------------------------------------------------------------------------- Python runs once per call
 
@@ -149,6 +152,197 @@ def test_python_values_from_data_arguments(counter):
     assert_tree_allclose(
         dx.filter_value_and_grad(no_site)(P0, jnp.asarray(3)), eqx.filter_value_and_grad(no_site)(P0, jnp.asarray(3))
     )
+
+
+# ----------------------------------------------------------------------------- code that needs concrete values
+# jax-fem's `ad_wrapper` pattern: a custom_vjp whose forward is a Newton loop on concrete values
+# (the residual in JAX, its norm tested in a Python `while`, the Jacobian's entries to NumPy and
+# a SciPy solve), and whose backward is a SciPy adjoint solve. Its users call `jax.grad` of it
+# outside `jit`, where the custom_vjp's forward gets concrete values.
+
+_STIFFNESS = np.array([[4.0, 1.0, 0.0], [1.0, 3.0, 1.0], [0.0, 1.0, 2.0]])
+_LOAD = jnp.array([1.0, 2.0, 3.0])
+_WEIGHTS = jnp.array([1.0, -0.5, 2.0])
+
+
+def _residual(u, p):
+    return jnp.asarray(_STIFFNESS) @ u + u**3 - p
+
+
+def _newton_solve(runs):
+    """`p -> u` with `K u + u**3 = p`, as a custom_vjp on concrete values; `runs` counts the
+    forward solves and the adjoint solves that ran."""
+
+    @jax.custom_vjp
+    def solve(p):
+        u = jnp.zeros_like(p)
+        norm = jnp.linalg.norm(_residual(u, p))
+        while float(norm) > 1e-12:
+            jacobian = np.array(jax.jacfwd(_residual)(u, p))
+            u = u - jnp.asarray(scipy.linalg.solve(jacobian, np.array(_residual(u, p))))
+            norm = jnp.linalg.norm(_residual(u, p))
+        runs["fwd"] += 1
+        return u
+
+    def solve_fwd(p):
+        u = solve(p)
+        return u, u
+
+    def solve_bwd(u, ct):
+        runs["bwd"] += 1
+        jacobian = _STIFFNESS + np.diag(3.0 * np.array(u) ** 2)
+        return (jnp.asarray(scipy.linalg.solve(jacobian.T, np.array(ct))),)
+
+    solve.defvjp(solve_fwd, solve_bwd)
+    return solve
+
+
+def test_a_custom_vjp_on_concrete_values_runs_as_equinox(counter):
+    """Tracing it on abstract values fails at the `while`: the call runs as Equinox's does
+    (the Newton solve on concrete values, once; its adjoint once; a site beside it standard),
+    with plain JAX's value and gradient and the finite differences', and `explain` names the
+    line that needs the concrete value."""
+    runs = collections.Counter()
+    solve = _newton_solve(runs)
+    f = make(ref, ("fwd", "bwd", "fused"), counter, name="sim")
+    loss = lambda p: jnp.sum(_WEIGHTS * jnp.sin(solve(p))) + jnp.sum(W * f(P0 * p[0]))  # noqa: E731
+    reference = lambda p: jnp.sum(_WEIGHTS * jnp.sin(solve(p))) + jnp.sum(W * plain(P0 * p[0]))  # noqa: E731
+    plan = dx.explain(loss, _LOAD)
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if "while float(norm)" in text)
+    assert plan.sites == () and plan.fallback == (
+        f"it needs a concrete value at {os.path.relpath(__file__)}:{line} `while float(norm) > 1e-12:` (tracing it "
+        "on abstract values raised `ConcretizationTypeError`), so deferax cannot trace it to look for expensive "
+        "calls; called outside `jit` it gets concrete values there, as in Equinox"
+    )
+    assert "the call runs as `equinox.filter_value_and_grad` would: it needs a concrete value" in str(plan)
+    assert dx.explain(jax.jit(dx.filter_value_and_grad(loss)), _LOAD).fallback == plan.fallback
+    expected = jax.value_and_grad(reference)(_LOAD)  # plain JAX, outside `jit`
+    assert_tree_allclose(expected[1], finite_difference_grad(reference, _LOAD), rtol=1e-6, atol=1e-8)
+    for step in (dx.filter_value_and_grad(loss), dx.filter_value_and_grad(loss, max_basis=0)):
+        runs.clear()
+        counter.reset()
+        got = step(_LOAD)
+        jax.effects_barrier()
+        assert dict(runs) == {"fwd": 1, "bwd": 1}
+        assert counter.as_dict() == {"fwd": 1, "bwd": 1, "fused": 0}
+        assert_tree_allclose(got, expected, rtol=1e-12, atol=1e-12)
+        assert_tree_allclose(got, eqx.filter_value_and_grad(loss)(_LOAD), rtol=1e-12, atol=1e-12)
+    assert_tree_allclose(dx.filter_grad(loss)(_LOAD), expected[1], rtol=1e-12, atol=1e-12)
+    (value, aux), grad = dx.filter_value_and_grad(lambda p: (loss(p), "aux"), has_aux=True)(_LOAD)
+    assert aux == "aux"
+    assert_tree_allclose((value, grad), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_where_a_library_needs_the_concrete_value_the_users_line_is_named():
+    """SciPy converting the value: the user's line, then the installed package's."""
+
+    @jax.custom_vjp
+    def solve(p):
+        return jnp.asarray(scipy.linalg.solve(_STIFFNESS, p))
+
+    solve.defvjp(lambda p: (solve(p), None), lambda _, ct: (jnp.asarray(scipy.linalg.solve(_STIFFNESS.T, ct)),))
+    loss = lambda p: jnp.sum(solve(p) ** 2)  # noqa: E731
+    fallback = dx.explain(loss, _LOAD).fallback
+    line = next(
+        i for i, text in enumerate(open(__file__).read().splitlines(), 1) if "linalg.solve(_STIFFNESS, p)" in text
+    )
+    assert fallback.startswith(
+        f"it needs a concrete value at {os.path.relpath(__file__)}:{line} `return jnp.asarray(scipy.linalg.solve("
+        "_STIFFNESS, p))` (in "
+    ), fallback
+    assert f"{os.sep}site-packages{os.sep}" in fallback and "raised `TracerArrayConversionError`" in fallback
+    grad = jnp.asarray(2.0 * np.linalg.solve(_STIFFNESS.T, np.linalg.solve(_STIFFNESS, np.asarray(_LOAD))))
+    assert_tree_allclose(dx.filter_grad(loss)(_LOAD), grad)
+
+
+def _eager_errors(loss, x):
+    """The error Equinox raises for `loss` and the one deferax raises, each `(type, first line)`."""
+    found = []
+    for transform in (eqx.filter_value_and_grad, dx.filter_value_and_grad):
+        with pytest.raises(Exception) as error:  # noqa: PT011 - compared below
+            transform(loss)(x)
+        found.append((type(error.value), str(error.value).splitlines()[0]))
+    return found
+
+
+def test_code_needing_concrete_values_raises_what_equinox_raises():
+    """Where Equinox cannot give a concrete value either, the error is Equinox's: under `jit`
+    (the Newton custom_vjp: `ConcretizationTypeError` at its `while`), and outside it for a
+    differentiated value converted to NumPy or to a float in the loss itself (a bug of the
+    loss's); a Python branch on a differentiated value works outside `jit`, as in Equinox."""
+    runs = collections.Counter()
+    solve = _newton_solve(runs)
+    loss = lambda p: jnp.sum(_WEIGHTS * jnp.sin(solve(p)))  # noqa: E731
+    errors = []
+    for step in (jax.jit(dx.filter_value_and_grad(loss)), jax.jit(lambda p: eqx.filter_value_and_grad(loss)(p))):
+        with pytest.raises(jax.errors.ConcretizationTypeError) as error:
+            step(_LOAD)
+        errors.append(type(error.value))
+    assert errors == [jax.errors.ConcretizationTypeError] * 2
+    for bug in (lambda p: jnp.sum(jnp.asarray(np.array(p))), lambda p: jnp.sum(p) * float(p[0])):
+        (want, want_text), (got, got_text) = _eager_errors(bug, _LOAD)
+        assert got is want and got_text == want_text
+        assert want in (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
+    branch = lambda p: jnp.sum(p**2) if p[0] > 0 else jnp.sum(p)  # noqa: E731
+    assert_tree_allclose(dx.filter_value_and_grad(branch)(_LOAD), jax.value_and_grad(branch)(_LOAD))
+    assert_tree_allclose(dx.filter_value_and_grad(branch)(-_LOAD), jax.value_and_grad(branch)(-_LOAD))
+
+
+def test_schedule_deferred_on_code_needing_concrete_values_says_why():
+    solve = _newton_solve(collections.Counter())
+    loss = lambda p: jnp.sum(_WEIGHTS * solve(p))  # noqa: E731
+    expected = (
+        "`deferax.filter_value_and_grad`: schedule='deferred' was requested, but the function cannot be traced to "
+        f"find its call sites: it needs a concrete value at {os.path.relpath(__file__)}:"
+    )
+    for call in (
+        lambda: dx.filter_value_and_grad(loss, schedule="deferred")(_LOAD),
+        lambda: dx.explain(dx.filter_grad(loss, schedule="deferred"), _LOAD),
+    ):
+        with pytest.raises(ValueError, match=re.escape(expected)) as error:
+            call()
+        assert str(error.value).endswith(
+            "Use schedule='auto' to run it as `equinox.filter_value_and_grad` would, or compute what needs the "
+            "concrete value from a non-differentiated argument (which stays concrete)."
+        )
+
+
+# ----------------------------------------------------------------------------- no site: Equinox's program
+
+_DIAGONAL = np.array([2.0, 3.0, 4.0, 5.0])
+
+
+def _host_solve(u):
+    return jax.pure_callback(
+        lambda v: np.asarray(v / _DIAGONAL), jax.ShapeDtypeStruct(u.shape, u.dtype), u, vmap_method="sequential"
+    )
+
+
+@jax.custom_vjp
+def _solved(u):
+    """A SciPy-style solve on the host as a custom_vjp (as jax_fdm writes its sparse solve)."""
+    return _host_solve(u)
+
+
+_solved.defvjp(lambda u: (_host_solve(u), None), lambda _, ct: (_host_solve(ct),))
+
+
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_a_loss_with_no_site_compiles_to_equinox_s_program(has_aux):
+    """With no site, the jitted step lowers to the program Equinox's does (the same
+    operations, the same callbacks): the analysis runs while tracing and leaves nothing."""
+    losses = [
+        lambda p: jnp.sum(jnp.sin(p) ** 2),
+        lambda p: jnp.sum(_solved(jnp.cos(p)) ** 2) + jnp.sum(p * _solved(p)),
+    ]
+    for loss in losses:
+        fun = (lambda p, loss=loss: (loss(p), {"sum": jnp.sum(p), "n": 3})) if has_aux else loss
+        got = hlo_ops(dx.filter_value_and_grad(fun, has_aux=has_aux), P0)
+        assert got == hlo_ops(lambda p, fun=fun: eqx.filter_value_and_grad(fun, has_aux=has_aux)(p), P0)
+        assert_tree_allclose(
+            jax.jit(dx.filter_value_and_grad(fun, has_aux=has_aux))(P0),
+            jax.jit(jax.value_and_grad(fun, has_aux=has_aux))(P0),
+        )
 
 
 # ----------------------------------------------------------------------------- user custom rules that call sites

@@ -132,8 +132,10 @@ def test_fdtdx_as_an_expensive_function_is_deferred(checkpointed, counter):
 
 
 def test_fdtdx_time_reversal_gradient_without_a_site():
-    """fdtdx's default gradient, the time-reversal `custom_vjp` (its `bwd` closes over values
-    computed in the loss): the call runs as Equinox's would, and the plan says why."""
+    """fdtdx's default gradient, the time-reversal `custom_vjp`: its `bwd` closes over the
+    simulation's arrays, whose fields and permittivities are computed from the parameters in
+    the loss (a real closure over values of the function, not over module-level constants):
+    the call runs as Equinox's would, and the plan says why."""
     simulate, params = build("reversible")
     loss = lambda p: weighted(simulate(p))  # noqa: E731
     plan = dx.explain(loss, params)

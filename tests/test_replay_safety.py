@@ -66,6 +66,52 @@ def test_custom_rule_closing_over_a_loss_value_runs_as_equinox(kind, counter):
     assert_tree_allclose(dx.filter_value_and_grad(cases[0][0])(P0), jax.value_and_grad(cases[0][0])(P0))
 
 
+# A module-level custom_vjp closing over a module-level array (a grid, a material field), as
+# most scientific code writes one. Its rule is deliberately not the derivative (twice it), so
+# that a result not taken from the rule shows: plain JAX's result is the rule's.
+GRID = jnp.array([0.5, 1.0, 1.5, 2.0])
+
+
+@jax.custom_vjp
+def _on_grid(u):
+    return u * GRID
+
+
+_on_grid.defvjp(lambda u: (u * GRID, None), lambda _, ct: (2.0 * ct * GRID,))
+
+
+def test_custom_vjp_closing_over_a_module_level_array_leaves_a_site_deferred(counter):
+    """The rule's closed-over constant (the grid, the first of the call's operands) is no input
+    of the user's: the check holds it fixed, the call is not refused, and a deferrable site
+    beside it (its input through the rule, or its output) is deferred, one `fused` a call."""
+    f = make(ref, ("fwd", "bwd", "fused"), counter, name="sim")
+    # (the loss, and the same program in plain JAX: the site replaced by the function it stands for)
+    losses = [
+        (
+            lambda p: jnp.sum(W * f(_on_grid(p))) + jnp.sum(_on_grid(p) ** 2),
+            lambda p: jnp.sum(W * plain(_on_grid(p))) + jnp.sum(_on_grid(p) ** 2),
+        ),
+        (lambda p: jnp.sum(W * _on_grid(f(p))), lambda p: jnp.sum(W * _on_grid(plain(p)))),
+    ]
+    for loss, reference in losses:
+        plan = dx.explain(loss, P0)
+        assert plan.fallback is None, plan.fallback
+        assert [s.schedule for s in plan.sites] == ["deferred"]
+        assert "runs as `equinox.filter_value_and_grad` would" not in str(plan)
+        for jit in (False, True):
+            step = dx.filter_value_and_grad(loss)
+            step = eqx.filter_jit(step) if jit else step
+            jax.effects_barrier()
+            counter.reset()
+            got = jax.block_until_ready(step(P0))
+            jax.effects_barrier()
+            assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}, jit
+            assert_tree_allclose(got, jax.value_and_grad(reference)(P0))
+    # the rule was used (twice the derivative), by deferax as by plain JAX
+    grad = dx.filter_grad(losses[1][0])(P0)
+    assert_tree_allclose(grad, 2.0 * jax.grad(lambda p: jnp.sum(W * plain(p) * GRID))(P0))
+
+
 # ----------------------------------------------------------------------------- effects that must run once
 
 

@@ -74,12 +74,43 @@ def _is_traced(leaf) -> bool:
     return isinstance(leaf, jax.Array)  # a tracer is one too
 
 
+# What tracing on abstract values raises where the function needs a concrete value
+# (`float(norm)` in a `while`, `np.array(x)`, SciPy on an array): Equinox's transform, called
+# eagerly, gives it concrete values there (a `custom_vjp`'s forward runs on them, as jax-fem's
+# Newton solves do), so such a function runs as Equinox runs it.
+_NEEDS_CONCRETE = (
+    jax.errors.ConcretizationTypeError,  # (`TracerBoolConversionError` among them)
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.NonConcreteBooleanIndexError,
+)
+
+
+class _Untraceable(Exception):
+    """The function needed a concrete value where it was traced on abstract ones: `reason`
+    says where (the plan's `fallback`)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _untraceable(error: BaseException) -> _Untraceable:
+    location = _jaxpr.raised_at(error)
+    return _Untraceable(
+        f"it needs a concrete value {location.where()} (tracing it on abstract values raised `{location.primitive}`), "
+        "so deferax cannot trace it to look for expensive calls; called outside `jit` it gets concrete values there, "
+        "as in Equinox"
+    )
+
+
 def _trace(fun, x, args, kwargs, has_aux, explaining: bool = False, recognise: Any = True) -> _Traced:
     """Run `fun` once, on abstract values for the differentiable leaves of `x` and the
     arguments themselves for everything else (which stays concrete: `int(n)`, `if flag:`
     and NumPy work as in Equinox). `explaining`: `fun` was given to `explain` as the loss.
     `recognise`: rewrite recognised calls (`klujax.solve`, ...) into sites (`_recognise`);
-    never under an enclosing differentiation, which would differentiate the sites twice."""
+    never under an enclosing differentiation, which would differentiate the sites twice.
+    Raises `_Untraceable` where `fun` needs a concrete value of a differentiated leaf."""
     diff, nondiff = eqx.partition(x, eqx.is_inexact_array)
     leaves, diff_tree = jtu.tree_flatten(diff)
     box: dict = {}
@@ -101,8 +132,11 @@ def _trace(fun, x, args, kwargs, has_aux, explaining: bool = False, recognise: A
         return [jnp.asarray(value), *[a for a in aux_leaves if _is_traced(a)]]
 
     structs = [struct_of(a, keep_weak_type=True) for a in leaves]
-    with _site.declared_outputs_checked():
-        closed, _ = _jaxpr.trace(flat, *structs)
+    try:
+        with _site.declared_outputs_checked():
+            closed, _ = _jaxpr.trace(flat, *structs)
+    except _NEEDS_CONCRETE as error:
+        raise _untraceable(error) from error
     recognised: tuple = ()
     if recognise is not False and not _jaxpr.under_differentiation():
         closed, recognised = _recognise.recognise(closed, recognise)
@@ -210,7 +244,13 @@ run outside the program, through a callback that JAX cannot differentiate (a `dx
 def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, recognise, x, args, kwargs):
     if schedule == "standard":
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
-    traced = _trace(fun, x, args, kwargs, has_aux, recognise=recognise)
+    try:
+        traced = _trace(fun, x, args, kwargs, has_aux, recognise=recognise)
+    except _Untraceable as untraceable:
+        _deferred_possible(schedule, untraceable)
+        traced = None
+    if traced is None:  # (outside the handler: what Equinox raises, under `jit` say, it raises alone)
+        return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
     ins = traced.ins()
     differentiated = _jaxpr.under_differentiation()
     if schedule == "auto" and differentiated:
@@ -258,11 +298,25 @@ _NO_ARGS = "{where}: the function must be called with at least one positional ar
 argument that is differentiated)."
 
 
+_UNTRACEABLE_DEFERRED = """{where}: schedule='deferred' was requested, but the function cannot be traced to find its \
+call sites: {reason}. Use schedule='auto' to run it as `equinox.filter_value_and_grad` would, or compute what \
+needs the concrete value from a non-differentiated argument (which stays concrete)."""
+
+
+def _deferred_possible(schedule: str, untraceable: _Untraceable):
+    if schedule == "deferred":
+        raise ValueError(_UNTRACEABLE_DEFERRED.format(where=_WHERE, reason=untraceable.reason)) from untraceable
+
+
 def _plan(fun, has_aux, schedule, max_basis, recognise, args, kwargs, explaining: bool = False) -> Plan:
     if not args:
         raise TypeError(_NO_ARGS.format(where=_WHERE))
     x, *rest = args
-    traced = _trace(fun, x, tuple(rest), kwargs, has_aux, explaining, recognise=recognise)
+    try:
+        traced = _trace(fun, x, tuple(rest), kwargs, has_aux, explaining, recognise=recognise)
+    except _Untraceable as untraceable:
+        _deferred_possible(schedule, untraceable)
+        return Plan(sites=(), stages=(), requested=schedule, fallback=untraceable.reason)
     plan = analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE).plan
     return _recognise.annotate(plan, traced.recognised)
 
@@ -385,7 +439,9 @@ def filter_value_and_grad(
     `((value, aux), grads)` with `has_aux=True`.
 
     `fun` runs once per call (once per trace under `jit`; twice when a custom rule in it
-    closes over a value it computed, see `fallback` in [`deferax.Plan`][]): every [`deferax.ExpensiveFn`][]
+    closes over a value it computed, or, in part, when it needs a concrete value of a
+    differentiated input, such as a Newton loop in a `custom_vjp`: then the call runs as
+    Equinox's would, see `fallback` in [`deferax.Plan`][]): every [`deferax.ExpensiveFn`][]
     call in it, directly, under `jax.vmap`, in a nested `jit` or under `jax.checkpoint`, is
     seen in that one trace, and is deferred when sound (a call under `vmap` as one batched
     `fused` call); calls inside `lax.scan`, `lax.cond` or `while_loop` stay standard.

@@ -30,6 +30,7 @@ from ._dependence import is_eager as is_eager
 from ._dependence import is_ref as is_ref
 from ._dependence import needed_equations as needed_equations
 from ._dependence import opaque_call as opaque_call
+from ._dependence import raised_at as raised_at
 from ._dependence import under_differentiation as under_differentiation
 from ._dependence import uses_refs as uses_refs
 from ._example_axes import example_axes as example_axes

@@ -6,6 +6,7 @@ import dataclasses
 import linecache
 import os
 import sysconfig
+import traceback
 from collections.abc import Sequence
 
 from . import _internals as _core
@@ -83,6 +84,28 @@ def _location(eqn) -> Location:
     mine = next((f for f in frames if not _installed(f.file_name)), first)
     library = (first.file_name, first.start_line) if mine is not first else None
     return Location(name, mine.file_name, mine.start_line, mine.function_name, library=library)
+
+
+_DEFERAX = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def raised_at(error: BaseException) -> Location:
+    """Where the user's code raised `error` (as `_location` for an equation): the innermost
+    frame of its traceback that is neither JAX's nor deferax's own, the user's own code
+    (`file`, `line`), and the installed package's line when the innermost is one. Named as
+    the error's type."""
+    frames = [
+        f
+        for f in reversed(traceback.extract_tb(error.__traceback__))
+        if _core.is_user_file(f.filename) and not os.path.abspath(f.filename).startswith(_DEFERAX)
+    ]
+    name = type(error).__name__
+    if not frames:
+        return Location(name, None, None, None)
+    first = frames[0]
+    mine = next((f for f in frames if not _installed(f.filename)), first)
+    library = (first.filename, first.lineno or 0) if mine is not first else None
+    return Location(name, mine.filename, mine.lineno, mine.name, library=library)
 
 
 # Primitives whose body is a plain jaxpr called once with the equation's inputs: the taint

@@ -9,7 +9,7 @@ differ. Across the tested range (see `pyproject.toml`):
   `.jaxpr` of one returns itself); the old `ClosedJaxpr(jaxpr, consts)` constructor
   survives there only as a deprecated alias. `close` and `is_jaxpr` work on every version.
 - The names below without a public home (the trace context, the traces it is nested in and
-  a tracer's trace, `join_effects`, `user_frames`,
+  a tracer's trace, `join_effects`, `user_frames`, `is_user_file`,
   the configuration states, `convert_constvars_jaxpr` before 0.12, the type of a
   `jax.Ref`'s value, the effects of an `io_callback`) are taken from `jax._src`, so a JAX
   upgrade that moves them breaks this file only.
@@ -55,6 +55,11 @@ _CLOSED: type = _core.Jaxpr if _MERGED else _core.ClosedJaxpr
 user_frames = _source_info_util.user_frames  # innermost first, JAX's own frames left out
 join_effects = _core.join_effects
 EvalTrace = _core.EvalTrace
+
+
+def is_user_file(path: str) -> bool:
+    """Whether `path` is neither JAX's own code nor Python's (JAX's test, as in `user_frames`)."""
+    return _source_info_util.is_user_filename(path)
 
 
 def current_trace():

@@ -78,8 +78,15 @@ def _differentiable_alone(eqn) -> bool:
         if backward in _ALONE:
             return True
 
+    # The closed-over constants come first among the operands. They are held fixed: JAX
+    # differentiates a custom_vjp with respect to its explicit inputs only (and refuses the
+    # constants), as the stages do (a constant reaching the call from a differentiated input
+    # is refused there by JAX as it is under Equinox).
+    held = params.get("num_consts", 0)
+
     def pullback(*args):
-        outs, vjp = jax.vjp(lambda *a: bind_equation(eqn, a), *args)
+        consts = args[:held]
+        outs, vjp = jax.vjp(lambda *a: bind_equation(eqn, (*consts, *a)), *args[held:])
         return vjp([_cotangent(jax.typeof(o)) for o in outs])
 
     structs = [

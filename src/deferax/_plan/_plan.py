@@ -93,8 +93,9 @@ class Plan(eqx.Module):
       where the implementations allow it.
     - `requested`: the `schedule` argument the plan was made for.
     - `fallback`: why the whole call runs as `equinox.filter_value_and_grad` would (the
-      program cannot be evaluated again outside the trace of the function); `None` when
-      it does not.
+      program cannot be evaluated again outside the trace of the function, or the function
+      needs a concrete value of a differentiated input and cannot be traced: then `sites`
+      is empty); `None` when it does not.
     - `recognised`: a [`deferax.Recognised`][] per call of a recognised library function
       (`klujax.solve`, JAX's `spsolve`, ...), rewritten into a site or left as it is.
     """
