@@ -5,6 +5,7 @@ soundly (or that would not pay) are left exactly as they are; the extension poin
 
 import gc
 import re
+import warnings
 
 import equinox as eqx
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from scipy.sparse.linalg import MatrixRankWarning
 
 import deferax as dx
 from deferax._host import _factorisations
@@ -440,3 +442,174 @@ def test_recognition_takes_a_pattern_or_a_site():
         dx.Recognition(pattern, lambda site, *operands: operands, site=site)
     with pytest.raises(TypeError, match=expected + r"site='sin'"):
         dx.Recognition(None, lambda site, *operands: operands, site="sin")
+
+
+# ----------------------------------------------------------------------------- a bad matrix: what the original gives
+
+
+DIAGONAL = int(np.flatnonzero(ROWS == COLS)[5])  # (the entry at (5, 5))
+
+
+def bad(values, case):
+    """`values` with a NaN or an infinite entry on the diagonal, or row 5 zero (singular)."""
+    if case == "singular":
+        return values.at[np.flatnonzero(ROWS == 5)].set(0.0)
+    return values.at[DIAGONAL].set(jnp.nan if case == "nan" else jnp.inf)
+
+
+def two_calls(solve):
+    """Two recognised calls, each standard, whose backward jobs run at once (`Together`)."""
+    return lambda vb: jnp.sum(solve(*vb) ** 4) + jnp.sum(solve(2 * vb[0], vb[1]) ** 4)
+
+
+SCHEDULES = {"deferred": "linear", "deferred-basis": "overlap", "standard": "power", "together": None}
+
+
+def bad_loss(library, schedule):
+    solve = SOLVES[library]
+    loss = two_calls(solve) if schedule == "together" else losses(solve)[SCHEDULES[schedule]]
+    fn = dx.filter_value_and_grad(loss, recognise="always")
+    plan = dx.explain(fn, problem("real"))
+    assert [s.schedule for s in plan.sites][0] == ("standard" if schedule == "together" else schedule)
+    if schedule == "together":
+        assert all("backward jobs at once with #0, #1" in s.reason for s in plan.sites), plan
+    return loss, fn
+
+
+def finite(tree) -> bool:
+    return all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(tree))
+
+
+BAD = [("klujax", "nan"), ("klujax", "inf"), ("spsolve", "nan"), ("spsolve", "singular")]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize(("library", "case"), BAD)
+def test_a_bad_matrix_gives_nan_as_the_original_does(library, case, schedule, jit):
+    """`klujax.solve` with a NaN or an infinite entry, and SciPy's `spsolve` behind JAX's
+    with a NaN entry or a singular matrix, give a NaN value and NaN gradients, eagerly and
+    under `jit` (spsolve with its "Matrix is exactly singular" warning): the rewritten call
+    gives NaN too, on every schedule, instead of `dx.sparse_solve`'s own errors, and factors
+    nothing. (plain klujax leaves finite the entries that do not depend on the bad one; the
+    rewritten call's are all NaN.)"""
+    loss, fn = bad_loss(library, schedule)
+    values, b = problem("real")
+    x = (bad(values, case), b)
+    plain = jax.jit(jax.value_and_grad(loss)) if jit else jax.value_and_grad(loss)
+    with warnings.catch_warnings(record=True) as plain_warnings:
+        warnings.simplefilter("always")
+        want = jax.block_until_ready(plain(x))
+    assert not finite(want[0]) and not finite(want[1])
+    with warnings.catch_warnings(record=True) as got_warnings:
+        warnings.simplefilter("always")
+        got, timeline = run(fn, x, jit=jit)
+    assert not finite(got[0])
+    for g in jax.tree.leaves(got[1]):
+        assert bool(jnp.all(jnp.isnan(g))), got[1]
+    # (the other call of `together`, on `2 * values`, is bad too: no factorisation at all)
+    assert timeline.counts(steps=True).get("factor", 0) == 0
+    gc.collect()
+    assert len(_factorisations.FACTORISATIONS) == 0
+    warned = [str(w.message) for w in got_warnings if issubclass(w.category, MatrixRankWarning)]
+    if library == "klujax":
+        assert warned == []
+        return
+    assert any("Matrix is exactly singular" in str(w.message) for w in plain_warnings)
+    if case == "nan":
+        why = r"`values` holds 1 NaN or infinite entries \(the first: `values\[\d+\]`\)"
+        flag = "`nonfinite='warn'`"
+    else:
+        why = "its solver raised LinAlgError: the matrix is singular: SuperLU found a zero pivot"
+        flag = "`singular='warn'`"
+    name = re.escape(f"`ExpensiveFn(name='{NAMES['spsolve']} (recognised)')`: ")
+    message = rf"{name}{why}.*, so its solution and derivatives are NaN \({flag}\)\."
+    assert warned and all(re.fullmatch(message, w) for w in warned), warned
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize(("library", "case"), [("klujax", "nan"), ("spsolve", "singular")])
+def test_apply_if_finite_skips_the_bad_step_as_in_plain_jax(library, case, schedule, jit):
+    """An optimiser guarded by `optax.apply_if_finite`: a batch that makes the matrix bad
+    (a NaN entry for klujax, a singular matrix for spsolve) gives non-finite gradients, and
+    the guard skips that step, through deferax as in plain JAX; the steps around it are
+    plain JAX's."""
+    optax = pytest.importorskip("optax")
+    loss_vb, _ = bad_loss(library, schedule)
+    values, b = problem("real")
+
+    def loss(params, scale):
+        return loss_vb((params["w"] * values * scale, b))
+
+    optimiser = optax.apply_if_finite(optax.sgd(1e-3), max_consecutive_errors=3)
+    good = jnp.ones_like(values)
+    batches = [good, bad(good, case), 1.01 * good]
+
+    def train(value_and_grad):
+        def step(params, state, scale):
+            value, grads = value_and_grad(params, scale)
+            updates, state = optimiser.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, value
+
+        step = eqx.filter_jit(step) if jit else step
+        params = {"w": jnp.ones_like(values)}
+        state = optimiser.init(params)
+        trace = []
+        for scale in batches:
+            params, state, value = step(params, state, scale)
+            trace.append((params, bool(jnp.isfinite(value))))
+        return trace, state
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MatrixRankWarning)  # (spsolve's, and the rewritten call's)
+        want, want_state = train(jax.value_and_grad(loss))
+        got, got_state = train(dx.filter_value_and_grad(loss, recognise="always"))
+    assert [finite for _, finite in want] == [True, False, True]
+    assert int(want_state.total_notfinite) == 1  # plain JAX skipped the bad step...
+    assert_tree_allclose(want[1][0], want[0][0], rtol=0, atol=0)
+    assert int(got_state.total_notfinite) == 1  # ...and so does deferax
+    assert [finite for _, finite in got] == [True, False, True]
+    for (g, _), (w, _) in zip(got, want, strict=True):
+        assert_tree_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_infinite_entry_in_spsolve_gives_nan_with_the_warning(jit):
+    """With an infinite entry, SciPy's answer depends on the order it pivots in (for this
+    matrix, a finite limit; NaN for others): the rewritten call gives NaN, value and
+    gradient, with the warning, so that it is never finite where the original is not."""
+    loss, fn = bad_loss("spsolve", "standard")
+    values, b = problem("real")
+    x = (bad(values, "inf"), b)
+    with pytest.warns(MatrixRankWarning, match=r"`values` holds 1 NaN or infinite entries .*`nonfinite='warn'`"):
+        got, timeline = run(fn, x, jit=jit)
+    assert all(bool(jnp.all(jnp.isnan(g))) for g in jax.tree.leaves(got))
+    assert timeline.counts(steps=True).get("factor", 0) == 0
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_singular_matrix_in_klujax_raises_as_klujax_does(jit):
+    """klujax fails on a singular matrix ("klu_factor ... failed (singular matrix?)"), eagerly
+    and under `jit`: so does the rewritten call, with `dx.sparse_solve`'s message."""
+    loss, fn = bad_loss("klujax", "standard")
+    values, b = problem("real")
+    x = (bad(values, "singular"), b)
+    plain = jax.jit(jax.value_and_grad(loss)) if jit else jax.value_and_grad(loss)
+    with pytest.raises((ValueError, jax.errors.JaxRuntimeError), match=r"singular matrix\?"):
+        plain(x)
+    error = (jax.errors.JaxRuntimeError, ValueError) if jit else dx.HostError
+    with pytest.raises(error, match=re.escape("the matrix is singular: SuperLU found a zero pivot")):
+        run(fn, x, jit=jit)
+
+
+def test_recognition_says_what_a_bad_matrix_gives():
+    pattern = dx.SparsePattern(ROWS, COLS, M * M)
+    apply = lambda solve, rows, cols, values, b: solve(values, b)  # noqa: E731
+    assert (dx.Recognition(pattern, apply).nonfinite, dx.Recognition(pattern, apply).singular) == ("nan", "nan")
+    msg = (
+        '`dx.Recognition`: `singular` must be "nan", "warn" or "raise" (what the original call gives for a '
+        "singular matrix), but got 'ignore'."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        dx.Recognition(pattern, apply, singular="ignore")

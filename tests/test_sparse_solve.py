@@ -392,6 +392,61 @@ def test_singular_matrix():
     assert len(_factorisations.FACTORISATIONS) == 0
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("kind", ["real", "complex"])
+@pytest.mark.parametrize("loss_name", ["linear", "overlap", "power"])
+@pytest.mark.parametrize("case", ["nan", "inf", "singular"])
+def test_a_bad_matrix_can_give_nan(case, loss_name, kind, jit):
+    """`nonfinite="nan"` and `singular="nan"`: a matrix with a NaN or infinite entry, or a
+    singular one, is not factored (the solver never sees it), and the value and every
+    gradient are NaN on every schedule, eagerly and under jit; the next call is right."""
+    values, pattern, b = REAL if kind == "real" else COMPLEX
+    tally = Tally()
+    loss, schedule = make_losses(sparse(pattern, tally, nonfinite="nan", singular="nan"))[loss_name]
+    fn = dx.filter_value_and_grad(loss)
+    assert dx.explain(fn, (values, b)).sites[0].schedule == schedule
+    fn = eqx.filter_jit(fn) if jit else fn
+    if case == "singular":
+        broken = values.at[np.flatnonzero(pattern.rows == 5)].set(0.0)
+    else:
+        broken = values.at[7].set(jnp.nan if case == "nan" else jnp.inf)
+    value, grads = fn((broken, b))
+    assert bool(jnp.isnan(value))
+    for g in grads:
+        assert bool(jnp.all(jnp.isnan(g))), g
+    assert tally.counts["factor"] == (1 if case == "singular" else 0)  # (the attempt that found it singular)
+    assert tally.counts["solve"] == 0
+    assert_tree_allclose(fn((values, b)), jax.value_and_grad(make_losses(dense(pattern))[loss_name][0])((values, b)))
+    gc.collect()
+    assert len(_factorisations.FACTORISATIONS) == 0
+
+
+def test_a_bad_matrix_gives_nan_in_forward_mode_and_can_warn():
+    values, pattern, b = REAL
+    solve = sparse(pattern, nonfinite="warn", singular="nan")
+    broken = values.at[7].set(jnp.nan)
+    msg = (
+        "`ExpensiveFn(name='sparse_solve')`: `values` holds 1 NaN or infinite entries (the first: `values[7]`), "
+        "so its solution and derivatives are NaN (`nonfinite='warn'`)."
+    )
+    from scipy.sparse.linalg import MatrixRankWarning
+
+    with pytest.warns(MatrixRankWarning, match=re.escape(msg)):
+        x, t_x = jax.jvp(solve, (broken, b), (jnp.ones_like(values), jnp.ones_like(b)))
+    assert bool(jnp.all(jnp.isnan(x))) and bool(jnp.all(jnp.isnan(t_x)))
+
+
+def test_a_bad_treatment_is_rejected():
+    values, pattern, b = REAL
+    msg = (
+        '`dx.sparse_solve(name=\'fe\')`: `singular` must be "raise", "nan" or "warn", but got \'zero\'.\n'
+        '"raise" (the default) raises an error; "nan" gives NaN for `x` and every derivative; "warn" gives NaN '
+        "with a warning."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        dx.sparse_solve(values, pattern, b, name="fe", singular="zero")
+
+
 def test_bad_patterns():
     with pytest.raises(
         ValueError,

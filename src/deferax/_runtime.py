@@ -74,6 +74,9 @@ PLANNED: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_planned",
 # inside: the host functions run from stage 2's gathered callback, whose outputs leave as
 # NumPy arrays (no lease is taken on them: `_host/_host.py`, `_host/_factorisations.py`)
 IN_CALLBACK: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_in_callback", default=False)
+# the host sites' functions whose derivative is being traced here (their JVP rule runs): one
+# met again inside is being differentiated twice (`_site/_primitive.py`)
+DIFFERENTIATED: contextvars.ContextVar[tuple] = contextvars.ContextVar("deferax_differentiated", default=())
 
 CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     TYPECHECKING,
@@ -86,6 +89,7 @@ CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     TIMED_OUTSIDE,
     PLANNED,
     IN_CALLBACK,
+    DIFFERENTIATED,
 )
 
 # ----------------------------------------------------------------------------- thread pools

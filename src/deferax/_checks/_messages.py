@@ -49,4 +49,21 @@ TOO_MANY_TANGENTS = """{call}: reverse-mode differentiation (`jax.grad`, `jax.vj
 forward-basis strategy: the primal with one tangent per input number. This input has n={n} numbers, more than
 max_tangents={limit}. Give `bwd(x, y, ct_y) -> ct_x` (an adjoint), or raise `max_tangents`."""
 
+
+def second_order(call: str, impl: str | None = None) -> str:
+    """The refusal of a second derivative through the host site `call`: up front, by the
+    site's rules (`_site`), or, with `impl`, when JAX differentiates that host function's
+    callback (`_host/_host.py`)."""
+    if impl is None:
+        what = "a derivative of its derivative is asked for"
+    else:
+        what = f"its host function `{impl}` is being differentiated, for a derivative of its derivative"
+    return f"""{call}: second order is not supported for this site: {what} (`jax.hessian`,
+`jax.jacfwd(jax.grad(f))`, `jax.grad(jax.grad(f))`), and its derivatives are host functions, which JAX cannot
+differentiate. A host site has first-order derivatives: reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`,
+`dx.filter_value_and_grad`) and, with `jvp`, forward mode (`jax.jvp`, `jax.jacfwd`). For second order, make the site
+traceable: `dx.ExpensiveFn` with JAX implementations (`fwd`, `bwd` written with `jax.numpy`; for a sparse solve, a
+dense `jnp.linalg.solve(pattern.todense(values), b)` on a small system), or take finite differences of the gradient."""
+
+
 BAD_MAX_BASIS = "{where}: `max_basis` must be {allowed}, but got {found!r}."

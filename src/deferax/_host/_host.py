@@ -58,14 +58,6 @@ def _identity(x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
     return partial
 
 
-_SECOND_ORDER = """{call}: its host function `{impl}` is being differentiated: a derivative of a derivative \
-(`jax.hessian`, `jax.jacfwd(jax.grad(f))`, `jax.grad(jax.grad(f))`) through a host site, whose host functions JAX
-cannot differentiate. A host site has first-order derivatives: reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`,
-`dx.filter_value_and_grad`) and, with `jvp`, forward mode (`jax.jvp`, `jax.jacfwd`). For second order, make the site
-traceable: `dx.ExpensiveFn` with JAX implementations (`fwd`, `bwd` written with `jax.numpy`; for a sparse solve, a
-dense `jnp.linalg.solve(pattern.todense(values), b)` on a small system), or take finite differences of the gradient."""
-
-
 class _Host(eqx.Module):
     """A host `ExpensiveFn`'s implementations, as JAX functions: each leaves the program
     through one `jax.pure_callback` (or calls the host functions directly when its
@@ -107,7 +99,7 @@ class _Host(eqx.Module):
                 raise
             impl = {"jvp*k": "jvp", "fused*k": "fused", "fwd+adjoint": "adjoint", "fwd+adjoints": "adjoint"}
             impl = impl.get(kind, kind)
-            raise TypeError(_SECOND_ORDER.format(call=runner.call, impl=impl)) from e
+            raise TypeError(_messages.second_order(runner.call, impl)) from e
 
     def _combine(self, x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
         """`combine(x, y, partial)`; a wrong result is reported as `combine`'s (it would

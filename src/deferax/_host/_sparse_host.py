@@ -9,6 +9,7 @@ import collections
 import contextlib
 import dataclasses
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 
 from .. import _record
+from .._checks import _checks
 from .._plan import _cost
 from ._factorisations import FACTORISATIONS, record_nbytes
 from ._runner import _multiples
@@ -26,6 +28,21 @@ _NOT_FINITE = """`values` holds {count} NaN or infinite entries of {nnz} (the fi
 at row {row}, column {col}), so the matrix cannot be factored.
 Find where they come from, for example with `jax.config.update("jax_debug_nans", True)`, or \
 `jnp.isfinite(values).all()` before the solve."""
+
+# What a matrix with a NaN or infinite entry (`nonfinite`), or one that the solver finds singular
+# (`singular`), gives: an error (`"raise"`), or NaN for the solution and every derivative (`"nan"`),
+# with a warning (`"warn"`).
+TREATMENTS = ("raise", "nan", "warn")
+
+_GIVES_NAN = """{call}: {why}, so its solution and derivatives are NaN (`{what}={treatment!r}`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unfactored:
+    """What stands for the factorisation of a matrix that gives NaN (`nonfinite` or
+    `singular` not `"raise"`): every solve with it is NaN, and the solver never sees it."""
+
+    why: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +69,11 @@ class _Solve:
     # kept in one would wait there for a backward pass that lands in another, `limit` of
     # them a process): each job factors and lets it go.
     kept: str = "here"
+    # How a matrix with a NaN or infinite entry, and one the solver finds singular, are
+    # treated (`TREATMENTS`): `dx.sparse_solve`'s own errors by default; a recognised call
+    # gets what its original library does.
+    nonfinite: str = "raise"
+    singular: str = "raise"
 
     @property
     def work(self) -> np.dtype:
@@ -63,6 +85,9 @@ class _Solve:
         bad = ~np.isfinite(values)
         if bad.any():  # (SuperLU would report a zero pivot, or return NaN without a word)
             first = int(np.argmax(bad))
+            if self.nonfinite != "raise":
+                why = f"`values` holds {int(bad.sum())} NaN or infinite entries (the first: `values[{first}]`)"
+                return self._unfactored("nonfinite", why)
             raise ValueError(
                 _NOT_FINITE.format(
                     count=int(bad.sum()),
@@ -75,11 +100,27 @@ class _Solve:
             )
         matrix = self.pattern._csc(values.astype(self.work, copy=False))
         start = time.perf_counter()
-        lu = self.solver.factor(matrix)
+        try:
+            lu = self.solver.factor(matrix)
+        except np.linalg.LinAlgError as e:
+            if self.singular == "raise":
+                raise
+            return self._unfactored("singular", f"its solver raised LinAlgError: {_first_line(e)}")
         end = time.perf_counter()
         _cost.observe(self, self._shapes, setup=end - start)
         _record.step("factor", start, end)
         return lu
+
+    def _unfactored(self, what: str, why: str) -> _Unfactored:
+        """The stand-in for a matrix that gives NaN, warned of where `what` (`"nonfinite"` or
+        `"singular"`) says `"warn"` (as SciPy's `spsolve` warns)."""
+        treatment = getattr(self, what)
+        if treatment == "warn":
+            from scipy.sparse.linalg import MatrixRankWarning
+
+            message = _GIVES_NAN.format(call=_checks.title(self.name), why=why, what=what, treatment=treatment)
+            warnings.warn(message, MatrixRankWarning, stacklevel=2)
+        return _Unfactored(why)
 
     @property
     def _shapes(self) -> tuple:  # (the site's input shapes, by which its timings are kept)
@@ -91,6 +132,8 @@ class _Solve:
     def _nbytes(self, lu: Any) -> int:
         """The bytes of the factorisation `lu`, as its solver reports them (the first one's
         kept for the plan: `nbytes_of`)."""
+        if isinstance(lu, _Unfactored):  # (nothing held; not this solve's bytes, for the plan)
+            return 0
         nbytes = int(self.solver.nbytes(lu, self.work))
         record_nbytes(self, nbytes)
         return nbytes
@@ -114,6 +157,8 @@ class _Solve:
     def _solve(self, lu: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
         """`A^-1 rhs` (or `A^-T rhs`) for `rhs` of shape `(n,)` or `(k, n)`: one call of the solver."""
         rhs = np.asarray(rhs, self.work)
+        if isinstance(lu, _Unfactored):
+            return np.full(rhs.shape, complex(np.nan, np.nan) if self.work.kind == "c" else np.nan, self.work)
         start = time.perf_counter()
         out = self.solver.solve(lu, rhs.T if rhs.ndim == 2 else rhs, transpose)
         end = time.perf_counter()
@@ -225,6 +270,10 @@ class _Solve:
             y = self._solve(lu, b, False)
             t_y = self._solve(lu, np.asarray(t_b, self.work) - self._product(t_values, y), False)
         return y.astype(self.dtype), t_y.astype(self.dtype)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).split("\n", 1)[0].rstrip(".")
 
 
 def _like(a: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -27,7 +27,7 @@ from .._implementation._expensive import ExpensiveFn
 from .._plan._cost import Cost
 from . import _affinity, _executor, _factorisations
 from ._host import host, on_executor, timing_its_own
-from ._sparse_host import _Solve
+from ._sparse_host import TREATMENTS, _Solve
 from ._sparse_pattern import SparsePattern
 from ._sparse_solver import AbstractSparseSolver, SuperLU
 
@@ -103,6 +103,8 @@ def sparse_solve(
     max_basis: int | None = None,
     cost: Any = None,
     precision: str = "double",
+    nonfinite: str = "raise",
+    singular: str = "raise",
 ) -> Inexact[Array, " n"]:
     """Solve `A x = b` for a sparse matrix `A`, real or complex, whose entries are a JAX
     array on a static pattern: `A[pattern.rows[k], pattern.cols[k]] += values[k]`.
@@ -168,6 +170,15 @@ lam = ct_x` with the forward's factorisation |
       the memory and somewhat faster, but a factorisation in single precision loses
       digits with the matrix's condition number (a float32 finite-element stiffness came
       out 7-21 % off in value and 13-45 % in gradient). Either is the same for float64 inputs.
+    - `nonfinite`: what a matrix with a NaN or infinite entry gives. `"raise"` (the
+      default): an error that says how many there are and where the first sits (a
+      `ValueError`, inside the [`deferax.HostError`][] of the job); `"nan"`: the matrix is
+      not factored, and `x` and every derivative (the cotangents of `values` and `b`, the
+      tangent of `x`) are NaN, as a solve compiled into the program would give them, so that
+      a NaN guard (`optax.apply_if_finite`, `jnp.isfinite(loss)`) sees the step; `"warn"`:
+      as `"nan"`, with a `scipy.sparse.linalg.MatrixRankWarning`, as SciPy's `spsolve` warns.
+    - `singular`: the same for a matrix that the solver finds singular (its `factor` raises
+      `numpy.linalg.LinAlgError`: SuperLU's zero pivot). `"raise"` (the default) raises it.
     - `cost`: a [`deferax.Cost`][] with what a factorisation (`setup`) and one solve (`fwd`,
       `bwd`) take; default: as timed in earlier calls (in this process), else equal. The
       rest is known here: a factorisation serves every right-hand side of a job, the
@@ -214,6 +225,9 @@ lam = ct_x` with the forward's factorisation |
         raise TypeError(f"`dx.sparse_solve(name={name!r})`: `cost` must be a `dx.Cost` or None, but got {cost!r}.")
     if precision not in ("double", "input"):
         raise ValueError(_BAD_PRECISION.format(name=name, found=precision))
+    for what, treatment in (("nonfinite", nonfinite), ("singular", singular)):
+        if treatment not in TREATMENTS:
+            raise ValueError(_BAD_TREATMENT.format(name=name, what=what, found=treatment))
     executor = _affinity.pinned(executor)
     if executor is None or (isinstance(executor, cf.Executor) and _executor.in_this_process(executor)):
         kept = "here"
@@ -221,7 +235,7 @@ lam = ct_x` with the forward's factorisation |
         kept = "worker"
     else:  # (a process pool: a backward job may land in any of its processes)
         kept = "none"
-    solve = _Solve(pattern, solver, dtype, name, precision, kept)
+    solve = _Solve(pattern, solver, dtype, name, precision, kept, nonfinite, singular)
     site = _solve_site(solve, timeout, name, max_basis, cost, _factorisations.not_kept(solve, executor))
     fn = on_executor(site, executor)
     return fn((values, b))
@@ -229,6 +243,10 @@ lam = ct_x` with the forward's factorisation |
 
 _BAD_PRECISION = """`dx.sparse_solve(name={name!r})`: `precision` must be "double" or "input", but got {found!r}.
 "double" (the default) factors in float64 whatever the inputs' dtype; "input" factors in the inputs' own dtype."""
+
+
+_BAD_TREATMENT = """`dx.sparse_solve(name={name!r})`: `{what}` must be "raise", "nan" or "warn", but got {found!r}.
+"raise" (the default) raises an error; "nan" gives NaN for `x` and every derivative; "warn" gives NaN with a warning."""
 
 
 def _found(a: Any) -> str:

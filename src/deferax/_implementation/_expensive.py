@@ -226,6 +226,12 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         return all(impls[impl] is None for impl in ("bwd", "fused", "jvp", "jvp_batch", "adjoint"))
 
     @property
+    def on_host(self) -> bool:
+        """Whether its implementations run on the host (made by `dx.host`): JAX cannot
+        differentiate them, so it has no second derivative."""
+        return any(isinstance(i, AbstractImplementation) and i.runs_on_host for i in self._impls().values())
+
+    @property
     def has_vjp(self) -> bool:
         """Whether a hand-written reverse-mode derivative is given (`bwd`, `adjoint` or `fused`)."""
         return self.bwd is not None or self.adjoint is not None or self.fused is not None

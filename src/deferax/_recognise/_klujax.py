@@ -42,7 +42,10 @@ def rule(operands, params):
             "its pattern has duplicate entries, which KLU cannot factor (the call fails); sum "
             "them first (`klujax.coalesce`)"
         )
-    return _registry.Recognition(SparsePattern(rows, cols, n), _apply, factorisations=2, round_trips=0)
+    # KLU factors a matrix with a NaN or infinite entry and returns NaN (where the solution
+    # depends on it), and fails on a singular one ("klu_factor failed (singular matrix?)")
+    pattern = SparsePattern(rows, cols, n)
+    return _registry.Recognition(pattern, _apply, factorisations=2, round_trips=0, nonfinite="nan", singular="raise")
 
 
 def _apply(solve, Ai, Aj, Ax, b):

@@ -17,6 +17,7 @@ from typing import Any
 import equinox as eqx
 
 from .. import _jaxpr, _runtime
+from .._host._sparse_host import TREATMENTS
 from .._host._sparse_pattern import SparsePattern
 from .._implementation._expensive import ExpensiveFn
 
@@ -33,6 +34,10 @@ A rule returns a `dx.Recognition` (to rewrite the call) or a string (why it is l
 _BAD_KIND = """`dx.Recognition`: give exactly one of `pattern` (a `dx.SparsePattern`: the call becomes \
 `dx.sparse_solve` sites) and `site=` (a `dx.ExpensiveFn`, such as one made by `dx.host`: the call becomes that \
 site), but got {found}."""
+
+
+_BAD_TREATMENT = """`dx.Recognition`: `{what}` must be "nan", "warn" or "raise" (what the original call gives \
+for {case}), but got {found!r}."""
 
 
 class Recognition(eqx.Module):
@@ -52,6 +57,11 @@ class Recognition(eqx.Module):
       and gradient (for the choice by cost; the rewritten call factors once).
     - `round_trips`: how many host round trips the original makes for one value and
       gradient (0 for a solver compiled into the program; a callback's count otherwise).
+    - `nonfinite`, `singular`: what the original call gives for a matrix with a NaN or
+      infinite entry, and for a singular one: `"nan"` (the default, JAX's way: NaN values
+      and derivatives, no error), `"warn"` (NaN with a warning, as SciPy's `spsolve`), or
+      `"raise"` (an error, as `klujax.solve` on a singular matrix); the rewritten call does
+      the same (`dx.sparse_solve`'s arguments of those names). Only with a `pattern`.
     - `site`: a [`deferax.ExpensiveFn`][] (one made by [`deferax.host`][], say) that
       computes the call, instead of a `pattern`. Such a call is rewritten whenever the rule
       answers so (there is no factorisation to weigh: the rule decides, and returns a
@@ -62,6 +72,8 @@ class Recognition(eqx.Module):
     apply: Callable = eqx.field(static=True)
     factorisations: int = eqx.field(default=2, static=True)
     round_trips: int = eqx.field(default=0, static=True)
+    nonfinite: str = eqx.field(default="nan", static=True)
+    singular: str = eqx.field(default="nan", static=True)
     # (typed `Any` so that a wrong value reaches the check below, whose message says what to give)
     site: Any = eqx.field(default=None, static=True)
 
@@ -74,6 +86,9 @@ class Recognition(eqx.Module):
             raise TypeError(_BAD_KIND.format(found=f"pattern={_found(self.pattern)}"))
         if self.site is not None and not isinstance(self.site, ExpensiveFn):
             raise TypeError(_BAD_KIND.format(found=f"site={_found(self.site)}"))
+        for what, case in (("nonfinite", "a matrix with a NaN or infinite entry"), ("singular", "a singular matrix")):
+            if getattr(self, what) not in TREATMENTS:
+                raise ValueError(_BAD_TREATMENT.format(what=what, case=case, found=getattr(self, what)))
 
 
 _RULES = _runtime.RECOGNITION_RULES

@@ -57,8 +57,11 @@ def recognise(closed, mode) -> tuple:
                 calls.append(Call(name, where, None, reason))
                 return None
 
-            def first(values, b, pattern=answer.pattern):
-                return sparse_solve(values, pattern, b, name=site)
+            def first(values, b, answer=answer):
+                # (a matrix with a NaN or infinite entry, or a singular one, gives what the original gives)
+                return sparse_solve(
+                    values, answer.pattern, b, name=site, nonfinite=answer.nonfinite, singular=answer.singular
+                )
 
         calls.append(Call(name, where, site, None))
 

@@ -47,7 +47,11 @@ def rule(operands, params):
             "its CSR matrix is not in canonical form (column indices sorted within each row, "
             "no duplicates), which the CPU solve fails on; sort and sum them first"
         )
-    return _registry.Recognition(SparsePattern(rows, indices, n), _apply, factorisations=2, round_trips=0)
+    # SciPy's `spsolve` warns "Matrix is exactly singular" and returns NaN for a singular matrix,
+    # and for one with a NaN entry (a NaN pivot); with an infinite entry its answer depends on
+    # its pivots (NaN, or a finite limit): the rewritten call gives NaN, with the warning
+    pattern = SparsePattern(rows, indices, n)
+    return _registry.Recognition(pattern, _apply, factorisations=2, round_trips=0, nonfinite="warn", singular="warn")
 
 
 def _apply(solve, data, indices, indptr, b):

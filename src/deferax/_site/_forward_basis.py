@@ -10,6 +10,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .. import _jaxpr, _record
+from .._checks import _messages
 from ._spec import FORWARD_BASIS, Spec, rebind_batched, split_fn_x
 from ._tangents import flatten_tangent
 
@@ -44,7 +45,9 @@ def _basis_batch(args, dims, spec: Spec):
 
 def _basis_jvp(primals, tangents, spec: Spec):
     # Forward over forward-basis (`jax.hessian`): JAX differentiates the forward-mode
-    # implementations themselves, which must then be JAX-traceable.
+    # implementations themselves, which must then be JAX-traceable; a host site's are not.
+    if spec.static.on_host:
+        raise TypeError(_messages.second_order(spec.static.title))
     tangents = [
         _jaxpr.instantiate(t, jax.typeof(p)) if jnp.issubdtype(jax.typeof(p).dtype, jnp.inexact) else t
         for p, t in zip(primals, tangents, strict=True)

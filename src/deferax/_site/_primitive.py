@@ -55,7 +55,26 @@ def _site_batch(args, dims, spec: Spec):
     return rebind_batched(site_p, args, dims, spec)
 
 
+# The host sites whose JVP rule is running, by their function (`_site_jvp`).
+_DIFFERENTIATED = _runtime.DIFFERENTIATED
+
+
 def _site_jvp(primals, tangents, spec: Spec):
+    """The JVP rule. A host site's derivative cannot be differentiated (JAX cannot see into
+    its host functions): a second derivative (`jax.hessian`, `jax.grad` of `jax.grad`) binds
+    the site inside its own rule, under the outer derivative's trace, which calls this rule
+    again for the same function; that call is refused, before anything runs."""
+    static = spec.static
+    if not static.on_host:
+        return _site_jvp_rule(primals, tangents, spec)
+    within = _DIFFERENTIATED.get()
+    if any(s is static for s in within):
+        raise TypeError(_messages.second_order(static.title))
+    with _jaxpr.setting(_DIFFERENTIATED, (*within, static)):
+        return _site_jvp_rule(primals, tangents, spec)
+
+
+def _site_jvp_rule(primals, tangents, spec: Spec):
     fn_leaves, x_leaves = primals[: spec.n_fn], primals[spec.n_fn :]
     x_tangents = tangents[spec.n_fn :]
     diff = spec.diff

@@ -5,7 +5,7 @@ A site's function (an `ExpensiveFn`, from the layer above) is held in the `Spec`
 called by name; the site's rules call only `primal`, `cotangent`, `tangent`, `tangents`,
 `output_and_jacobian`, `strategy` and `forward_basis_estimates` (with `out`, `out_struct` and
 `check_out` when a call is bound), and read the implementations it was given (`jvp`,
-`jvp_batch`, `bwd`, `adjoint`), `autodiff`, `has_vjp`, `max_tangents`, `name` and `title`.
+`jvp_batch`, `bwd`, `adjoint`), `autodiff`, `has_vjp`, `on_host`, `max_tangents`, `name` and `title`.
 """
 
 from __future__ import annotations
