@@ -14,8 +14,10 @@ If a name is not found, or its snippet is found never or more than once, or the 
 copy does not compile, the mutation no longer describes the code and the script fails
 before running any test, naming the mutation, where it looked and what is closest. For
 every mutation, `src/deferax` is copied to a temporary folder, the snippets replaced, and
-the relevant test files run against the copy (first on the path). A mutation that no test
-catches fails the run. Prints one line per mutation with the number of failing tests
+the relevant test files run against the copy (first on the path). A test named before the
+files (`tests/test_basis.py::test_name`) is one known to catch the bug: it runs first, so a
+caught bug costs that test and not the tests before it in its file (pytest runs it once). A
+mutation that no test catches fails the run; each caught one prints the test that caught it. Prints one line per mutation with the number of failing tests
 (pytest stops at the first: one is enough), two mutations at a time.
 
     python .ci/mutations.py               # every mutation
@@ -47,7 +49,7 @@ MUTATIONS = [
     (
         "a nonlinear site deferred",
         [("_Check._decide", "if not sources:", "if True:")],
-        ["tests/test_deferred.py"],
+        ["tests/test_deferred.py::test_nonlinear_downstream_is_standard_with_line", "tests/test_deferred.py"],
     ),
     (
         "a replayed cotangent scaled by 1 + 1e-6",
@@ -75,7 +77,7 @@ MUTATIONS = [
                 "coefficients * c",
             )
         ],
-        ["tests/test_basis.py"],
+        ["tests/test_basis.py::test_infinite_slope_gives_inf_where_plain_jax_does", "tests/test_basis.py"],
     ),
     (
         "fwd called twice on the standard schedule",
@@ -86,7 +88,7 @@ MUTATIONS = [
                 "spec.fn(fn_leaves).primal(spec.x(x_leaves))\ny = spec.fn(fn_leaves).primal(spec.x(x_leaves))",
             )
         ],
-        ["tests/test_expensive.py"],
+        ["tests/test_expensive.py::test_execution_counts_standard_schedule", "tests/test_expensive.py"],
     ),
     (
         "Fused.batched running the forward once per cotangent",
@@ -97,7 +99,7 @@ MUTATIONS = [
                 "[self.fwd(x) for _ in range(jtu.tree_leaves(cts)[0].shape[0] - 1)]\ny, partials = concurrently(",
             )
         ],
-        ["tests/test_basis.py"],
+        ["tests/test_basis.py::test_fuse_batched_runs_forward_once", "tests/test_basis.py"],
     ),
     (
         "a cotangent doubled on both the deferred and the standard path",
@@ -125,7 +127,7 @@ MUTATIONS = [
     (
         "a bwd that reads y taken for one that does not",
         [("_returns_y", 'return any("y" in d for d in _jaxpr.dependencies(closed, labels))', "return False")],
-        ["tests/test_concurrent.py"],
+        ["tests/test_concurrent.py::test_bwd_that_reads_y_stays_standard", "tests/test_concurrent.py"],
     ),
     (
         "a site under vmap replayed without summing over unbatched levels",
@@ -136,7 +138,12 @@ MUTATIONS = [
                 "out.append(jnp.take(c, 0, axis=dropped[0]) if dropped else c)",
             )
         ],
-        ["tests/test_equinox_semantics.py", "tests/test_vmap_batches.py", "tests/test_forward.py"],
+        [
+            "tests/test_vmap_batches.py::test_fuse_under_vmap_runs_the_batch_once_and_compiles_once",
+            "tests/test_equinox_semantics.py",
+            "tests/test_vmap_batches.py",
+            "tests/test_forward.py",
+        ],
     ),
     (
         "a dx.fuse adjoint half left out of the recording",
@@ -174,17 +181,23 @@ MUTATIONS = [
                 "wraps[v] = wrap",
             )
         ],
-        ["tests/test_basis.py"],
+        ["tests/test_basis.py::test_sites_that_share_a_frontier_variable", "tests/test_basis.py"],
     ),
     (
         "the halves made from fwd + bwd compiled once per function (stale when what they read changes)",
         [("DerivedFused", "compiled: ClassVar[bool] = False", "compiled: ClassVar[bool] = True")],
-        ["tests/test_concurrent.py"],
+        [
+            "tests/test_concurrent.py::test_halves_made_from_fwd_and_bwd_read_what_they_read_afresh",
+            "tests/test_concurrent.py",
+        ],
     ),
     (
         "a bwd that calls a host callback taken for one that shares no state with fwd",
         [("bwd_blocks_fused", "return None if opaque is None else _OPAQUE_BWD.format(location=opaque)", "return None")],
-        ["tests/test_concurrent.py"],
+        [
+            "tests/test_concurrent.py::test_bwd_that_calls_what_deferax_cannot_read_runs_after_fwd",
+            "tests/test_concurrent.py",
+        ],
     ),
     (
         "an io_callback ahead of the expensive calls run twice (value and gradient from two draws)",
@@ -200,17 +213,20 @@ MUTATIONS = [
     (
         "the same view of the output computed twice counted twice in k",
         [("analyse", "program = _jaxpr.merge_duplicates(program, keep=(_site.SITE, _site.LINEAR))", "")],
-        ["tests/test_basis.py"],
+        ["tests/test_basis.py::test_k_counts_independent_numbers_at_most_the_output_size", "tests/test_basis.py"],
     ),
     (
         "a contraction over the examples taken for a per-example frontier",
         [("_dot_general", "if right is None or right in rc:", "if right is None:")],
-        ["tests/test_vmap_basis.py"],
+        [
+            "tests/test_vmap_basis.py::test_a_frontier_mixing_the_examples_counts_the_whole_batch",
+            "tests/test_vmap_basis.py",
+        ],
     ),
     (
         "the per-example coefficients in the order of the examples, not of the rows",
         [("coefficients", "return flat.T", "return jnp.reshape(flat, flat.shape[::-1])")],
-        ["tests/test_vmap_basis.py"],
+        ["tests/test_vmap_basis.py::test_a_complex_frontier_per_example", "tests/test_vmap_basis.py"],
     ),
     (
         "a site's strategy chosen again in stage 3 (from timings newer than its plan)",
@@ -225,12 +241,12 @@ MUTATIONS = [
     (
         "a factorisation past the store's budget kept",
         [("Store.acquire", "if nbytes > self.budget:", "if False:")],
-        ["tests/test_memory.py"],
+        ["tests/test_memory.py::test_past_the_budget_the_backward_pass_factors_again", "tests/test_memory.py"],
     ),
     (
         "a process pool's workers keep the forward's factorisation",
         [("sparse_solve", 'kept = "none"', 'kept = "worker"')],
-        ["tests/test_memory.py"],
+        ["tests/test_memory.py::test_a_process_pools_workers_keep_no_factorisation", "tests/test_memory.py"],
     ),
     (
         "the runtime's reset forgetting the stores registered with it (a feature's cache kept across tests)",
@@ -251,7 +267,10 @@ MUTATIONS = [
     (
         "basis sites never weighed against the standard sites' jobs at once",
         [("against_basis", "if jointly.at_once >= deferred:", "if True:")],
-        ["tests/test_backward_together.py"],
+        [
+            "tests/test_backward_together.py::test_basis_sites_go_back_to_standard_when_their_jobs_at_once_cost_less",
+            "tests/test_backward_together.py",
+        ],
     ),
 ]
 
@@ -445,7 +464,9 @@ def run(planted: dict[str, str], tests) -> tuple[bool, str]:
         )
         tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr.strip()[-300:]
         failed = re.search(r"(\d+) failed", tail)
-        return out.returncode == 1 and failed is not None, f"{failed.group(1) if failed else 0} failing ({tail})"
+        first = re.search(r"^FAILED (\S+)", out.stdout, re.MULTILINE)
+        by = f" by {first.group(1)}" if first else ""
+        return out.returncode == 1 and failed is not None, f"{failed.group(1) if failed else 0} failing{by} ({tail})"
 
 
 def timed(job) -> tuple[bool, str, float]:
