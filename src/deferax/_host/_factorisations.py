@@ -39,7 +39,8 @@ class Store:
     jobs on one matrix at once wait for one factorisation (the rows of a `vmap` over `b` are
     one job: `_sparse_host._Solve.rows`). A call that uses a factorisation is a user while it
     runs (a job of several rows, one a row); a forward request (one host call, all the rows
-    of a `vmap` batch) leaves one more user per matrix for the backward passes:
+    of a `vmap` batch) that a backward pass may follow leaves one more user per matrix for
+    the backward passes (one that nothing differentiates leaves none: `_runtime.BACKWARD`):
 
     - eagerly (the forward's output a concrete array), a *lease* on that output: the user is
       removed when the output is garbage collected, as then no backward pass can run (it

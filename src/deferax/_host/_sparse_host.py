@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools as ft
 import time
 import warnings
 from collections.abc import Iterator
@@ -16,13 +17,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _record
+from .. import _record, _runtime
 from .._checks import _checks
 from .._plan import _cost
 from ._factorisations import FACTORISATIONS, record_nbytes
 from ._runner import _multiples
 from ._sparse_pattern import SparsePattern
 from ._sparse_solver import AbstractSparseSolver
+
+_BACKWARD = _runtime.BACKWARD
 
 _NOT_FINITE = """`values` holds {count} NaN or infinite entries of {nnz} (the first: `values[{first}] = {value}`, \
 at row {row}, column {col}), so the matrix cannot be factored.
@@ -190,9 +193,11 @@ class _Solve:
         values, b = x
         return self.fwd_rows((values, b[None]))[0]
 
-    def fwd_rows(self, x: tuple) -> list:
+    def fwd_rows(self, x: tuple, keep: bool = True) -> list:
+        """The forward of the rows; with `keep`, its factorisation waits for the backward pass
+        (without, no backward pass follows: it is let go)."""
         values, bs = x
-        if self.kept == "none":
+        if self.kept == "none" or not keep:
             with self._factorised(values, uses=1) as lu:
                 return list(self._solve(lu, bs, False).astype(self.dtype))
         # a user a row until `request` ends (in a Dask worker, for `bwd` to remove)
@@ -253,7 +258,8 @@ class _Solve:
         a matrix, for the rows of a `vmap` batch that share it (`vmap` over `b`: one
         factorisation for all, their right-hand sides solved together), as `(rows, fn,
         args)`, `fn(*args)` returning the results of the elements `rows`; None where no two
-        rows share a matrix (a job a row)."""
+        rows share a matrix (a job a row). A forward that no backward pass follows
+        (`_runtime.BACKWARD`, from the site's equation) keeps no factorisation."""
         fn = {
             "fwd": self.fwd_rows,
             "bwd": self.bwd_rows,
@@ -262,12 +268,15 @@ class _Solve:
             "jvp": self.jvp_rows,
             "jvp_batch": self.jvp_batch_rows,
         }.get(kind)
-        if fn is None or len(elements) < 2:
+        alone = kind == "fwd" and not _BACKWARD.get()
+        if alone:
+            fn = ft.partial(self.fwd_rows, keep=False)
+        if fn is None or (len(elements) < 2 and not alone):
             return None
         groups: dict[Any, list[int]] = {}
         for i, args in enumerate(elements):
             groups.setdefault(self._key(args[0][0]), []).append(i)
-        if len(groups) == len(elements):
+        if len(groups) == len(elements) and not alone:
             return None
         jobs = []
         for members in groups.values():
@@ -286,8 +295,8 @@ class _Solve:
         one hold for the backward passes; after a backward, nothing (with the forward's
         hold, if it has one: the rows of one request are all of one backward pass). See
         `_factorisations.Store`."""
-        if self.kept != "here" or kind not in ("fwd", "bwd"):
-            yield
+        if self.kept != "here" or kind not in ("fwd", "bwd") or (kind == "fwd" and not _BACKWARD.get()):
+            yield  # (a forward that no backward pass follows lets its factorisation go itself: `rows`)
             return
         rows = collections.Counter(self._key(args[0][0]) for args in elements)
         try:

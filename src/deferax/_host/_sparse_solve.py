@@ -125,7 +125,8 @@ lam = ct_x` with the forward's factorisation |
     On the standard schedule, the factorisation waits on the host for the backward passes
     (all of `jax.jacrev`'s rows, or every call of an eager `jax.vjp` function) and is
     dropped when none can come any more: eagerly, when the forward's output is garbage
-    collected; under `jit`, after the first backward pass. Those waiting take at most the
+    collected; under `jit`, after the first backward pass (a forward pass that nothing
+    differentiates keeps none). Those waiting take at most the
     factorisation budget's bytes (a quarter of the machine's memory by default,
     [`deferax.set_factorisation_budget`][]; the oldest are dropped first), and a backward
     pass that finds its factorisation dropped factors again. A factorisation past the budget
