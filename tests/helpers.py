@@ -243,16 +243,19 @@ def host_sine(calls, **kwargs):
 
 
 class Tally:
-    """Thread-safe count of factorisations, and the most bytes the store held at any of them."""
+    """Thread-safe count of factorisations and of the solver's solve calls, and the most bytes
+    the store held at any factorisation."""
 
     def __init__(self):
         self.factor = 0
+        self.solves = 0
         self.most = 0
         self.lock = threading.Lock()
 
 
 class CountingLU(dx.AbstractSparseSolver):
-    """SciPy's `splu`, counting its factorisations and reading the store's bytes at each."""
+    """SciPy's `splu`, counting its factorisations (reading the store's bytes at each) and its
+    solve calls (one for all the right-hand sides it is given at once)."""
 
     tally: Tally = eqx.field(static=True)
 
@@ -264,6 +267,8 @@ class CountingLU(dx.AbstractSparseSolver):
         return dx.SuperLU().factor(matrix)
 
     def solve(self, factorisation, rhs, transpose):
+        with self.tally.lock:
+            self.tally.solves += 1
         return dx.SuperLU().solve(factorisation, rhs, transpose)
 
 

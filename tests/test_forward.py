@@ -234,16 +234,24 @@ def test_network_mixing_a_jvp_only_site_and_a_bwd_only_site():
         return jnp.sum(jnp.tanh(net.w * jnp.real(h["field"]) + h["power"]) ** 2)
 
     net = Net(jnp.array([1.0, -0.5, 2.0]))
-    loss = lambda net, x: net(x)  # noqa: E731
-    plan = dx.explain(dx.filter_value_and_grad(loss), net, X)
+    loss = lambda nx: nx[0](nx[1])  # noqa: E731  (the input differentiated too: through both layers)
+    plan = dx.explain(dx.filter_value_and_grad(loss), (net, X))
     assert [s.schedule for s in plan.sites] == ["forward-basis", "standard"]
     counter.reset()
-    value, grads = dx.filter_value_and_grad(loss)(net, X)
+    value, grads = dx.filter_value_and_grad(loss)((net, X))
+    assert counts(counter) == {"jvp": 1}
+    value_r, grads_r = eqx.filter_value_and_grad(lambda nx: plain(*nx))((net, X))
+    assert_tree_allclose((value, grads[0].w, grads[1]), (value_r, grads_r[0].w, grads_r[1]))
+    assert_tree_allclose(jax.grad(lambda x: net(x))(X), jax.grad(lambda x: plain(net, x))(X))
+    # with respect to the weights only, nothing differentiates the tangent layer: its output, no tangents
+    plan = dx.explain(dx.filter_value_and_grad(lambda net, x: net(x)), net, X)
+    assert [s.schedule for s in plan.sites] == ["standard", "standard"]
+    assert plan.sites[0].reason == "its input depends on no differentiated argument: no backward pass runs for it"
+    counter.reset()
+    value, grads = dx.filter_value_and_grad(lambda net, x: net(x))(net, X)
     assert counts(counter) == {"jvp": 1}
     value_r, grads_r = eqx.filter_value_and_grad(plain)(net, X)
     assert_tree_allclose((value, grads.w), (value_r, grads_r.w))
-    # and with respect to the input, through both layers
-    assert_tree_allclose(jax.grad(lambda x: net(x))(X), jax.grad(lambda x: plain(net, x))(X))
 
 
 def test_hessian_forward_over_reverse():

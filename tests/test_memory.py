@@ -305,3 +305,76 @@ def test_a_forward_beside_a_deferred_site_keeps_its_factorisation(jit):
         assert tally.factor == 1
     gc.collect()
     assert len(_factorisations.FACTORISATIONS) == 0
+
+
+# ----------------------------------------------------------------------------- solves that nothing differentiates
+
+STEPS = 20
+SCALES = jnp.array([1.0, 1.1])
+RIGHT_HAND_SIDES = jnp.stack([B, 2.0 * B, B[::-1]])
+
+
+def still_losses(solve, still):
+    """Losses of `(v, w)` whose solves with `w` (`still(w, pattern, b)`; `dx.filter_value_and_grad`
+    differentiates `v` only) nothing differentiates, beside other sites (`solve`)."""
+    (_, p), (_, q) = SITES
+    return {
+        # (the deferred site runs in stage 2: the other's forward beside it, ahead)
+        "beside a deferred site": lambda v, w: jnp.sum(solve(v, p, B)) + jnp.sum(still(w, q, B) ** 2),
+        # (the two forward jobs at once, one backward job)
+        "beside a standard site": lambda v, w: jnp.sum(solve(v, p, B) ** 2) + jnp.sum(still(w, q, B) ** 2),
+        # (the solve runs in the program)
+        "alone": lambda v, w: jnp.sum(v**2) + jnp.sum(still(w, q, B) ** 2),
+        "inside lax.scan": lambda v, w: (
+            jnp.sum(v**2) + jax.lax.scan(lambda c, s: (c + jnp.sum(still(s * w, q, B) ** 2), None), 0.0, SCALES)[0]
+        ),
+        "under vmap over b": lambda v, w: (
+            jnp.sum(solve(v, p, B)) + jnp.sum(jax.vmap(lambda b: still(w, q, b))(RIGHT_HAND_SIDES) ** 2)
+        ),
+    }
+
+
+# per step: (factorisations, solve calls); and the top-level positions of the solves with `w`
+STILL = {
+    "beside a deferred site": ((2, 3), [1]),  # v: one job, b and the adjoint; w: b
+    "beside a standard site": ((2, 3), [1]),  # v: b, then the adjoint; w: b (no adjoint)
+    "alone": ((1, 1), [0]),
+    "inside lax.scan": ((2, 2), []),  # (two matrices, `s * w`; no plan row of its own)
+    "under vmap over b": ((2, 3), [1]),  # w: its 3 right-hand sides in one call
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", list(STILL))
+def test_a_step_leaves_nothing_for_solves_that_nothing_differentiates(case, jit):
+    """`jax.jit(dx.filter_value_and_grad(loss))`, whose loss also solves with `values` it does
+    not differentiate: after each of 20 steps, the store holds nothing (no backward pass comes
+    for that solve, and its forward keeps nothing for one: deferax planned the step so), each
+    matrix factored once a step, no adjoint solved for it; plain JAX's value and gradient.
+    Eagerly the same, once the step's outputs are collected."""
+    tally = Tally()
+    solve = lambda v, p, b, name="sparse_solve": dx.sparse_solve(v, p, b, solver=CountingLU(tally), name=name)  # noqa: E731
+    loss = still_losses(solve, lambda w, q, b: solve(w, q, b, "still"))[case]
+    dense = lambda v, p, b: jnp.linalg.solve(p.todense(v), b)  # noqa: E731
+    want = jax.jit(jax.value_and_grad(still_losses(dense, dense)[case]))
+    (counts, still), (v, w) = STILL[case], VALUES
+    fn = dx.filter_value_and_grad(loss)
+    step = jax.jit(fn) if jit else fn
+    for n in range(STEPS):
+        scale = 1.0 + 0.01 * n  # (a new matrix each step: a factorisation left behind would stay)
+        tally.factor = tally.solves = 0
+        got = jax.block_until_ready(step(scale * v, scale * w))
+        assert_tree_allclose(got, want(scale * v, scale * w), rtol=1e-10, atol=1e-12)
+        del got
+        if not jit:  # (eagerly, a differentiated forward's factorisation is leased to its output)
+            gc.collect()
+        assert len(_factorisations.FACTORISATIONS) == 0, n
+        assert (tally.factor, tally.solves) == counts, n
+    plan = dx.explain(fn, v, w)
+    for i in still:
+        assert plan.sites[i].name == "still" and plan.sites[i].schedule == "standard"
+        assert plan.sites[i].reason.startswith(
+            "its input depends on no differentiated argument: no backward pass runs for it"
+        )
+    if still:  # (no backward row for it in the plan)
+        assert [row for stage in plan.stages for row in stage if row.startswith("still: bwd")] == []

@@ -77,6 +77,10 @@ IN_CALLBACK: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_in_c
 # the host sites' functions whose derivative is being traced here (their JVP rule runs): one
 # met again inside is being differentiated twice (`_site/_primitive.py`)
 DIFFERENTIATED: contextvars.ContextVar[tuple] = contextvars.ContextVar("deferax_differentiated", default=())
+# whether a backward pass may follow the forward calls made here: set from a site's equation
+# (`Spec.backward`, `_site/_primitive.py: outputs`); `dx.sparse_solve` keeps a forward's
+# factorisation for it only then (`_host/_sparse_host.py`). Outside a site's rules, True.
+BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_backward", default=True)
 
 CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     TYPECHECKING,
@@ -90,6 +94,7 @@ CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     PLANNED,
     IN_CALLBACK,
     DIFFERENTIATED,
+    BACKWARD,
 )
 
 # ----------------------------------------------------------------------------- thread pools

@@ -77,8 +77,12 @@ class Analysis:
 
     @property
     def live(self) -> bool:
-        """Whether stage 3 still runs expensive implementations (standard sites)."""
-        return bool(self.nested) or not all(s.defers or isinstance(s, Together) for s in self.schedules)
+        """Whether stage 3 still runs expensive implementations (standard sites, but for those
+        run in stage 2 whose `bwd` runs there too, or that nothing differentiates)."""
+        return bool(self.nested) or not all(
+            s.defers or isinstance(s, Together) or (isinstance(s, Early) and not s.differentiated)
+            for s in self.schedules
+        )
 
 
 def analyse(
@@ -118,6 +122,7 @@ class _Check:
         self._candidates: list[int] = []  # (the sites that may run ahead of the value)
         self.why_not_deferred: dict[int, str] = {}  # (each basis site's reason to stay standard, by position)
         self.fallback = _fallback(program)
+        self.still = self._undifferentiated()  # (positions of the sites that nothing differentiates)
 
     # ------------------------------------------------------------------ the order of the plan
 
@@ -153,7 +158,8 @@ class _Check:
             if reason is None:
                 candidates.append(p)
             else:
-                schedules[p] = Standard(spec=self.specs[p], position=p, reason=reason)
+                still = p in self.still
+                schedules[p] = Standard(spec=self.specs[p], position=p, reason=reason, differentiated=not still)
         backward, backward_out = None, ()
         ready = [p for p in range(n) if not upstream[p]]  # operands computable in stage 1
         # (standard sites whose backward jobs may run at once: their cotangents are traced too)
@@ -174,7 +180,7 @@ class _Check:
             _together.against_basis(self, schedules, candidates, lambda s: isinstance(_with_forward_basis(s), Standard))
         for p in range(n):
             schedule = schedules[p]
-            if isinstance(schedule, Standard):
+            if isinstance(schedule, Standard) and schedule.differentiated:
                 schedules[p] = _with_forward_basis(schedule)
         defers = any(schedules[p].defers for p in range(n))
         for p in range(n):
@@ -230,6 +236,8 @@ class _Check:
             return self.fallback
         if self.schedule == "standard":
             return "schedule='standard' was requested"
+        if k in self.still:
+            return "its input depends on no differentiated argument: no backward pass runs for it"
         if spec.static.prefer is not None:
             return f"prefer={spec.static.prefer!r} was given"
         underivable = self._underivable(k) if spec.static.fused is None and spec.static.fused_batch is None else None
@@ -242,6 +250,22 @@ class _Check:
                 f"site {f}" if f.startswith("#") else f for f in feeds[("y", k)]
             )
         return None
+
+    def _undifferentiated(self) -> frozenset[int]:
+        """The positions of the sites whose differentiable inputs depend on no differentiated
+        argument (the program's inputs after its constants): nothing differentiates them, so
+        no backward pass runs for them. None under schedule='standard' (an enclosing
+        differentiation asked for it, and may differentiate the constants too)."""
+        if self.schedule == "standard" or self.fallback is not None:
+            return frozenset()
+        labels = [None] * self.n_consts + ["x"] * (self.n_in - self.n_consts)
+        marks = _jaxpr.input_marks(self.program, labels)
+        still = []
+        for p, (i, spec) in enumerate(zip(self.sites, self.specs, strict=True)):
+            x_marks = marks[i][spec.n_fn :]  # (the implementations' arrays are constants to the derivative)
+            if not any("x" in m for m, d in zip(x_marks, spec.diff, strict=True) if d):
+                still.append(p)
+        return frozenset(still)
 
     def _underivable(self, k) -> str | None:
         """Why no `fused` can be made from the other implementations (None when one can:

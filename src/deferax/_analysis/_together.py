@@ -11,7 +11,7 @@ from .. import _jaxpr
 from .._implementation._abstract import AbstractImplementation
 from .._plan import _cost
 from .._schedules._deferred_basis import DeferredBasis
-from .._schedules._early import Early
+from .._schedules._early import Early, standard_fields
 from .._schedules._forward_basis import ForwardBasis
 from .._schedules._standard import Standard
 from .._schedules._together import Together, leaves_both
@@ -47,7 +47,9 @@ def in_turn(check, schedules, upstream) -> None:
     n = len(check.sites)
     if check.schedule != "auto" or check.fallback is not None or n + len(check.nested) < 2:
         return
-    eligible = [p for p, s in schedules.items() if isinstance(s, Standard | Early) and jobs_leave(check, p)]
+    eligible = [
+        p for p, s in schedules.items() if isinstance(s, Standard | Early) and s.differentiated and jobs_leave(check, p)
+    ]
     why = [
         f"the input of site #{p} `{check.specs[p].name}` depends on an expensive output"
         for p in range(n)
@@ -65,14 +67,17 @@ def in_turn(check, schedules, upstream) -> None:
 def choose(check, schedules, once) -> None:
     """The standard sites whose backward jobs run at once, where every other site runs in
     stage 2 and the estimates say it is faster (`_cost.together`); the reasons say
-    with which sites, or why not."""
+    with which sites, or why not. A site that nothing differentiates has no backward job:
+    its forward job runs in stage 2 beside theirs (`Early`)."""
     n = len(check.sites)
-    group, blocking = [], []
+    group, blocking, still = [], [], []
     for p in range(n):
         s, spec = schedules[p], check.specs[p]
         if s.defers:
             continue
-        if isinstance(s, Standard | Early) and jobs_leave(check, p) and not once.get(p):
+        if _still(s) and not spec.static.autodiff and not once.get(p):
+            still.append(p)  # (no backward job: its `fwd` runs in stage 2 beside the others')
+        elif isinstance(s, Standard | Early) and jobs_leave(check, p) and not once.get(p):
             group.append(p)
         elif isinstance(s, ForwardBasis):
             blocking.append(f"site #{p} `{spec.name}` is on the forward-basis strategy")
@@ -82,23 +87,27 @@ def choose(check, schedules, once) -> None:
             blocking.append(f"for site #{p} `{spec.name}`, {once[p]}")
         else:
             blocking.append(f"site #{p} `{spec.name}` runs inside the program, where XLA runs its jobs in turn")
-    if len(group) < 2 and not blocking:
+    if not group or (len(group) + len(still) < 2 and not blocking):
         return
     if blocking:
         why = "; backward jobs in turn: " + "; ".join(blocking)
         for p in group:
             schedules[p] = _with_reason(schedules[p], why)
         return
-    estimates = _cost.together([_cost_of(check, p) for p in group])
-    members = ", ".join(f"#{p}" for p in group)
+    estimates = _cost.together([_cost_of(check, p) for p in [*group, *still]], still=len(still))
+    members = ", ".join(f"#{p}" for p in sorted([*group, *still]))
+    jobs = "jobs" if still else "backward jobs"  # (those that nothing differentiates have a forward job only)
     if estimates.faster:
         for p in group:
-            schedules[p] = Together.of(schedules[p], f"; backward jobs at once with {members}: {estimates.text()}")
+            schedules[p] = Together.of(schedules[p], f"; {jobs} at once with {members}: {estimates.text()}")
+        for p in still:  # (in stage 2, at once with the others' forward jobs: every output is known in stage 2b)
+            why = f"; its forward job at once with {members}: {estimates.text()}"
+            schedules[p] = Early(**standard_fields(schedules[p], why))
         return
     if estimates.workers == 1:
-        why = f"; backward jobs in turn: one worker runs one job at a time ({estimates.text()})"
+        why = f"; {jobs} in turn: one worker runs one job at a time ({estimates.text()})"
     else:
-        why = f"; backward jobs in turn: {estimates.text()} with {members}"
+        why = f"; {jobs} in turn: {estimates.text()} with {members}"
     for p in group:
         schedules[p] = _with_reason(schedules[p], why)
 
@@ -120,7 +129,8 @@ def against_basis(check, schedules, candidates, stays_standard) -> None:
     ]
     if not basis:
         return
-    standard = [p for p in range(n) if p not in basis and not schedules[p].defers]
+    # (a site that nothing differentiates has no backward job to run at once)
+    standard = [p for p in range(n) if p not in basis and not schedules[p].defers and not _still(schedules[p])]
     if any(not (isinstance(schedules[p], Standard) and jobs_leave(check, p)) for p in standard):
         return  # (a site that cannot run at once: `choose` would keep the group in turn)
     jointly = _cost.together([_cost_of(check, p) for p in sorted([*basis, *standard])])
@@ -150,6 +160,11 @@ def against_basis(check, schedules, candidates, stays_standard) -> None:
         )
     if all(stays_standard(s) for s in switched.values()):
         schedules.update(switched)
+
+
+def _still(schedule: Any) -> bool:
+    """Whether a site's schedule says that nothing differentiates it."""
+    return isinstance(schedule, Standard | Early) and not schedule.differentiated
 
 
 def _limit(check, p: int) -> int | None:

@@ -35,10 +35,12 @@ class Store:
     """The factorisations that forward passes leave for their backward passes, by matrix.
 
     The key is the matrix itself (the solve's configuration and the bytes of `values`), so a
-    backward pass finds its forward's factorisation without any handle in the program, and a
-    batch of right-hand sides on one matrix (`vmap` over `b`) factors it once. A call that
-    uses a factorisation is a user while it runs; a forward request (one host call, all the
-    rows of a `vmap` batch) leaves one more user per matrix for the backward passes:
+    backward pass finds its forward's factorisation without any handle in the program, and
+    jobs on one matrix at once wait for one factorisation (the rows of a `vmap` over `b` are
+    one job: `_sparse_host._Solve.rows`). A call that uses a factorisation is a user while it
+    runs (a job of several rows, one a row); a forward request (one host call, all the rows
+    of a `vmap` batch) that a backward pass may follow leaves one more user per matrix for
+    the backward passes (one that nothing differentiates leaves none: `_runtime.BACKWARD`):
 
     - eagerly (the forward's output a concrete array), a *lease* on that output: the user is
       removed when the output is garbage collected, as then no backward pass can run (it
@@ -92,16 +94,17 @@ class Store:
             self.budget = budget
             self._fit()
 
-    def acquire(self, key: Any, make: Any, size: Any = None) -> Any:
+    def acquire(self, key: Any, make: Any, size: Any = None, users: int = 1) -> Any:
         """The factorisation for `key` (made with `make()` unless kept or being made), with
-        one more user. `size(factorisation)`: its bytes, for the budget (default 0)."""
+        `users` more users (a job's rows). `size(factorisation)`: its bytes, for the budget
+        (default 0)."""
         with self._lock:
             self._take_ended()
             entry = self._entries.get(key)
             owner = entry is None
             if owner:
                 entry = self._entries[key] = _Entry()
-            entry.users += 1
+            entry.users += users
             self._entries.move_to_end(key)
             self._trim()
         if owner:

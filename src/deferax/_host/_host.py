@@ -401,7 +401,7 @@ def timing_its_own(fn: ExpensiveFn, key: Any, **hooks: Any) -> ExpensiveFn:
     time their own parts, finer, under the identity `key` and the same input shapes
     (`dx.sparse_solve`: a factorisation apart from each right-hand side). Each job gathers
     what they observe, and each request feeds it to the estimates as one sample. `hooks`:
-    the runner's `scope` and `adopt` (see `Runner`)."""
+    the runner's `scope`, `adopt` and `rows` (see `Runner`)."""
     return _with_runner(fn, timed=False, key=key, **hooks)
 
 

@@ -212,6 +212,11 @@ class Runner:
     # `adopt(kind, args, out)`, called with the JAX arrays that an eager request returns.
     scope: Callable[[str, list], Any] | None = None
     adopt: Callable[[str, tuple, PyTree], None] | None = None
+    # `rows(kind, elements)`, for host functions that serve several rows of a `vmap` batch
+    # in one job (`dx.sparse_solve`: the rows on one matrix share its factorisation): the
+    # request's jobs, each `(indices, fn, args)`, `fn(*args)` returning the list of the
+    # results of the elements `indices`; or None for a job a row.
+    rows: Callable[[str, list], list | None] | None = None
     workers: int | None = None  # how many jobs the executor runs at once, when `dx.Cost(workers=)` says
 
     def __call__(self, kind: str, result: PyTree, arg_structs: PyTree, shapes: tuple, *args: PyTree) -> PyTree:
@@ -230,6 +235,9 @@ class Runner:
         return jtu.tree_map(lambda a, s: np.reshape(a, (*batch, *s.shape)), stacked, result)
 
     def _run_all(self, elements: list, kind: str, result: PyTree, shapes: tuple) -> list:
+        jobs = self.rows(kind, elements) if self.rows is not None else None
+        if jobs is not None:
+            return self._run_rows(jobs, len(elements), kind, result, shapes)
         plans = [self._plan(kind, result, args) for args in elements]
         calls = [c for cs, _ in plans for c in cs]
         results, seconds = self._execute(calls)
@@ -240,8 +248,10 @@ class Runner:
             start += len(cs)
         return outs
 
-    def _plan(self, kind: str, result: PyTree, args: tuple) -> tuple[list[_Call], Callable[[list], Any]]:
-        one_call = {
+    def _one_call(self, kind: str) -> tuple[Callable[..., Any] | None, str] | None:
+        """The host function of a request of `kind` that is one call a row, and what it must
+        return (for `_MISMATCH`); None for a kind of several calls."""
+        return {
             "fwd": (self.fwd, _EXPECTED_BY_OUT),
             "adjoint": (self.adjoint, self.adjoint_why),
             "bwd": (self.bwd, _EXPECTED_LIKE_X),
@@ -249,9 +259,27 @@ class Runner:
             "jvp": (self.jvp, _EXPECTED_PAIR_JVP),
             "fused_batch": (self.fused_batch, _EXPECTED_PAIR_BATCH),
             "jvp_batch": (self.jvp_batch, _EXPECTED_PAIR_JVP_BATCH),
-        }
-        if kind in one_call:
-            fn, why = one_call[kind]
+        }.get(kind)
+
+    def _run_rows(self, jobs: list, n: int, kind: str, result: PyTree, shapes: tuple) -> list:
+        """The results of `n` elements from `jobs` (`rows`' answer), one job each of
+        several rows."""
+        one_call = self._one_call(kind)
+        assert one_call is not None  # (`rows` answers for one-call requests only)
+        why = f"{one_call[1]}, a list of one result a row of the `vmap` batch"
+        calls = [_Call(kind, fn, args, [result] * len(indices), why) for indices, fn, args in jobs]
+        results, seconds = self._execute(calls)
+        self._observe(shapes, calls, seconds)
+        outs: list = [None] * n
+        for (indices, _, _), rows in zip(jobs, results, strict=True):
+            for i, out in zip(indices, rows, strict=True):
+                outs[i] = out
+        return outs
+
+    def _plan(self, kind: str, result: PyTree, args: tuple) -> tuple[list[_Call], Callable[[list], Any]]:
+        one_call = self._one_call(kind)
+        if one_call is not None:
+            fn, why = one_call
             return [_Call(kind, _given(fn), args, result, why)], _first
         x, ct = args
         out_struct, second = result

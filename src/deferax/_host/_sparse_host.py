@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools as ft
 import time
 import warnings
 from collections.abc import Iterator
@@ -16,13 +17,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _record
+from .. import _record, _runtime
 from .._checks import _checks
 from .._plan import _cost
 from ._factorisations import FACTORISATIONS, record_nbytes
 from ._runner import _multiples
 from ._sparse_pattern import SparsePattern
 from ._sparse_solver import AbstractSparseSolver
+
+_BACKWARD = _runtime.BACKWARD
 
 _NOT_FINITE = """`values` holds {count} NaN or infinite entries of {nnz} (the first: `values[{first}] = {value}`, \
 at row {row}, column {col}), so the matrix cannot be factored.
@@ -138,19 +141,20 @@ class _Solve:
         record_nbytes(self, nbytes)
         return nbytes
 
-    def _acquire(self, values: np.ndarray, key: Any = None) -> Any:
-        """The factorisation of the matrix, kept or made, with one more user (see
+    def _acquire(self, values: np.ndarray, key: Any = None, users: int = 1) -> Any:
+        """The factorisation of the matrix, kept or made, with `users` more users (see
         `_factorisations.Store`); `key`: `_key(values)`, where it was made already."""
         key = self._key(values) if key is None else key
-        return FACTORISATIONS.acquire(key, lambda: self._factor(values), self._nbytes)
+        return FACTORISATIONS.acquire(key, lambda: self._factor(values), self._nbytes, users)
 
     @contextlib.contextmanager
-    def _factorised(self, values: np.ndarray, uses: int) -> Iterator[Any]:
-        """The factorisation of the matrix, kept or made; inside, it is used, and after,
-        `uses` users fewer for it (this use, and a forward pass's for a backward pass)."""
+    def _factorised(self, values: np.ndarray, uses: int, users: int = 1) -> Iterator[Any]:
+        """The factorisation of the matrix, kept or made, with `users` more users; inside, it
+        is used, and after, `uses` users fewer for it (these, and a forward pass's for a
+        backward pass)."""
         key = self._key(values)
         try:
-            yield self._acquire(values, key)
+            yield self._acquire(values, key, users)
         finally:
             FACTORISATIONS.release(key, uses)
 
@@ -174,49 +178,115 @@ class _Solve:
         return _like(ct_values, values.dtype), _like(lam, b.dtype)
 
     def _product(self, t_values: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """`dA y` for the entries' tangent `t_values` (one, or `k` stacked)."""
-        terms = np.asarray(t_values, self.work) * y[self.pattern.cols]
+        """`dA y` for the entries' tangent `t_values` (one, or `k` stacked; `y` broadcast against it)."""
+        terms = np.asarray(t_values, self.work) * y[..., self.pattern.cols]
         out = np.zeros((*terms.shape[:-1], self.pattern.n), self.work)
         np.add.at(out, (..., self.pattern.rows), terms)  # pyright: ignore[reportArgumentType]  (NumPy's stub omits `...`)
         return out
 
+    # Each host function below has a version for the rows of a `vmap` batch on one matrix
+    # (`rows`: one job, one factorisation, the rows' right-hand sides solved together): its
+    # `x` is `(values, bs)` with the rows' `b` stacked, and so are its other arguments; it
+    # returns a list of the rows' results. The one-row functions are that with one row.
+
     def fwd(self, x: tuple) -> np.ndarray:
         values, b = x
-        if self.kept == "none":
+        return self.fwd_rows((values, b[None]))[0]
+
+    def fwd_rows(self, x: tuple, keep: bool = True) -> list:
+        """The forward of the rows; with `keep`, its factorisation waits for the backward pass
+        (without, no backward pass follows: it is let go)."""
+        values, bs = x
+        if self.kept == "none" or not keep:
             with self._factorised(values, uses=1) as lu:
-                return self._solve(lu, b, False).astype(self.dtype)
-        # a user until `request` ends (in a Dask worker, for `bwd` to remove)
-        lu = self._acquire(values)
-        return self._solve(lu, b, False).astype(self.dtype)
+                return list(self._solve(lu, bs, False).astype(self.dtype))
+        # a user a row until `request` ends (in a Dask worker, for `bwd` to remove)
+        lu = self._acquire(values, users=len(bs))
+        return list(self._solve(lu, bs, False).astype(self.dtype))
 
     def bwd(self, x: tuple, y: np.ndarray, ct_y: np.ndarray) -> tuple:
-        if self.kept != "here":  # (a Dask worker's store: this use, and the forward's; or this use alone)
-            with self._factorised(x[0], uses=2 if self.kept == "worker" else 1) as lu:
-                return self._cotangents(x, y, self._adjoints(lu, x, y, ct_y[None])[0])
-        lu = self._acquire(x[0])  # a user until `request` ends
-        return self._cotangents(x, y, self._adjoints(lu, x, y, ct_y[None])[0])
-
-    def _adjoints(self, lu: Any, x: tuple, y: np.ndarray, cts: np.ndarray) -> np.ndarray:
-        """`lam = A^-T ct` for each row of `cts`, solved once per row that is not a multiple
-        of another (or zero). For a matrix equal to its transpose, a row that is a multiple
-        `c b` of the right-hand side (a self-adjoint loss: compliance) is `c y`, not solved."""
         values, b = x
-        stacked = [np.asarray(b, cts.dtype), *cts]  # (`b` first: a cotangent may be a multiple of it)
-        recipe, unique = _multiples(stacked, jax.ShapeDtypeStruct((), self.dtype))
-        recipe = recipe[1:]  # (the cotangents')
-        used = sorted({u for u, _ in recipe if u is not None})
-        reuse = bool(used) and used[0] == 0 and unique[0] == 0 and self.pattern._symmetric(np.asarray(values))
-        to_solve = used[1:] if reuse else used
-        solved = {}
-        if to_solve:
-            rhs = np.stack([stacked[unique[u]] for u in to_solve])
-            solved = dict(zip(to_solve, self._solve(lu, rhs, True), strict=True))
-        if reuse:  # (`A^-T c b = c A^-1 b = c y` for a matrix equal to its transpose)
-            solved[0] = np.asarray(y, self.work)
-            if not to_solve:  # (no adjoint solve: the cost model times it as free)
-                _cost.observe(self, self._shapes, bwd=0.0)
+        return self.bwd_rows((values, b[None]), y[None], ct_y[None])[0]
+
+    def bwd_rows(self, x: tuple, ys: np.ndarray, cts: np.ndarray) -> list:
+        values, bs = x
+        rows = len(bs)
+        if self.kept != "here":  # (a Dask worker's store: these uses, and the forward's; or these uses alone)
+            with self._factorised(values, uses=2 * rows if self.kept == "worker" else rows, users=rows) as lu:
+                lams = self._adjoints(lu, x, ys, cts[:, None])
+        else:
+            lu = self._acquire(values, users=rows)  # a user a row until `request` ends
+            lams = self._adjoints(lu, x, ys, cts[:, None])
+        return [self._cotangents((values, b), y, lam[0]) for b, y, lam in zip(bs, ys, lams, strict=True)]
+
+    def _adjoints(self, lu: Any, x: tuple, ys: np.ndarray, cts: np.ndarray) -> np.ndarray:
+        """`lam = A^-T ct` for each row `ct` of `cts[i]` (`i`: a row of the batch, with its
+        `b` and solution `ys[i]`), all solved in one call of the solver, once each that is
+        not a multiple of another of its row (or zero). For a matrix equal to its transpose, a
+        cotangent that is a multiple `c b` of its row's right-hand side (a self-adjoint loss:
+        compliance) is `c y`, not solved."""
+        values, bs = x
+        cts = np.asarray(cts)
+        symmetric = None  # (checked once, where a cotangent is a multiple of its `b`)
+        plans, rhs = [], []
+        for b, row in zip(bs, cts, strict=True):
+            stacked = [np.asarray(b, row.dtype), *row]  # (`b` first: a cotangent may be a multiple of it)
+            recipe, unique = _multiples(stacked, jax.ShapeDtypeStruct((), self.dtype))
+            recipe = recipe[1:]  # (the cotangents')
+            used = sorted({u for u, _ in recipe if u is not None})
+            reuse = bool(used) and used[0] == 0 and unique[0] == 0
+            if reuse:
+                symmetric = self.pattern._symmetric(np.asarray(values)) if symmetric is None else symmetric
+                reuse = symmetric
+            to_solve = used[1:] if reuse else used
+            plans.append((recipe, reuse, {u: len(rhs) + j for j, u in enumerate(to_solve)}))
+            rhs += [stacked[unique[u]] for u in to_solve]
+        solved = self._solve(lu, np.stack(rhs), True) if rhs else np.zeros((0, self.pattern.n), self.work)
+        if not rhs and any(reuse for _, reuse, _ in plans):  # (no adjoint solve: the cost model times it as free)
+            _cost.observe(self, self._shapes, bwd=0.0)
         zero = np.zeros(self.pattern.n, self.work)
-        return np.stack([c * solved[u] if u is not None else zero for u, c in recipe])
+        lams = []
+        for y, (recipe, reuse, at) in zip(ys, plans, strict=True):
+            lam = {u: solved[i] for u, i in at.items()}
+            if reuse:  # (`A^-T c b = c A^-1 b = c y` for a matrix equal to its transpose)
+                lam[0] = np.asarray(y, self.work)
+            lams.append([c * lam[u] if u is not None else zero for u, c in recipe])
+        return np.asarray(lams, self.work).reshape((*cts.shape[:2], self.pattern.n))
+
+    def rows(self, kind: str, elements: list) -> list | None:
+        """The jobs of one host request of `kind` (each of `elements` a row's arguments): one
+        a matrix, for the rows of a `vmap` batch that share it (`vmap` over `b`: one
+        factorisation for all, their right-hand sides solved together), as `(rows, fn,
+        args)`, `fn(*args)` returning the results of the elements `rows`; None where no two
+        rows share a matrix (a job a row). A forward that no backward pass follows
+        (`_runtime.BACKWARD`, from the site's equation) keeps no factorisation."""
+        fn = {
+            "fwd": self.fwd_rows,
+            "bwd": self.bwd_rows,
+            "fused": self.fused_rows,
+            "fused_batch": self.fused_batch_rows,
+            "jvp": self.jvp_rows,
+            "jvp_batch": self.jvp_batch_rows,
+        }.get(kind)
+        alone = kind == "fwd" and not _BACKWARD.get()
+        if alone:
+            fn = ft.partial(self.fwd_rows, keep=False)
+        if fn is None or (len(elements) < 2 and not alone):
+            return None
+        groups: dict[Any, list[int]] = {}
+        for i, args in enumerate(elements):
+            groups.setdefault(self._key(args[0][0]), []).append(i)
+        if len(groups) == len(elements) and not alone:
+            return None
+        jobs = []
+        for members in groups.values():
+            values = elements[members[0]][0][0]
+            rows = [elements[i] for i in members]
+            bs = np.stack([args[0][1] for args in rows])
+            # (the rows' other arguments, each stacked: `y` and `ct_y`, a cotangent, tangents)
+            rest = [jax.tree.map(_stack, *(args[j] for args in rows)) for j in range(1, len(rows[0]))]
+            jobs.append((members, fn, ((values, bs), *rest)))
+        return jobs
 
     @contextlib.contextmanager
     def request(self, kind: str, elements: list) -> Iterator[None]:
@@ -225,8 +295,8 @@ class _Solve:
         one hold for the backward passes; after a backward, nothing (with the forward's
         hold, if it has one: the rows of one request are all of one backward pass). See
         `_factorisations.Store`."""
-        if self.kept != "here" or kind not in ("fwd", "bwd"):
-            yield
+        if self.kept != "here" or kind not in ("fwd", "bwd") or (kind == "fwd" and not _BACKWARD.get()):
+            yield  # (a forward that no backward pass follows lets its factorisation go itself: `rows`)
             return
         rows = collections.Counter(self._key(args[0][0]) for args in elements)
         try:
@@ -250,26 +320,46 @@ class _Solve:
         y, ct_xs = self.fused_batch(x, ct_y[None])
         return y, tuple(c[0] for c in ct_xs)
 
+    def fused_rows(self, x: tuple, cts: np.ndarray) -> list:
+        return [(y, tuple(c[0] for c in ct_xs)) for y, ct_xs in self.fused_batch_rows(x, cts[:, None])]
+
     def fused_batch(self, x: tuple, cts: np.ndarray) -> tuple:
         values, b = x
+        return self.fused_batch_rows((values, b[None]), cts[None])[0]
+
+    def fused_batch_rows(self, x: tuple, cts: np.ndarray) -> list:
+        values, bs = x
         # The adjoint is linear in the cotangent: a row that is a multiple of another
         # (a complex overlap's `m` and `1j * m`) or zero is not solved (`_adjoints`).
         with self._factorised(values, uses=1) as lu:
-            y = self._solve(lu, b, False)
-            lam = self._adjoints(lu, x, y, np.asarray(cts))
-        return y.astype(self.dtype), self._cotangents(x, y, lam)
+            ys = self._solve(lu, bs, False)
+            lams = self._adjoints(lu, x, ys, cts)
+        rows = zip(bs, ys, lams, strict=True)
+        return [(y.astype(self.dtype), self._cotangents((values, b), y, lam)) for b, y, lam in rows]
 
     def jvp(self, x: tuple, t_x: tuple) -> tuple:
         y, t_ys = self.jvp_batch(x, tuple(t[None] for t in t_x))
         return y, t_ys[0]
 
+    def jvp_rows(self, x: tuple, t_xs: tuple) -> list:
+        return [(y, t_ys[0]) for y, t_ys in self.jvp_batch_rows(x, tuple(t[:, None] for t in t_xs))]
+
     def jvp_batch(self, x: tuple, t_xs: tuple) -> tuple:
         values, b = x
-        t_values, t_b = t_xs
+        return self.jvp_batch_rows((values, b[None]), tuple(t[None] for t in t_xs))[0]
+
+    def jvp_batch_rows(self, x: tuple, t_xs: tuple) -> list:
+        values, bs = x
+        t_values, t_b = t_xs  # (each row's `k` tangents)
         with self._factorised(values, uses=1) as lu:
-            y = self._solve(lu, b, False)
-            t_y = self._solve(lu, np.asarray(t_b, self.work) - self._product(t_values, y), False)
-        return y.astype(self.dtype), t_y.astype(self.dtype)
+            ys = self._solve(lu, bs, False)
+            rhs = np.asarray(t_b, self.work) - self._product(t_values, ys[:, None, :])
+            t_ys = self._solve(lu, rhs.reshape(-1, self.pattern.n), False).reshape(rhs.shape)
+        return [(y.astype(self.dtype), t_y.astype(self.dtype)) for y, t_y in zip(ys, t_ys, strict=True)]
+
+
+def _stack(*a: np.ndarray) -> np.ndarray:
+    return np.stack(a)
 
 
 def _first_line(e: BaseException) -> str:

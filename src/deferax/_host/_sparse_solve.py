@@ -67,7 +67,7 @@ def _solve_site(
         cost=cost,
     )
     # (`_Solve` times its factorisations and solves, kept under itself, and counts the users of its factorisations)
-    return timing_its_own(fn, solve, scope=solve.request, adopt=solve.adopt)
+    return timing_its_own(fn, solve, scope=solve.request, adopt=solve.adopt, rows=solve.rows)
 
 
 _NOT_PATTERN = """`dx.sparse_solve(name={name!r})`: `pattern` must be a `dx.SparsePattern`, but got {found}.
@@ -125,13 +125,15 @@ lam = ct_x` with the forward's factorisation |
     On the standard schedule, the factorisation waits on the host for the backward passes
     (all of `jax.jacrev`'s rows, or every call of an eager `jax.vjp` function) and is
     dropped when none can come any more: eagerly, when the forward's output is garbage
-    collected; under `jit`, after the first backward pass. Those waiting take at most the
+    collected; under `jit`, after the first backward pass (a forward pass that nothing
+    differentiates keeps none). Those waiting take at most the
     factorisation budget's bytes (a quarter of the machine's memory by default,
     [`deferax.set_factorisation_budget`][]; the oldest are dropped first), and a backward
     pass that finds its factorisation dropped factors again. A factorisation past the budget
     on its own is not kept: its site is planned with a second factorisation in the backward
     pass, and [`deferax.explain`][] says so beside its estimates. Under `vmap` over `b`
-    alone, the right-hand sides share one factorisation.
+    alone, the right-hand sides are one host job on every schedule: one factorisation, the
+    right-hand sides solved together.
 
     The derivatives (JAX's convention for complex arrays: plain transposes, no conjugates;
     a real input's cotangent is the real part):

@@ -360,10 +360,11 @@ class Together(eqx.Module):
         return f"estimated {self.at_once:.4g}{unit} at once against {self.in_turn:.4g}{unit} in turn"
 
 
-def together(sites: list[tuple[Hashable, tuple, Cost | None, int]]) -> Together:
+def together(sites: list[tuple[Hashable, tuple, Cost | None, int]], still: int = 0) -> Together:
     """The estimates of standard sites (`(key, shapes, hint, workers)` each, as for `estimate`)
     whose forward jobs run at once in one stage and whose backward jobs run at once in the
-    next, from the same numbers as `estimate`'s:
+    next, from the same numbers as `estimate`'s (the last `still` sites have no backward
+    job: nothing differentiates them):
 
         in turn    = sum of each site's standard estimate
                      = sum (setup + fwd + (setup, unless kept) + bwd + 2 * stage)
@@ -380,13 +381,15 @@ def together(sites: list[tuple[Hashable, tuple, Cost | None, int]]) -> Together:
         numbers = [_numbers(key, shapes, hint, True) for (key, shapes, _, _), hint in zip(sites, hints, strict=True)]
     workers = min(w if hint.workers is None else hint.workers for (_, _, _, w), hint in zip(sites, hints, strict=True))
     forward, backward, in_turn = [], [], 0.0
-    for (setup, fwd, bwd, stage, _), hint in zip(numbers, hints, strict=True):
-        again = 0.0 if hint.keeps_setup else setup
+    for i, ((setup, fwd, bwd, stage, _), hint) in enumerate(zip(numbers, hints, strict=True)):
         forward.append(setup + fwd)
-        backward.append(again + bwd)
-        in_turn += setup + fwd + again + bwd + 2 * stage
+        in_turn += setup + fwd + stage
+        if i < len(sites) - still:
+            again = 0.0 if hint.keeps_setup else setup
+            backward.append(again + bwd)
+            in_turn += again + bwd + stage
     stage = max(n[3] for n in numbers)
-    at_once = sum(max(max(jobs), sum(jobs) / workers) for jobs in (forward, backward)) + 3 * stage
+    at_once = sum(max(max(jobs), sum(jobs) / workers) for jobs in (forward, backward) if jobs) + 3 * stage
     sources = {n[4] for n in numbers}
     source = "measured" if "measured" in sources else "hint" if "hint" in sources else "defaults"
     return Together(in_turn=in_turn, at_once=at_once, workers=workers, source=source, stage=stage)

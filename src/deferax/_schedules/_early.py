@@ -4,9 +4,11 @@ standard site whose input needs no expensive output. Stage 3 gives it its output
 
 from __future__ import annotations
 
+import dataclasses
 import functools as ft
 from typing import Any, ClassVar
 
+import equinox as eqx
 import jax.tree_util as jtu
 
 from .. import _site
@@ -43,16 +45,20 @@ def standard_fields(standard: Any, why: str = "") -> dict:
         "location": standard.location,
         "k": standard.k,
         "estimates": standard.estimates,
+        "differentiated": standard.differentiated,
     }
 
 
 class AbstractForwardAhead(AbstractAhead):
     """A standard site whose `fwd` runs in stage 2 (`Early`, and `Together`, whose `bwd` also
     runs ahead): its stage-2 call is its `fwd` on the operands stage 1 computed, with no
-    cotangent; on the backward pass, or in stage 2b, its `bwd`."""
+    cotangent; on the backward pass, or in stage 2b, its `bwd` (none where its input depends on
+    no differentiated argument: `differentiated`)."""
+
+    differentiated: eqx.AbstractVar[bool]
 
     def stage_rows(self) -> tuple[str | None, str | None, str | None]:
-        return stage_label(self.spec, "fwd"), None, stage_label(self.spec, "bwd")
+        return stage_label(self.spec, "fwd"), None, stage_label(self.spec, "bwd") if self.differentiated else None
 
     def stage1_cotangents(self, ins: list, ys: list, traced: list | None) -> Any:
         return None
@@ -66,7 +72,8 @@ class AbstractForwardAhead(AbstractAhead):
         return isinstance(self.impl, AbstractImplementation)
 
     def call(self, operands: list, cts: Any) -> tuple:
-        return _site.outputs(self.spec, *operands), None
+        # (its forward keeps what its backward pass uses, where one follows)
+        return _site.outputs(dataclasses.replace(self.spec, backward=self.differentiated), *operands), None
 
 
 class Early(AbstractForwardAhead):
@@ -79,6 +86,7 @@ class Early(AbstractForwardAhead):
     k: int | None = None
     n: None = None
     estimates: Estimates | None = None
+    differentiated: bool = True
     label: ClassVar[Schedule] = "standard"  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
     defers: ClassVar[bool] = False  # pyright: ignore[reportIncompatibleVariableOverride]
     from_backward: ClassVar[tuple[str, ...]] = ("op",)  # pyright: ignore[reportIncompatibleVariableOverride]

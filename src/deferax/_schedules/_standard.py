@@ -13,7 +13,9 @@ from ._abstract import AbstractSchedule, stage_label
 
 class Standard(AbstractSchedule):
     """A site on the standard schedule. `k`: the number of basis cotangents its cotangent is
-    a combination of, where the analysis counted them."""
+    a combination of, where the analysis counted them. `differentiated`: whether its input
+    depends on a differentiated argument; without, no backward pass runs for it (and its
+    forward keeps nothing for one)."""
 
     spec: Spec
     position: int | None
@@ -22,9 +24,10 @@ class Standard(AbstractSchedule):
     k: int | None = None
     n: None = None
     estimates: Estimates | None = None
+    differentiated: bool = True
     label: ClassVar[Schedule] = "standard"  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
     defers: ClassVar[bool] = False  # pyright: ignore[reportIncompatibleVariableOverride]
     from_backward: ClassVar[tuple[str, ...]] = ()  # pyright: ignore[reportIncompatibleVariableOverride]
 
     def stage_rows(self) -> tuple[str | None, str | None, str | None]:
-        return None, stage_label(self.spec, "fwd"), stage_label(self.spec, "bwd")
+        return None, stage_label(self.spec, "fwd"), stage_label(self.spec, "bwd") if self.differentiated else None

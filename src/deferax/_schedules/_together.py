@@ -46,6 +46,7 @@ class Together(AbstractForwardAhead):
     k: int | None = None
     n: None = None
     estimates: Estimates | None = None
+    differentiated: bool = True  # (always: a site with no backward pass has no backward job)
     label: ClassVar[Schedule] = "standard"  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
     defers: ClassVar[bool] = False  # pyright: ignore[reportIncompatibleVariableOverride]
     from_backward: ClassVar[tuple[str, ...]] = ("op",)  # pyright: ignore[reportIncompatibleVariableOverride]

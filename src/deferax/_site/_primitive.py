@@ -33,14 +33,16 @@ from ._spec import LINEAR, SITE, Spec, rebind_batched, split_fn_x
 
 
 def outputs(spec: Spec, *operands):
-    """`fwd(x)` (or what stands for it) over every batch level: the output leaves."""
+    """`fwd(x)` (or what stands for it) over every batch level: the output leaves. The
+    forward keeps what a backward pass would use only where one may follow (`spec.backward`)."""
     fn_leaves, x_leaves = operands[: spec.n_fn], operands[spec.n_fn :]
 
     def one(fn_leaves, x_leaves):
         y = spec.fn(fn_leaves).primal(spec.x(x_leaves))
         return jtu.tree_leaves(y)
 
-    return spec.over_levels(one, split_fn_x(spec.n_fn))(list(fn_leaves), list(x_leaves))
+    with _jaxpr.setting(_runtime.BACKWARD, spec.backward):
+        return spec.over_levels(one, split_fn_x(spec.n_fn))(list(fn_leaves), list(x_leaves))
 
 
 def _site_impl(*operands, spec: Spec):
@@ -93,10 +95,12 @@ def _site_jvp_rule(primals, tangents, spec: Spec):
         return jax.jvp(of_diff, (d_primals,), (d_tangents,))
     if _jvp_strategy(spec) == "forward-basis":
         return forward_basis_jvp(spec, fn_leaves, x_leaves, x_tangents)
-    y = site_p.bind(*primals, spec=spec)
     d_tangents = [(x, t) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d]
     if all(_jaxpr.is_zero(t) for _, t in d_tangents):
+        y = site_p.bind(*primals, spec=spec)
         return y, [_jaxpr.zero_tangent(a) for a in spec.y_avals()]
+    # (a backward pass may follow: the transpose of `lin_p` below)
+    y = site_p.bind(*primals, spec=dataclasses.replace(spec, backward=True))
     ts = [_jaxpr.instantiate(t, jax.typeof(x)) for x, t in d_tangents]
     lin_spec = dataclasses.replace(spec, axes=tuple((_linear_axes(spec, in_axes), size) for in_axes, size in spec.axes))
     t_y = lin_p.bind(*fn_leaves, *x_leaves, *y, *ts, spec=lin_spec)

@@ -35,6 +35,10 @@ class Spec:
     `axes` lists the `vmap` levels applied to the equation, outermost first; each level is
     `(in_axes, size)` with `in_axes` holding `0` or `None` for each operand of the
     primitive it belongs to. Every output is batched at axis 0 of every level.
+
+    `backward`: whether a backward pass may use what the call leaves behind (`dx.sparse_solve`'s
+    factorisation): True where the site's JVP rule bound it (or a schedule that runs its `bwd`
+    later); False for a call that nothing differentiates, whose forward keeps nothing.
     """
 
     static: Any  # the `ExpensiveFn` with its arrays partitioned out (called by name: see above)
@@ -44,9 +48,11 @@ class Spec:
     y_tree: Any
     y_structs: tuple
     axes: tuple = ()
+    backward: bool = False
 
     def __hash__(self) -> int:  # the implementations' structure may hold unhashable containers
-        return hash((self.name, self.fn_tree, self.x_tree, self.x_structs, self.y_tree, self.y_structs, self.axes))
+        structure = (self.fn_tree, self.x_tree, self.x_structs, self.y_tree, self.y_structs)
+        return hash((self.name, *structure, self.axes, self.backward))
 
     def __repr__(self) -> str:  # how the equation's parameter prints in a jaxpr
         batch = f", vmap={list(self.sizes)}" if self.axes else ""
