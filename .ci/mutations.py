@@ -17,8 +17,9 @@ every mutation, `src/deferax` is copied to a temporary folder, the snippets repl
 the relevant test files run against the copy (first on the path). A test named before the
 files (`tests/test_basis.py::test_name`) is one known to catch the bug: it runs first, so a
 caught bug costs that test and not the tests before it in its file (pytest runs it once). A
-mutation that no test catches fails the run; each caught one prints the test that caught it. Prints one line per mutation with the number of failing tests
-(pytest stops at the first: one is enough), two mutations at a time.
+mutation that no test catches fails the run. Prints one line per mutation with the number of
+failing tests (pytest stops at the first: one is enough) and the test that caught it, two
+mutations at a time.
 
     python .ci/mutations.py               # every mutation
     python .ci/mutations.py --check       # only find where each applies (a second; no tests)
