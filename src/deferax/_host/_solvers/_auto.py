@@ -25,7 +25,9 @@ _CANDIDATES = (
 )
 # Which are tried, first preferred, for a symmetric positive definite matrix (as far as its
 # entries and diagonal show: CHOLMOD's factorisation tells), and for any other (real or complex).
-_SPD = ("CHOLMOD", "SuperLU MMD_AT_PLUS_A", "KLU", "SuperLU COLAMD")
+# On SPD matrices KLU and SuperLU with COLAMD took 1.3-3.2 times CHOLMOD's time in every
+# measurement (docs/linear-solve.md, "Which solver"): not tried there, so the first call pays less.
+_SPD = ("CHOLMOD", "SuperLU MMD_AT_PLUS_A")
 _GENERAL = ("KLU", "SuperLU COLAMD", "SuperLU MMD_AT_PLUS_A")
 # After the first trial of a pattern, the candidates within this factor of the fastest are timed
 # once more on its next factorisation (one sample each is noisy); then the choice is made.
@@ -79,11 +81,12 @@ class AutoSparseSolver(AbstractSparseSolver):
     """The default solver of [`deferax.sparse_solve`][]: the fastest of the sparse direct
     solvers installed, measured on each sparsity pattern.
 
-    The candidates: [`deferax.Cholmod`][] (CHOLMOD's Cholesky, for a matrix that is real,
-    equal to its transpose entry for entry, with a positive diagonal, and whose Cholesky
-    factorisation succeeds), [`deferax.KLU`][], and [`deferax.SuperLU`][] with the orderings
-    `"MMD_AT_PLUS_A"` and `"COLAMD"`; those whose library is not installed (cholespy, klujax)
-    are left out. The first factorisation of a pattern (and dtype) in the process factors
+    The candidates, for a matrix that is real, equal to its transpose entry for entry and
+    with a positive diagonal: [`deferax.Cholmod`][] (CHOLMOD's Cholesky) and
+    [`deferax.SuperLU`][] with `"MMD_AT_PLUS_A"`; for any other, and one whose Cholesky
+    factorisation fails: [`deferax.KLU`][] and SuperLU with `"COLAMD"` and
+    `"MMD_AT_PLUS_A"`. Those whose library is not installed (cholespy, klujax) are left out.
+    The first factorisation of a pattern (and dtype) in the process factors
     with each candidate in turn, timing each (KLU twice, its first call compiling its JAX
     functions), and keeps the fastest one's factorisation; the next factorisation times once
     more those within 1.25 of the fastest, and from then on the fastest is used at once

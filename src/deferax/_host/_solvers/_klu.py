@@ -58,7 +58,7 @@ def _on_cpu_x64() -> Iterator[None]:
     for this thread only."""
     import jax
 
-    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):  # (`jax.enable_x64`: jax >= 0.8)
         yield
 
 
