@@ -4,12 +4,15 @@ one (`symmetric`, `positive_diagonal`)."""
 
 from __future__ import annotations
 
+import collections
 import importlib.util
+import threading
 from typing import Any
 
 import numpy as np
 
-from .._sparse_solver import AbstractSparseSolver
+from ... import _runtime
+from .._sparse_solver import AbstractSparseSolver, _pattern_key
 from . import _fill
 
 _NO_CHOLESPY = """`dx.Cholmod`: cholespy is not installed, and this solver calls it. Install it: `pip install \
@@ -36,10 +39,40 @@ def symmetric(matrix: Any) -> bool:
     for entry, exactly (an explicit zero counts as no entry)."""
     if not np.isrealobj(matrix.data):
         return False
-    transposed = matrix.T.tocsc()  # (canonical too: SciPy's CSR -> CSC conversion sorts)
-    if np.array_equal(matrix.indptr, transposed.indptr) and np.array_equal(matrix.indices, transposed.indices):
-        return bool(np.array_equal(matrix.data, transposed.data))  # (the same positions: entry against entry)
-    return (matrix != transposed).nnz == 0  # (the patterns differ: by explicit zeros, or not)
+    mirror = _mirror(matrix)
+    if mirror is not None:  # (the same positions: entry against entry)
+        return bool(np.array_equal(matrix.data, matrix.data[mirror]))
+    return (matrix != matrix.T.tocsc()).nnz == 0  # (the patterns differ: by explicit zeros, or not)
+
+
+def _mirror(matrix: Any) -> np.ndarray | None:
+    """For a structurally symmetric CSC `matrix`, the index of each stored entry's mirror
+    `(j, i)` among its stored entries; None for another pattern. Kept per pattern (the latest
+    `_MIRRORS_KEPT`)."""
+    key = _pattern_key(matrix)
+    with _MIRRORS_LOCK:
+        if key in _MIRRORS:
+            _MIRRORS.move_to_end(key)
+            return _MIRRORS[key]
+    n = matrix.shape[0]
+    cols = np.repeat(np.arange(n, dtype=np.int64), np.diff(matrix.indptr))
+    position = cols * n + matrix.indices  # (column-major: sorted, as the matrix is canonical)
+    mirrored = np.asarray(matrix.indices, np.int64) * n + cols
+    found = np.searchsorted(position, mirrored)
+    ok = found < position.size
+    ok[ok] = position[found[ok]] == mirrored[ok]
+    mirror = found if ok.all() else None
+    with _MIRRORS_LOCK:
+        _MIRRORS[key] = mirror
+        while len(_MIRRORS) > _MIRRORS_KEPT:
+            _MIRRORS.popitem(last=False)
+    return mirror
+
+
+# by pattern (`_pattern_key`): `_mirror`'s answer, the latest `_MIRRORS_KEPT` patterns
+_MIRRORS: collections.OrderedDict[tuple, np.ndarray | None] = _runtime.store(collections.OrderedDict())
+_MIRRORS_LOCK = threading.Lock()
+_MIRRORS_KEPT = 64
 
 
 def positive_diagonal(matrix: Any) -> bool:
