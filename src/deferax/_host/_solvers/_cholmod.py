@@ -4,9 +4,11 @@ one (`symmetric`, `positive_diagonal`)."""
 
 from __future__ import annotations
 
+import atexit
 import collections
 import importlib.util
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -88,30 +90,41 @@ def cholesky(matrix: Any) -> Any:
 
     if max(matrix.shape[0], matrix.nnz) > np.iinfo(np.int32).max:
         raise ValueError(f"`dx.Cholmod`: cholespy takes 32-bit indices, and this matrix has {matrix.nnz} entries.")
-    dtype = np.dtype(np.float32 if matrix.dtype == np.float32 else np.float64)
-    make = cholespy.CholeskySolverF if dtype == np.float32 else cholespy.CholeskySolverD
     try:
-        solver = make(
+        solver = cholespy.CholeskySolverD(  # (its float32 solver factors in float64 too)
             matrix.shape[0],
             # (cholespy takes writable C arrays only; the pattern's are read-only)
             np.require(matrix.indptr, np.int32, ("C", "W")),
             np.require(matrix.indices, np.int32, ("C", "W")),
-            np.require(matrix.data, dtype, ("C", "W")),
+            np.require(matrix.data, np.float64, ("C", "W")),
             cholespy.MatrixType.CSC,
         )
     except ValueError as e:  # (cholespy's "Matrix is not positive definite!")
         if "positive definite" not in str(e):
             raise
         raise NotPositiveDefinite(_NOT_SPD.format(why=f"CHOLMOD found a pivot that is not positive ({e})")) from None
-    return _Factor(solver, dtype, _fill.estimated_entries(matrix, cholesky=True)[0])
+    made = _Factor(solver, np.dtype(matrix.dtype), _fill.estimated_entries(matrix, cholesky=True)[0])
+    _MADE.add(made)
+    return made
 
 
 class _Factor:
-    """A Cholesky factorisation (cholespy's solver object, which frees it when collected), the
-    dtype it solves in and the entries its factor `L` is estimated to hold."""
+    """A Cholesky factorisation (cholespy's solver object, which frees it when collected), in
+    float64; the matrix's dtype, and the entries its factor `L` is estimated to hold."""
 
     def __init__(self, solver: Any, dtype: np.dtype, entries: int):
         self.solver, self.dtype, self.entries = solver, dtype, entries
+
+
+# the factorisations alive, freed at the interpreter's exit before nanobind (cholespy's binding)
+# counts the objects still alive and prints a warning for each ("nanobind: leaked 1 instances!")
+_MADE: weakref.WeakSet[_Factor] = _runtime.store(weakref.WeakSet())
+
+
+@atexit.register
+def _free_at_exit() -> None:
+    for made in list(_MADE):
+        made.solver = None
 
 
 class Cholmod(AbstractSparseSolver):
@@ -125,15 +138,16 @@ class Cholmod(AbstractSparseSolver):
     `factor` checks that the matrix is symmetric (exactly, entry for entry) with a positive
     diagonal, then factors; it raises `numpy.linalg.LinAlgError` if the matrix is not symmetric
     positive definite (CHOLMOD's own check, on a pivot; CHOLMOD also prints a warning then).
-    float64 and float32 matrices are factored in their own dtype (float64 by default:
-    [`deferax.sparse_solve`][]'s `precision`); complex ones are refused.
+    It factors in float64, also a float32 matrix (`precision="input"`: cholespy's
+    single-precision solver factors in float64 too), and solves in float64, the solution
+    returned in the matrix's dtype; complex matrices are refused.
 
     Needs cholespy (`pip install cholespy`). cholespy holds Python's GIL while it factors, so
     two systems factor one after the other on deferax's threads (a process pool or Dask
     factors them at once). Its `nbytes` is an estimate, as cholespy does not say how many
     entries `L` holds: half those of SuperLU's `L + U` on the same pattern where
     [`deferax.AutoSparseSolver`][] or [`deferax.SuperLU`][] measured them in this process, else
-    the matrix's lower triangle (a lower bound); an entry and a 4-byte index each.
+    the matrix's lower triangle (a lower bound); an 8-byte entry and a 4-byte index each.
     """
 
     def factor(self, matrix: Any) -> Any:
@@ -149,14 +163,14 @@ class Cholmod(AbstractSparseSolver):
 
     def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
         f = factorisation  # (`A^T = A`: `transpose` changes nothing)
-        rhs = np.require(rhs, f.dtype, ("C", "W"))  # (cholespy takes writable C arrays only)
+        rhs = np.require(rhs, np.float64, ("C", "W"))  # (cholespy takes writable C arrays only)
         out = np.empty_like(rhs)
         f.solver.solve(rhs, out)
-        return out
+        return out.astype(f.dtype, copy=False)
 
     def nbytes(self, factorisation: Any, dtype: np.dtype) -> int:
         """An estimate (cholespy does not report it): half the entries of SuperLU's factors on
         the same pattern where they were measured, else the matrix's lower triangle (a lower
-        bound), an entry and a 4-byte index each."""
+        bound), an 8-byte entry and a 4-byte index each."""
         f = factorisation
-        return f.entries * (f.dtype.itemsize + 4)
+        return f.entries * (8 + 4)
