@@ -6,6 +6,7 @@ reported and overridden; one factorisation a gradient; errors; pickling and a pr
 
 import concurrent.futures as cf
 import multiprocessing
+import os
 import pickle
 import subprocess
 import sys
@@ -269,3 +270,32 @@ print(jax.config.jax_enable_x64, repr(jax.config.read("jax_platform_name")), np.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "''", "True"], out.stderr
 
+
+def test_klu_on_two_threads_at_once_imports_klujax_once(tmp_path):
+    # The second thread comes while the first imports klujax (made slow here: a klujax that
+    # sleeps before running the real one), and waits for it, not taking the module half made.
+    import klujax
+
+    (tmp_path / "klujax.py").write_text(
+        f"import time\ntime.sleep(0.5)\nexec(compile(open({klujax.__file__!r}).read(), {klujax.__file__!r}, 'exec'))\n"
+    )
+    code = """
+import threading, time, numpy as np, scipy.sparse
+import deferax as dx
+m = scipy.sparse.csc_matrix(np.array([[4.0, 1.0], [2.0, 3.0]]))
+errors = []
+def run():
+    try:
+        dx.KLU().solve(dx.KLU().factor(m), np.array([1.0, 2.0]), False)
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=run) for _ in range(2)]
+threads[0].start()
+time.sleep(0.2)
+threads[1].start()
+[t.join() for t in threads]
+print(errors)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -36,19 +36,20 @@ def _klujax() -> Any:
 
     import jax
 
-    if "klujax" in sys.modules:
-        return sys.modules["klujax"]
     if not available():
         raise ImportError(_NO_KLUJAX)
-    with _IMPORT_LOCK:
-        names = ("jax_enable_x64", "jax_platform_name")
-        before = {name: jax.config.read(name) for name in names}
-        try:
-            import klujax
-        finally:
-            for name, value in before.items():
-                if jax.config.read(name) != value:
-                    jax.config.update(name, value)
+    with _IMPORT_LOCK:  # (the first import, once: the config read and put back around it)
+        if "klujax" not in sys.modules:
+            names = ("jax_enable_x64", "jax_platform_name")
+            before = {name: jax.config.read(name) for name in names}
+            try:
+                import klujax
+            finally:
+                for name, value in before.items():
+                    if jax.config.read(name) != value:
+                        jax.config.update(name, value)
+    import klujax  # (complete: an import under way on another thread is waited for)
+
     return klujax
 
 
