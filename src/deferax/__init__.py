@@ -8,6 +8,9 @@ from ._host._executor import HostError as HostError
 from ._host._factorisations import factorisation_budget as factorisation_budget
 from ._host._factorisations import set_factorisation_budget as set_factorisation_budget
 from ._host._host import host as host
+from ._host._solvers._auto import AutoSparseSolver as AutoSparseSolver
+from ._host._solvers._cholmod import Cholmod as Cholmod
+from ._host._solvers._klu import KLU as KLU
 from ._host._sparse_pattern import SparsePattern as SparsePattern
 from ._host._sparse_solve import sparse_solve as sparse_solve
 from ._host._sparse_solver import AbstractSparseSolver as AbstractSparseSolver

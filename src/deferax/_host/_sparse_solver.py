@@ -123,6 +123,17 @@ def _pattern_key(matrix: Any) -> tuple:
     return key
 
 
+def _structure(pattern: Any) -> Any:
+    """The CSC matrix whose pattern is `pattern`'s (a `SparsePattern`, or a SciPy sparse matrix),
+    for `_pattern_key`."""
+    import scipy.sparse
+
+    if not scipy.sparse.issparse(pattern):
+        ones = np.ones(pattern.rows.size, np.int8)
+        pattern = scipy.sparse.csc_matrix((ones, (pattern.rows, pattern.cols)), shape=(pattern.n, pattern.n))
+    return scipy.sparse.csc_matrix(pattern)
+
+
 def _fixed_owner(a: Any) -> np.ndarray | None:
     """The read-only array that owns `a`'s memory and that `a` is the whole of (`a` itself, or
     the array SciPy took a view of), whose contents therefore never change; None otherwise."""
@@ -189,12 +200,7 @@ class SuperLU(AbstractSparseSolver):
         solver with its own `permc_spec`."""
         if self.permc_spec is not None:
             return None
-        import scipy.sparse
-
-        if not scipy.sparse.issparse(pattern):
-            ones = np.ones(pattern.rows.size, np.int8)
-            pattern = scipy.sparse.csc_matrix((ones, (pattern.rows, pattern.cols)), shape=(pattern.n, pattern.n))
-        return _runtime.ORDERINGS.get(_pattern_key(scipy.sparse.csc_matrix(pattern)))
+        return _runtime.ORDERINGS.get(_pattern_key(_structure(pattern)))
 
     def factor(self, matrix: Any) -> Any:
         try:

@@ -1,0 +1,301 @@
+"""The sparse direct solvers beside SuperLU: `dx.Cholmod` (CHOLMOD through cholespy), `dx.KLU`
+(klujax's handle API) and `dx.AutoSparseSolver`, which measures them on each pattern. Each one's
+value and gradient through `dx.sparse_solve` against a dense `jnp.linalg.solve` in plain JAX
+(real, complex, float32, SPD and not), eagerly and under `jit`; the SPD fallback; the choice
+reported and overridden; one factorisation a gradient; errors; pickling and a process pool."""
+
+import concurrent.futures as cf
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.sparse
+
+import deferax as dx
+from deferax._host import _factorisations
+
+from .helpers import assert_tree_allclose
+
+pytest.importorskip("klujax")
+pytest.importorskip("cholespy")
+
+
+@pytest.fixture(autouse=True)
+def no_factorisations_kept():
+    _factorisations.FACTORISATIONS._entries.clear()
+
+
+def spd(m=6):
+    """A 2D Laplacian plus a positive shift with random positive weights on the edges: real,
+    symmetric positive definite, entries at one position added twice (each edge's share)."""
+    rng = np.random.default_rng(0)
+    n = m * m
+    rows, cols, vals = list(range(n)), list(range(n)), list(0.1 + rng.uniform(size=n))
+    for i in range(n):
+        for j in (i + 1, i + m):
+            if j < n and (j != i + 1 or j % m):
+                w = rng.uniform(0.5, 1.5)
+                rows += [i, j, i, j]
+                cols += [j, i, i, j]
+                vals += [-w, -w, w, w]
+    b = rng.normal(size=n)
+    return jnp.asarray(vals), dx.SparsePattern(np.array(rows), np.array(cols), n), jnp.asarray(b)
+
+
+def unsymmetric(m=6, complex_=False):
+    """An upwinded convection-diffusion operator (not symmetric); complex with a lossy diagonal."""
+    ones = np.ones(m)
+    d1 = scipy.sparse.diags([-1.2 * ones[1:], 2.0 * ones, -0.8 * ones[1:]], [-1, 0, 1])
+    matrix = scipy.sparse.kronsum(d1, d1) + 0.1 * scipy.sparse.eye(m * m)
+    values, pattern = dx.SparsePattern.from_scipy(matrix)
+    b = np.random.default_rng(1).normal(size=m * m)
+    if complex_:
+        values = values * (1.0 + 0.3j * np.random.default_rng(2).uniform(-1, 1, values.size))
+        b = b + 0.5j
+    return jnp.asarray(values), pattern, jnp.asarray(b)
+
+
+def indefinite(n=30):
+    """Real symmetric, a positive diagonal, indefinite (the tridiagonal `[1, 1, 1]`: eigenvalues
+    `1 + 2 cos(k pi / (n + 1))`, some negative), so only CHOLMOD's own pivot check finds it."""
+    i = np.arange(n)
+    rows = np.concatenate([i, i[:-1], i[1:]])
+    cols = np.concatenate([i, i[1:], i[:-1]])
+    values = np.concatenate([np.ones(n), np.ones(n - 1), np.ones(n - 1)])
+    return jnp.asarray(values), dx.SparsePattern(rows, cols, n), jnp.asarray(np.linspace(-1.0, 1.0, n))
+
+
+SOLVERS = {"Cholmod": dx.Cholmod(), "KLU": dx.KLU(), "Auto": dx.AutoSparseSolver()}
+CASES = {
+    "spd": (spd, ("Cholmod", "KLU", "Auto")),
+    "real": (unsymmetric, ("KLU", "Auto")),
+    "complex": (lambda: unsymmetric(complex_=True), ("KLU", "Auto")),
+    "indefinite": (indefinite, ("KLU", "Auto")),
+}
+
+
+def losses(solve, w):
+    """A loss linear in `x` (deferred), and one that is not (the standard schedule)."""
+
+    def linear(v, b):
+        x = solve(v, b)
+        return jnp.real(jnp.sum(w.astype(x.dtype) * x))
+
+    return {
+        "linear": linear,
+        "power": lambda v, b: jnp.sum(jnp.abs(solve(v, b)) ** 2) + jnp.sum(jnp.abs(v) ** 2),
+    }
+
+
+@pytest.mark.parametrize("case,name", [(c, s) for c, (_, names) in CASES.items() for s in names])
+@pytest.mark.parametrize("jit", [False, True])
+def test_value_and_gradient_against_a_dense_solve(case, name, jit):
+    values, pattern, b = CASES[case][0]()
+    w = jnp.cos(jnp.arange(pattern.n, dtype=jnp.float64))
+    solver = SOLVERS[name]
+    ours = losses(lambda v, b: dx.sparse_solve(v, pattern, b, solver=solver), w)
+    dense = losses(lambda v, b: jnp.linalg.solve(pattern.todense(v), b), w)
+    for loss in ours:
+        reference = jax.value_and_grad(lambda vb, f=dense[loss]: f(*vb))((values, b))
+        for transform in (jax.value_and_grad, dx.filter_value_and_grad):
+            run = transform(lambda vb, f=ours[loss]: f(*vb))
+            run = jax.jit(run) if jit else run
+            for _ in range(3):  # (the automatic solver's trial on the first two, its choice on the third)
+                assert_tree_allclose(run((values, b)), reference, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("name", ["Cholmod", "KLU", "Auto"])
+def test_float32_inputs_are_factored_in_float64(name):
+    values, pattern, b = spd() if name == "Cholmod" else unsymmetric()
+    v32, b32 = values.astype(jnp.float32), b.astype(jnp.float32)
+    solver = SOLVERS[name]
+    loss = lambda v, b: jnp.sum(dx.sparse_solve(v, pattern, b, solver=solver) ** 2)  # noqa: E731
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(v32, b32)
+    assert value.dtype == jnp.float32 and all(g.dtype == jnp.float32 for g in grads)
+    # the float64 solve of the same (float32) entries, rounded
+    v64, b64 = v32.astype(jnp.float64), b32.astype(jnp.float64)
+    ref = jax.value_and_grad(lambda v, b: jnp.sum(jnp.linalg.solve(pattern.todense(v), b) ** 2), argnums=(0, 1))
+    ref_value, ref_grads = ref(v64, b64)
+    rounded = (ref_value.astype(jnp.float32), tuple(g.astype(jnp.float32) for g in ref_grads))
+    assert_tree_allclose((value, grads), rounded, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["Cholmod", "KLU", "Auto"])
+def test_precision_input_is_factored_in_float64_by_cholmod_and_klu(name):
+    # (SuperLU factors in float32 there: on this nearly singular matrix 2e-3 off, see docs/linear-solve.md)
+    pattern = dx.SparsePattern(np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1]), 2)
+    v32 = jnp.array([3.0, 1.0, 1.0, 1.0 / 3.0 + 1e-5], jnp.float32)  # symmetric positive definite
+    b32 = jnp.array([1.0, 0.0], jnp.float32)
+    exact = np.linalg.solve(np.asarray(v32, np.float64).reshape(2, 2), [1.0, 0.0])
+    x = dx.sparse_solve(v32, pattern, b32, solver=SOLVERS[name], precision="input")
+    assert x.dtype == jnp.float32
+    assert np.max(np.abs(np.asarray(x, np.float64) - exact) / np.abs(exact)) < 1e-6
+    x = dx.sparse_solve(v32, pattern, b32, solver=dx.SuperLU(), precision="input")
+    assert np.max(np.abs(np.asarray(x, np.float64) - exact) / np.abs(exact)) > 1e-4
+
+
+def test_transpose_is_the_plain_transpose_for_complex_matrices():
+    values, pattern, b = unsymmetric(complex_=True)
+    matrix = pattern._csc(np.asarray(values))
+    for solver in (dx.KLU(), dx.AutoSparseSolver()):
+        factors = solver.factor(matrix)
+        rhs = np.asarray(b)
+        np.testing.assert_allclose(matrix.T @ solver.solve(factors, rhs, True), rhs, atol=1e-12)
+        np.testing.assert_allclose(matrix @ solver.solve(factors, rhs, False), rhs, atol=1e-12)
+        k = np.stack([rhs, 2 * rhs, 1j * rhs], axis=1)  # (n, k): several right-hand sides at once
+        np.testing.assert_allclose(matrix.T @ solver.solve(factors, k, True), k, atol=1e-12)
+
+
+def test_an_indefinite_symmetric_matrix_gets_an_lu_and_the_right_answer(capfd):
+    values, pattern, b = indefinite()
+    matrix = pattern._csc(np.asarray(values))
+    assert np.linalg.eigvalsh(matrix.toarray()).min() < 0 and (matrix.diagonal() > 0).all()
+    with pytest.raises(Exception, match="not symmetric positive definite: CHOLMOD found a pivot that is not positive"):
+        dx.Cholmod().factor(matrix)
+    assert "CHOLMOD warning: not positive definite" in "".join(capfd.readouterr())  # (CHOLMOD's own print)
+    # the automatic solver tries CHOLMOD (symmetric entries, a positive diagonal), which fails: an LU
+    x = dx.sparse_solve(values, pattern, b, solver=dx.AutoSparseSolver())
+    assert "CHOLMOD warning: not positive definite" in "".join(capfd.readouterr())
+    np.testing.assert_allclose(matrix @ np.asarray(x), np.asarray(b), atol=1e-12)
+    label, seconds = dx.AutoSparseSolver().chosen(pattern)
+    assert label == "SuperLU MMD_AT_PLUS_A" and "CHOLMOD" not in seconds  # (the other SPD candidate)
+    x = dx.sparse_solve(values * 1.5, pattern, b, solver=dx.AutoSparseSolver())  # CHOLMOD not tried again
+    assert "CHOLMOD" not in "".join(capfd.readouterr())
+    np.testing.assert_allclose(1.5 * matrix @ np.asarray(x), np.asarray(b), atol=1e-12)
+    label, seconds = dx.AutoSparseSolver().chosen(pattern)  # (the LUs for other matrices measured now)
+    assert set(seconds) == {"KLU", "SuperLU COLAMD", "SuperLU MMD_AT_PLUS_A"} and label in seconds
+
+
+def test_an_spd_matrix_gets_cholmod_once_measured_fastest():
+    values, pattern, b = spd(m=30)
+    solver = dx.AutoSparseSolver()
+    assert solver.chosen(pattern) is None
+    loss = jax.jit(jax.grad(lambda v: jnp.sum(dx.sparse_solve(v, pattern, b, solver=solver) ** 2)))
+    loss(values)
+    label, seconds = solver.chosen(pattern)
+    assert set(seconds) == {"CHOLMOD", "SuperLU MMD_AT_PLUS_A"}
+    assert label == min(seconds, key=seconds.__getitem__)
+    assert solver.chosen(pattern, np.complex128) is None  # (kept by dtype too)
+
+
+def test_the_choice_is_overridden_by_solver():
+    values, pattern, b = unsymmetric()
+    for solver in (dx.KLU(), dx.SuperLU(permc_spec="COLAMD")):
+        dx.sparse_solve(values, pattern, b, solver=solver)
+    assert dx.AutoSparseSolver().chosen(pattern) is None  # (no trial: the solver given was used)
+    with pytest.raises(Exception, match="not symmetric positive definite: it is not equal to its transpose"):
+        dx.sparse_solve(values, pattern, b, solver=dx.Cholmod())
+
+
+@pytest.mark.parametrize("name", ["Cholmod", "KLU", "Auto"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_one_factorisation_a_gradient(name, jit):
+    values, pattern, b = spd() if name == "Cholmod" else unsymmetric(complex_=True)
+    solver = SOLVERS[name]
+    grad = jax.grad(lambda v: jnp.sum(jnp.abs(dx.sparse_solve(v, pattern, b, solver=solver)) ** 2))
+    grad = jax.jit(grad) if jit else grad
+    grad(values)  # (the automatic solver's trial)
+    grad(values)
+    for _ in range(2):
+        with dx.record() as timeline:
+            grad(values * 1.01)
+        assert timeline.counts() == {"fwd": 1, "bwd": 1}
+        assert timeline.counts(steps=True) == {"factor": 1, "solve": 2}
+    if name == "Auto":
+        chosen = dx.AutoSparseSolver().chosen(pattern, np.complex128)
+        assert chosen is not None and chosen[0] in ("KLU", "SuperLU COLAMD", "SuperLU MMD_AT_PLUS_A")
+
+
+def test_nbytes():
+    values, pattern, b = spd(m=20)
+    matrix = pattern._csc(np.asarray(values))
+    lower = int(np.count_nonzero(matrix.tocoo().row >= matrix.tocoo().col))
+    assert dx.Cholmod().nbytes(dx.Cholmod().factor(matrix), np.dtype(np.float64)) == lower * 12  # (a lower bound)
+    assert dx.KLU().nbytes(dx.KLU().factor(matrix), np.dtype(np.float64)) == matrix.nnz * 12
+    auto = dx.AutoSparseSolver()
+    made = auto.factor(matrix)  # (its trial measures SuperLU's fill: the estimates use it from now on)
+    assert set(auto.chosen(pattern)[1]) == {"CHOLMOD", "SuperLU MMD_AT_PLUS_A"}
+    fill = dx.SuperLU(permc_spec="MMD_AT_PLUS_A").factor(matrix).nnz
+    assert dx.KLU().nbytes(dx.KLU().factor(matrix), np.dtype(np.float64)) == fill * 12
+    cholmod = dx.Cholmod().nbytes(dx.Cholmod().factor(matrix), np.dtype(np.float64))
+    assert cholmod == (fill + pattern.n) // 2 * 12
+    assert auto.nbytes(made, np.dtype(np.float64)) > 0
+
+
+def test_solvers_pickle_and_run_on_a_process_pool():
+    for solver in SOLVERS.values():
+        assert pickle.loads(pickle.dumps(solver)) == solver and hash(solver) == hash(type(solver)())
+    values, pattern, b = unsymmetric(complex_=True)
+    w = jnp.cos(jnp.arange(pattern.n, dtype=jnp.float64))
+    dense = losses(lambda v, b: jnp.linalg.solve(pattern.todense(v), b), w)["power"]
+    with cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for solver in (dx.KLU(), dx.AutoSparseSolver()):
+            ours = losses(lambda v, b, s=solver: dx.sparse_solve(v, pattern, b, solver=s, executor=pool), w)["power"]
+            got = jax.value_and_grad(ours, argnums=(0, 1))(values, b)
+            assert_tree_allclose(got, jax.value_and_grad(dense, argnums=(0, 1))(values, b), rtol=1e-9, atol=1e-11)
+
+
+def test_errors():
+    values, pattern, b = unsymmetric(complex_=True)
+    matrix = pattern._csc(np.asarray(values))
+    with pytest.raises(np.linalg.LinAlgError, match=r"not symmetric positive definite: it is complex \(complex128\)"):
+        dx.Cholmod().factor(matrix)
+    spd_values, spd_pattern, _ = spd()
+    minus = spd_pattern._csc(-np.asarray(spd_values))
+    with pytest.raises(np.linalg.LinAlgError, match="positive definite: a diagonal entry is not positive"):
+        dx.Cholmod().factor(minus)
+    singular = scipy.sparse.csc_matrix(np.array([[1.0, 2.0], [2.0, 4.0]]))
+    with pytest.raises(np.linalg.LinAlgError, match="the matrix is singular: KLU found a zero pivot"):
+        dx.KLU().factor(singular)
+
+
+def test_klu_leaves_the_process_jax_config_as_it_was():
+    # importing klujax turns x64 on and sets the platform for the process: deferax puts both back
+    code = """
+import jax, numpy as np, scipy.sparse
+import deferax as dx
+assert "klujax" not in __import__("sys").modules
+m = scipy.sparse.csc_matrix(np.array([[4.0, 1.0], [2.0, 3.0]]))
+f = dx.KLU().factor(m)
+x = dx.KLU().solve(f, np.array([1.0, 2.0]), False)
+assert "klujax" in __import__("sys").modules
+print(jax.config.jax_enable_x64, repr(jax.config.read("jax_platform_name")), np.allclose(m @ x, [1.0, 2.0]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "''", "True"], out.stderr
+
+
+def test_klu_on_two_threads_at_once_imports_klujax_once(tmp_path):
+    # The second thread comes while the first imports klujax (made slow here: a klujax that
+    # sleeps before running the real one), and waits for it, not taking the module half made.
+    import klujax
+
+    (tmp_path / "klujax.py").write_text(
+        f"import time\ntime.sleep(0.5)\nexec(compile(open({klujax.__file__!r}).read(), {klujax.__file__!r}, 'exec'))\n"
+    )
+    code = """
+import threading, time, numpy as np, scipy.sparse
+import deferax as dx
+m = scipy.sparse.csc_matrix(np.array([[4.0, 1.0], [2.0, 3.0]]))
+errors = []
+def run():
+    try:
+        dx.KLU().solve(dx.KLU().factor(m), np.array([1.0, 2.0]), False)
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=run) for _ in range(2)]
+threads[0].start()
+time.sleep(0.2)
+threads[1].start()
+[t.join() for t in threads]
+print(errors)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
