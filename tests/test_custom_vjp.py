@@ -4,16 +4,21 @@ run at once where the loss's cotangent allows it, with plain JAX's values and gr
 calls that cannot be split soundly, or would not gain, are left exactly as they are, and
 `explain` says why."""
 
+import collections
+import functools as ft
 import os
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
+from jax.experimental import io_callback
 
 import deferax as dx
 
-from .helpers import assert_tree_allclose
+from .helpers import assert_tree_allclose, make, ref
 
 HERE = os.path.relpath(__file__)
 
@@ -175,3 +180,376 @@ def test_recognise_switches_it():
     assert_tree_allclose(
         dx.filter_value_and_grad(small, recognise="always")(x8), jax.value_and_grad(small)(x8), rtol=1e-12
     )
+
+
+# ----------------------------------------------------------------------------- soundness: what is split, what is not
+#
+# Small programs, rewritten with `recognise="always"` where they can be (the estimate would
+# leave them in place), each checked against plain JAX running the same `custom_vjp`.
+
+W = jnp.array([0.5, -1.0, 2.0, 0.25])
+P0 = jnp.array([0.3, -0.2, 0.7, 1.1])
+ALWAYS = {"recognise": "always"}
+
+
+def same_as_plain_jax(loss, x=P0, **settings):
+    """`dx.filter_value_and_grad(loss, **settings)`, eagerly and under `jax.jit`, gives plain
+    JAX's value and gradient; returns the plan."""
+    want = jax.value_and_grad(loss)(x)
+    for jit in (False, True):
+        step = dx.filter_value_and_grad(loss, **settings)
+        assert_tree_allclose((jax.jit(step) if jit else step)(x), want, rtol=1e-12, atol=1e-12)
+    return dx.explain(dx.filter_value_and_grad(loss, **settings), x)
+
+
+def _reversible(n: int, steps: int):
+    """fdtdx's pattern: a nonlinear leapfrog `x -> (u[steps], u[steps-1])`, whose `custom_vjp`
+    keeps only the final state and rebuilds the states backwards from it (time reversal):
+    the whole backward needs the residual the forward computes."""
+
+    def step(u, u_prev):
+        return 2 * u - u_prev + 0.2 * laplacian(u) + 0.01 * jnp.sin(u)
+
+    def back(u, u_next):  # (the step reversed: u_prev from u, u_next)
+        return 2 * u - u_next + 0.2 * laplacian(u) + 0.01 * jnp.sin(u)
+
+    def run(x):
+        (u, u_prev), _ = lax.scan(lambda c, _: ((step(*c), c[0]), None), (x, jnp.zeros_like(x)), None, length=steps)
+        return u, u_prev
+
+    @jax.custom_vjp
+    def simulate(x):
+        return run(x)[0]
+
+    def simulate_fwd(x):
+        u, u_prev = run(x)
+        return u, (u, u_prev)
+
+    def simulate_bwd(res, ct):
+        def one(carry, _):
+            u, u_prev, a, a_prev = carry  # (the adjoint of u[k+1] = step(u[k], u[k-1]))
+            _, pull = jax.vjp(step, u_prev, back(u_prev, u))
+            da, da_prev = pull(a)
+            return (u_prev, back(u_prev, u), da + a_prev, da_prev), None
+
+        u, u_prev = res
+        (_, _, a, a_prev), _ = lax.scan(one, (u, u_prev, ct, jnp.zeros_like(ct)), None, length=steps)
+        return (a,)
+
+    simulate.defvjp(simulate_fwd, simulate_bwd)
+    return simulate
+
+
+def test_a_backward_that_needs_the_forward_state_is_left_as_is():
+    """fdtdx-style time reversal: nothing of the backward can start before the forward ends,
+    so the call is left as it is (the standard schedule), and `explain` names the residual it
+    needs and where the forward computes it. With `recognise="always"` it is a site whose
+    second part does all the work: plain JAX's gradient either way."""
+    simulate = _reversible(32, 300)
+    x = jax.random.normal(jax.random.key(3), (32, 32)) * 0.1
+    w = jax.random.normal(jax.random.key(4), (32, 32))
+
+    def loss(x):
+        return jnp.sum(w * simulate(x))
+
+    plan = same_as_plain_jax(loss, x)
+    [call] = plan.recognised
+    assert plan.sites == () and call.site is None
+    line = _line_of("(u, u_prev), _ = lax.scan(lambda c")
+    needs = (
+        r"its backward's work \(about .* operations, .* ms\) needs the residuals `res\[0\]` \(float64\[32,32\]\) and "
+        rf"`res\[1\]` \(float64\[32,32\]\) that its forward computes \(`scan` at {HERE}:{line} "
+    )
+    assert re.match(needs, call.reason), call.reason
+    assert "so it cannot start before the forward ends: left as is (the standard schedule)" in call.reason
+    plan = same_as_plain_jax(loss, x, **ALWAYS)
+    assert [s.schedule for s in plan.sites] == ["deferred"]
+
+
+class _Problem:
+    """jax-fem's pattern: the forward sets the parameters on a Python object, and the
+    backward's callback reads them back from it."""
+
+    def __init__(self):
+        self.params = None
+
+    def set_params(self, p):
+        self.params = np.asarray(p)
+        return np.zeros((), p.dtype)
+
+    def adjoint(self, ct):
+        return np.cos(self.params) * np.asarray(ct)
+
+
+def _stateful(problem, kind: str):
+    """`sin` whose backward reads, through a host callback (`kind`), what the forward wrote."""
+    out = jax.ShapeDtypeStruct((4,), jnp.float64)
+
+    @jax.custom_vjp
+    def solve(p):
+        return jnp.sin(p)
+
+    def solve_fwd(p):
+        done = jax.pure_callback(problem.set_params, jax.ShapeDtypeStruct((), jnp.float64), p)
+        return jnp.sin(p) + 0.0 * done, None
+
+    def solve_bwd(_, ct):
+        if kind == "pure_callback":
+            return (jax.pure_callback(problem.adjoint, out, ct),)
+        return (io_callback(problem.adjoint, out, ct),)
+
+    solve.defvjp(solve_fwd, solve_bwd)
+    return solve
+
+
+@pytest.mark.parametrize("kind", ["pure_callback", "io_callback"])
+def test_a_backward_callback_is_left_as_is_unless_declared(kind):
+    """A callback in the part of the backward that could run early may read what the forward
+    wrote (here it does): the call is left as is, with plain JAX's gradient on every call, and
+    `explain` says how to declare it. Declared (for a backward whose callback reads nothing the
+    forward wrote), the call is a deferred site."""
+    problem = _Problem()
+    solve = _stateful(problem, kind)
+
+    def loss(p):
+        return jnp.sum(W * solve(p))
+
+    for p in (P0, 2.0 * P0):
+        plan = same_as_plain_jax(loss, p, **ALWAYS)
+    [call] = plan.recognised
+    assert plan.sites == () and call.reason.startswith(
+        f"the part of its backward that needs no computed residual calls `{kind}` at {HERE}:"
+    )
+    assert call.reason.endswith("declare it: `dx.recognise_custom_vjp(solve, callbacks_independent=True)`")
+
+    @jax.custom_vjp
+    def independent(p):
+        return jnp.sin(p)
+
+    out = jax.ShapeDtypeStruct((4,), jnp.float64)
+    independent.defvjp(
+        lambda p: (jnp.sin(p), p), lambda p, ct: (jax.pure_callback(lambda a, b: np.cos(a) * b, out, p, ct),)
+    )
+    assert dx.recognise_custom_vjp(independent) is independent
+    plan = same_as_plain_jax(lambda p: jnp.sum(W * independent(p)), **ALWAYS)
+    assert [s.schedule for s in plan.sites] == ["deferred"]
+    dx.recognise_custom_vjp(independent, callbacks_independent=False)
+    assert dx.explain(dx.filter_value_and_grad(lambda p: jnp.sum(W * independent(p)), **ALWAYS), P0).sites == ()
+
+
+def test_a_backward_that_touches_a_ref_is_left_as_is():
+    @jax.custom_vjp
+    def f(p):
+        return jnp.sin(p)
+
+    def f_bwd(p, ct):
+        box = jax.new_ref(jnp.zeros_like(ct))
+        box[...] = ct * jnp.cos(p)
+        return (box[...],)
+
+    f.defvjp(lambda p: (jnp.sin(p), p), f_bwd)
+    plan = same_as_plain_jax(lambda p: jnp.sum(W * f(p)), **ALWAYS)
+    [call] = plan.recognised
+    assert plan.sites == ()
+    assert call.reason.startswith("the part of its backward that needs no computed residual uses a `jax.Ref`, which")
+
+
+def test_recognise_custom_vjp_takes_a_custom_vjp():
+    with pytest.raises(
+        TypeError,
+        match=r"`dx.recognise_custom_vjp`: `f` must be a `jax.custom_vjp` function with its "
+        r"rules defined \(`f.defvjp\(f_fwd, f_bwd\)`\), but got <PjitFunction",
+    ):
+        dx.recognise_custom_vjp(jnp.sin)
+    with pytest.raises(TypeError, match="must be a `jax.custom_vjp` function with its rules defined"):
+        dx.recognise_custom_vjp(jax.custom_vjp(jnp.sin))
+
+
+# ----------------------------------------------------------------------------- soundness: the rules as users write them
+#
+# Each rule is deliberately not the derivative (a factor, an offset), so that a gradient not
+# taken from the rule shows: plain JAX's result is the rule's.
+
+
+@jax.custom_vjp
+def _two_outputs(x, y):
+    return x * 2.0, jnp.sin(y)
+
+
+def _two_outputs_fwd(x, y):
+    assert type(x) is jax.custom_derivatives.CustomVJPPrimal  # (symbolic_zeros: told what is perturbed)
+    return (x.value * 2.0, jnp.sin(y.value)), (y.value, x.perturbed, y.perturbed)
+
+
+def _two_outputs_bwd(res, ct):
+    y, x_perturbed, y_perturbed = res
+    ct_a, ct_b = ct
+    zero_b = type(ct_b) is jax.custom_derivatives.SymbolicZero
+    ct_y = None if zero_b or not y_perturbed else 3.0 * ct_b * jnp.cos(y)
+    return (None if type(ct_a) is jax.custom_derivatives.SymbolicZero else 5.0 * ct_a, ct_y)
+
+
+_two_outputs.defvjp(_two_outputs_fwd, _two_outputs_bwd, symbolic_zeros=True)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _power(x, n):
+    return x**n
+
+
+_power.defvjp(lambda x, n: (x**n, x), lambda n, x, ct: (3.0 * n * x ** (n - 1) * ct,))
+
+
+@jax.custom_vjp
+def _with_integers(x, k, flag):
+    return x * k.astype(x.dtype), k + 1, flag
+
+
+_with_integers.defvjp(
+    lambda x, k, flag: ((x * k.astype(x.dtype), k + 1, flag), k),
+    lambda k, ct: (2.0 * ct[0] * k.astype(ct[0].dtype), None, None),
+)
+
+
+@jax.custom_vjp
+def _with_key(x, key):
+    return x + jax.random.normal(key, x.shape)
+
+
+_with_key.defvjp(lambda x, key: (x + jax.random.normal(key, x.shape), None), lambda _, ct: (2.0 * ct, None))
+
+GRID = jnp.array([0.5, 1.0, 1.5, 2.0])
+
+
+@jax.custom_vjp
+def _on_grid(u):
+    return u * GRID
+
+
+_on_grid.defvjp(lambda u: (u * GRID, None), lambda _, ct: (2.0 * ct * GRID,))
+
+
+@jax.custom_vjp
+def _outer(x):
+    return _on_grid(x) * 2.0
+
+
+def _outer_fwd(x):
+    y, pull = jax.vjp(_on_grid, x)
+    return 2.0 * y, (x,)
+
+
+def _outer_bwd(res, ct):
+    (x,) = res
+    return (jax.vjp(_on_grid, x)[1](2.0 * ct)[0] + 1.0,)
+
+
+_outer.defvjp(_outer_fwd, _outer_bwd)
+
+KEY = jax.random.key(7)
+CASES = {
+    # (the loss, the schedule it gets, with `recognise="always"`)
+    "symbolic zeros, an unused output": (lambda p: jnp.sum(W * _two_outputs(p, p + 1.0)[0]), "deferred"),
+    "symbolic zeros, both outputs": (
+        lambda p: jnp.sum(W * _two_outputs(p, p)[0]) + jnp.sum(W * _two_outputs(p, 2.0 * p)[1] ** 2),
+        ("deferred", "standard"),
+    ),
+    "symbolic zeros, an input not differentiated": (lambda p: jnp.sum(W * _two_outputs(W, p)[1]), "deferred"),
+    "symbolic zeros, no input differentiated": (lambda p: jnp.sum(W * _two_outputs(W, W)[1]) + jnp.sum(p), None),
+    "nondiff_argnums": (lambda p: jnp.sum(W * _power(p, 3)), "deferred"),
+    "integer and boolean inputs and outputs": (
+        lambda p: jnp.sum(W * _with_integers(p, jnp.arange(4.0).astype(int), jnp.bool_(True))[0]),
+        "deferred",
+    ),
+    "a PRNG key (a float0 cotangent)": (lambda p: jnp.sum(W * _with_key(p, KEY)), "deferred"),
+    "closed-over module-level constants": (lambda p: jnp.sum(W * _on_grid(p)), "deferred"),
+    "a custom_vjp inside a custom_vjp": (lambda p: jnp.sum(W * _outer(p)), "deferred"),
+    "under vmap, with symbolic zeros": (
+        lambda p: jnp.sum(jax.vmap(lambda q: _two_outputs(q, q)[0])(jnp.stack([p, -p])) * W),
+        "deferred",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rules_as_users_write_them(case):
+    """Each rule's value and gradient are plain JAX's, eagerly and under `jit`, as a site."""
+    loss, schedule = CASES[case]
+    plan = same_as_plain_jax(loss, **ALWAYS)
+    schedules = tuple(s.schedule for s in plan.sites)
+    if schedule is None:  # (nothing to differentiate in the call: left as is)
+        assert schedules == () and "none of its inputs depends on the differentiated" in plan.recognised[0].reason
+    else:
+        assert schedules == (schedule if isinstance(schedule, tuple) else (schedule,)), str(plan)
+
+
+def test_a_rule_closing_over_a_value_of_the_loss_is_left_as_is():
+    """A rule closing over a value computed in the loss from the differentiated input: left as
+    is (the whole call then runs as Equinox's would, as before); plain JAX's gradient."""
+
+    def loss(p):
+        scale = jax.lax.stop_gradient(jnp.cos(p))
+        f = jax.custom_vjp(lambda u: u * scale)
+        f.defvjp(lambda u: (u * scale, None), lambda _, ct: (2.0 * ct * scale,))
+        return jnp.sum(W * f(p))
+
+    plan = same_as_plain_jax(loss, **ALWAYS)
+    [call] = plan.recognised
+    assert call.reason.startswith("it closes over a value computed in the function from the differentiated arguments")
+    assert "closes over a value computed in the function" in plan.fallback
+
+
+def test_an_expensive_function_inside_a_custom_vjp_and_the_reverse(counter):
+    """An `ExpensiveFn` inside a custom_vjp's rules keeps its own schedule (the call is left
+    as is); a custom_vjp inside an `ExpensiveFn`'s implementations is its own business (the
+    site is deferred). Plain JAX's value and gradient both ways."""
+    site = make(ref, ("fwd", "bwd"), counter, name="sim")
+
+    @jax.custom_vjp
+    def around(x):
+        return 2.0 * site(x)
+
+    def around_bwd(x, ct):
+        return (3.0 * jax.vjp(site, x)[1](ct)[0],)
+
+    around.defvjp(lambda x: (2.0 * site(x), x), around_bwd)
+    plan = same_as_plain_jax(lambda p: jnp.sum(W * around(p)), **ALWAYS)
+    [call] = plan.recognised
+    assert call.reason == "its function calls a deferax site, which keeps its own schedule"
+
+    inner = dx.ExpensiveFn(fwd=_on_grid, bwd=lambda x, y, ct: jax.vjp(_on_grid, x)[1](ct)[0], name="grid")
+    plan = same_as_plain_jax(lambda p: jnp.sum(W * inner(p)), **ALWAYS)
+    assert [(s.name, s.schedule) for s in plan.sites] == [("grid", "deferred")] and plan.recognised == ()
+
+
+def test_python_in_the_rules_runs_as_jax_runs_it():
+    """The forward rule's and the backward rule's Python run once a call eagerly, and once a
+    trace under `jit`, as in plain JAX (the function's own Python runs when deferax traces
+    the loss, as for any function in it)."""
+    runs = collections.Counter()
+
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sin(x)
+
+    def f_fwd(x):
+        runs["fwd"] += 1
+        return jnp.sin(x), x
+
+    def f_bwd(x, ct):
+        runs["bwd"] += 1
+        return (2.0 * ct * jnp.cos(x),)
+
+    f.defvjp(f_fwd, f_bwd)
+
+    def loss(p):
+        return jnp.sum(W * f(p))
+
+    for name, step in (("plain JAX", jax.value_and_grad(loss)), ("deferax", dx.filter_value_and_grad(loss, **ALWAYS))):
+        runs.clear()
+        step(P0), step(P0)
+        assert (runs["fwd"], runs["bwd"]) == (2, 2), name
+        jitted = jax.jit(step)
+        runs.clear()
+        jitted(P0), jitted(2.0 * P0)
+        assert (runs["fwd"], runs["bwd"]) == (1, 1), name

@@ -77,8 +77,7 @@ class Residual:
     location: Location | None  # the operation of the forward that computes it
 
     def __str__(self) -> str:
-        where = f", computed {self.location}" if self.location is not None else ""
-        return f"`{self.path}` ({self.shape}{where})"
+        return f"`{self.path}` ({self.shape})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,23 +129,27 @@ _STALE = (
 class _Forward:
     """The forward rule, traced: `closed` takes the explicit inputs and returns
     `(*computed residuals, *outputs)`; `residuals[j]` is `("x", operand)` for a residual
-    that is an input (constants first), `("r", k)` for the `k`-th computed one."""
+    that is an input (constants first), `("r", k)` for the `k`-th computed one, and
+    `("c", value)` for a computed one that is a Python constant (a flag), which the
+    backward gets as it is, as from JAX."""
 
     closed: Any
     residuals: list
     res_tree: Any
+    n_computed: int
 
     @property
     def jaxpr(self):
         return self.closed.jaxpr
 
     @property
-    def n_computed(self) -> int:
-        return sum(kind == "r" for kind, _ in self.residuals)
-
-    @property
     def computed_avals(self) -> list:
         return [v.aval for v in self.jaxpr.outvars[: self.n_computed]]
+
+    @property
+    def traced(self) -> list:
+        """The residuals the backward is traced on (not the constants)."""
+        return [r for r in self.residuals if r[0] != "c"]
 
 
 def _forward(params: dict, perturbed: Sequence[bool]) -> _Forward:
@@ -158,8 +161,21 @@ def _forward(params: dict, perturbed: Sequence[bool]) -> _Forward:
     if any(_stale(c) for c in fwd_consts):
         raise Unreadable(_STALE.format(rule="forward rule"))
     computed = iter(range(len(input_fwds)))
-    residuals = [("x", f) if f is not None else ("r", next(computed)) for f in input_fwds]
-    return _Forward(_core.close(fwd_jaxpr, fwd_consts), residuals, res_tree)
+    residuals = []
+    for f in input_fwds:
+        if f is not None:
+            residuals.append(("x", f))
+            continue
+        k = next(computed)
+        v = fwd_jaxpr.outvars[k]
+        if isinstance(v, _core.Literal):
+            residuals.append(("c", v.val))
+        elif v in fwd_jaxpr.invars:  # (an input JAX did not see forwarded: one of `symbolic_zeros`'s)
+            residuals.append(("x", n_consts + fwd_jaxpr.invars.index(v)))
+        else:
+            residuals.append(("r", k))
+    n_computed = sum(f is None for f in input_fwds)
+    return _Forward(_core.close(fwd_jaxpr, fwd_consts), residuals, res_tree, n_computed)
 
 
 def split_custom_vjp(params: dict, in_avals: Sequence[Any], perturbed: Sequence[bool], used: Sequence[bool]) -> Split:
@@ -169,26 +185,30 @@ def split_custom_vjp(params: dict, in_avals: Sequence[Any], perturbed: Sequence[
     n_consts = params["num_consts"]
     out_avals = list(params["call_jaxpr"].out_avals)
     forward = _forward(params, perturbed)
-    n_computed, computed_avals = forward.n_computed, forward.computed_avals
-    res_avals = [in_avals[i] if kind == "x" else computed_avals[i] for kind, i in forward.residuals]
+    n_computed, computed_avals, traced = forward.n_computed, forward.computed_avals, forward.traced
+    res_avals = [in_avals[i] if kind == "x" else computed_avals[i] for kind, i in traced]
     if any(isinstance(a, _core.AbstractRef) for a in res_avals):
         raise Unreadable("a residual of its forward is a `jax.Ref`")
     symbolic = bool(params.get("symbolic_zeros", False))
     ct_outputs = tuple(i for i, a in enumerate(out_avals) if _inexact(a) and (used[i] or not symbolic))
     ct_inputs = tuple(i for i in range(n_consts, len(in_avals)) if perturbed[i] and _inexact(in_avals[i]))
+    wanted = [i - n_consts for i in ct_inputs]
     closed = _traced_backward(
-        params, res_avals, out_avals, ct_outputs, symbolic, in_avals[n_consts:], [i - n_consts for i in ct_inputs]
+        params, forward.residuals, res_avals, out_avals, ct_outputs, symbolic, in_avals[n_consts:], wanted
     )
     # the part that reads no computed residual, and the rest
-    unknowns = [kind == "r" for kind, _ in forward.residuals] + [False] * len(ct_outputs)
+    unknowns = [kind == "r" for kind, _ in traced] + [False] * len(ct_outputs)
     known, unknown, out_unknowns = _core.split_known(closed, unknowns)
     n_pe = len(known.jaxpr.outvars) - out_unknowns.count(False)  # (the residuals between the parts)
     later = any(out_unknowns)
-    reads = _used_inputs(unknown, n_pe) if later else [False] * n_computed
+    forwarded = [i for kind, i in traced if kind == "x"]
+    unknown_ins = [i for kind, i in traced if kind == "r"]  # (the computed residuals `unknown` takes)
+    reads = dict.fromkeys(range(n_computed), False)
+    if later:
+        reads.update(zip(unknown_ins, _used_inputs(unknown, n_pe), strict=True))
     alias = _aliases(forward.jaxpr, n_computed)
     extra = [j for j in range(n_computed) if reads[j] and alias[j] is None]
     n_outs = len(out_avals)
-    forwarded = [i for kind, i in forward.residuals if kind == "x"]
 
     def fwd(*x):
         outs = interpret(forward.closed, list(x[n_consts:]))
@@ -202,8 +222,8 @@ def split_custom_vjp(params: dict, in_avals: Sequence[Any], perturbed: Sequence[
         known_outs, between = partial[: len(partial) - n_pe], partial[len(partial) - n_pe :]
         slot = {j: n_outs + k for k, j in enumerate(extra)}
         computed = [
-            y[alias[j]] if alias[j] is not None else y[slot[j]] if j in slot else _zeros(a)  # (unread: any value)
-            for j, a in enumerate(computed_avals)
+            y[alias[j]] if alias[j] is not None else y[slot[j]] if j in slot else _zeros(computed_avals[j])  # (unread)
+            for j in unknown_ins
         ]
         unknown_outs, known_it = iter(interpret(unknown, [*between, *computed])), iter(known_outs)
         return [next(unknown_outs) if u else next(known_it) for u in out_unknowns]
@@ -230,9 +250,10 @@ def split_custom_vjp(params: dict, in_avals: Sequence[Any], perturbed: Sequence[
     )
 
 
-def _traced_backward(params, res_avals, out_avals, ct_outputs, symbolic: bool, arg_avals, wanted: list[int]):
-    """The backward rule traced on abstract values: `(residuals, cts) -> cts of `wanted``."""
-    backward = _backward(params["bwd"], out_avals, ct_outputs, symbolic, arg_avals, wanted)
+def _traced_backward(params, residuals, res_avals, out_avals, ct_outputs, symbolic: bool, arg_avals, wanted: list[int]):
+    """The backward rule traced on abstract values: `(traced residuals, cts) -> cts of
+    `wanted``, the constant residuals given as they are."""
+    backward = _backward(params["bwd"], residuals, out_avals, ct_outputs, symbolic, arg_avals, wanted)
     try:
         closed = jax.make_jaxpr(backward)(
             [_struct(a) for a in res_avals], [_ct_struct(out_avals[i]) for i in ct_outputs]
@@ -263,13 +284,15 @@ def _zeros(aval):
     return jnp.zeros(aval.shape, aval.dtype)
 
 
-def _backward(bwd, out_avals, ct_outputs, symbolic: bool, arg_avals, wanted: list[int]):
+def _backward(bwd, residuals, out_avals, ct_outputs, symbolic: bool, arg_avals, wanted: list[int]):
     """The backward rule as a function of `(residuals, cts)`, `cts` those of the outputs
     `ct_outputs` (the others given as JAX gives them: a symbolic zero with
     `symbolic_zeros`, zeros otherwise), returning the cotangents of the explicit inputs
     `wanted` (zeros where the rule returns None)."""
 
-    def backward(res, cts):
+    def backward(traced, cts):
+        it = iter(traced)
+        res = [r[1] if r[0] == "c" else next(it) for r in residuals]
         given = dict(zip(ct_outputs, cts, strict=True))
         full = []
         for i, a in enumerate(out_avals):

@@ -60,6 +60,11 @@ def _known(closed) -> set:
     return known
 
 
+def _numpy(aval) -> bool:
+    """Whether a value of type `aval` can be a NumPy array (not an extended dtype: a PRNG key)."""
+    return not jax.numpy.issubdtype(aval.dtype, jax.dtypes.extended)
+
+
 def _reached(jaxpr) -> set:
     """The variables that may depend on the program's inputs (its differentiated leaves):
     every output of an equation that reads one (more than depend on them, never fewer)."""
@@ -116,7 +121,10 @@ def rewrite(closed, chosen: Callable[[Any], bool], decide: Callable[[Found], Any
         return traced, nested
     known = _known(closed)
     operands = (v for i in candidates for v in jaxpr.eqns[i].invars)
-    wanted = list(dict.fromkeys(v for v in operands if not isinstance(v, _core.Literal) and v in known))
+    # (a value NumPy cannot hold, a PRNG key, is handed over as its structure)
+    wanted = list(
+        dict.fromkeys(v for v in operands if not isinstance(v, _core.Literal) and v in known and _numpy(v.aval))
+    )
     values = _values(closed, wanted)
 
     def operand(v):

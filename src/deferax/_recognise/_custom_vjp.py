@@ -49,7 +49,7 @@ _BAD_FUNCTION = """`dx.recognise_custom_vjp`: `f` must be a `jax.custom_vjp` fun
 (`f.defvjp(f_fwd, f_bwd)`), but got {found}."""
 
 _CALLBACKS = (
-    "the part of its backward that needs no computed residual calls {what}, which may read what its forward left "
+    "the part of its backward that needs no computed residual {what}, which may read what its forward left "
     "behind (state in a Python object, a `jax.Ref`), so it must run after the forward: left as is. If it reads "
     "nothing the forward wrote, declare it: `dx.recognise_custom_vjp({name}, callbacks_independent=True)`"
 )
@@ -130,16 +130,13 @@ def decide(found, mode) -> Any:
     opaque = _jaxpr.opaque_call(split.adjoint)
     if opaque is not None or _jaxpr.uses_refs(split.adjoint):
         if not _declared(params):
-            what = str(opaque) if opaque is not None else "a `jax.Ref`"
+            what = f"calls {opaque}" if opaque is not None else "uses a `jax.Ref`"
             return _CALLBACKS.format(what=what, name=_function(params))
     if mode is True:
         fwd, early, later = split.work
         if not _pays(early) and _pays(later) and split.needs:
-            residuals = ", ".join(str(r) for r in split.needs[:3])
-            return (
-                f"its backward's work ({_estimate(later)}) needs {residuals} from its forward, so it cannot start "
-                f"before the forward ends: left as is (the standard schedule); the part that needs no computed "
-                f"residual is {_estimate(early)}"
+            return _NEEDS_RESIDUALS.format(
+                later=_estimate(later), needs=_residuals(split.needs), early=_estimate(early)
             )
         if not (_pays(fwd) and _pays(early)):
             return _by_cost(
@@ -148,6 +145,21 @@ def decide(found, mode) -> Any:
             )
     site = _Site(split, n_consts)
     return _registry.Recognition(None, site.apply, site=site.template())
+
+
+_NEEDS_RESIDUALS = (
+    "its backward's work ({later}) needs {needs}, so it cannot start before the forward ends: left as is (the "
+    "standard schedule); the part of its backward that needs no computed residual is {early}"
+)
+
+
+def _residuals(needs) -> str:
+    """ "the residual `res[0]` (float64[20,20]) that its forward computes (`scan` at ...)"."""
+    named = [str(r) for r in needs[:3]] + ([f"{len(needs) - 3} more"] if len(needs) > 3 else [])
+    listed = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " and " + named[-1]
+    where = next((r.location for r in needs if r.location is not None), None)
+    made = f" ({where})" if where is not None else ""
+    return f"the residual{'s' if len(needs) > 1 else ''} {listed} that its forward computes{made}"
 
 
 def _inexact(aval) -> bool:
