@@ -4,6 +4,7 @@ import collections
 import importlib.util
 import os
 import pathlib
+import re
 import threading
 import uuid
 
@@ -25,6 +26,16 @@ def assert_tree_allclose(a, b, *, rtol=1e-10, atol=1e-10):
     assert jtu.tree_structure(a) == jtu.tree_structure(b), (jtu.tree_structure(a), jtu.tree_structure(b))
     for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def hlo_ops(fn, *args) -> collections.Counter:
+    """How many of each operation `jax.jit(fn)` lowers to for `args` (StableHLO and function
+    calls, and each custom call's target): equal for programs that compile to the same one,
+    whatever their values are named."""
+    text = jax.jit(fn).lower(*args).as_text()
+    ops = re.findall(r'(?:= |^\s*)"?((?:stablehlo|func|chlo|mhlo|sdy)\.[a-z_]+)', text, re.MULTILINE)
+    targets = re.findall(r"stablehlo\.custom_call @(\w+)", text)
+    return collections.Counter(ops) + collections.Counter(f"custom_call @{t}" for t in targets)
 
 
 def finite_difference_grad(loss, x, eps=1e-6):

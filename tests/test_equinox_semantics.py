@@ -17,7 +17,7 @@ import scipy.linalg
 
 import deferax as dx
 
-from .helpers import P0, W, assert_tree_allclose, finite_difference_grad, make, plain, ref
+from .helpers import P0, W, assert_tree_allclose, finite_difference_grad, hlo_ops, make, plain, ref
 
 # ----------------------------------------------------------------------------- Python runs once per call
 
@@ -304,6 +304,44 @@ def test_schedule_deferred_on_code_needing_concrete_values_says_why():
         assert str(error.value).endswith(
             "Use schedule='auto' to run it as `equinox.filter_value_and_grad` would, or compute what needs the "
             "concrete value from a non-differentiated argument (which stays concrete)."
+        )
+
+
+# ----------------------------------------------------------------------------- no site: Equinox's program
+
+_DIAGONAL = np.array([2.0, 3.0, 4.0, 5.0])
+
+
+def _host_solve(u):
+    return jax.pure_callback(
+        lambda v: np.asarray(v / _DIAGONAL), jax.ShapeDtypeStruct(u.shape, u.dtype), u, vmap_method="sequential"
+    )
+
+
+@jax.custom_vjp
+def _solved(u):
+    """A SciPy-style solve on the host as a custom_vjp (as jax_fdm writes its sparse solve)."""
+    return _host_solve(u)
+
+
+_solved.defvjp(lambda u: (_host_solve(u), None), lambda _, ct: (_host_solve(ct),))
+
+
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_a_loss_with_no_site_compiles_to_equinox_s_program(has_aux):
+    """With no site, the jitted step lowers to the program Equinox's does (the same
+    operations, the same callbacks): the analysis runs while tracing and leaves nothing."""
+    losses = [
+        lambda p: jnp.sum(jnp.sin(p) ** 2),
+        lambda p: jnp.sum(_solved(jnp.cos(p)) ** 2) + jnp.sum(p * _solved(p)),
+    ]
+    for loss in losses:
+        fun = (lambda p, loss=loss: (loss(p), {"sum": jnp.sum(p), "n": 3})) if has_aux else loss
+        got = hlo_ops(dx.filter_value_and_grad(fun, has_aux=has_aux), P0)
+        assert got == hlo_ops(lambda p, fun=fun: eqx.filter_value_and_grad(fun, has_aux=has_aux)(p), P0)
+        assert_tree_allclose(
+            jax.jit(dx.filter_value_and_grad(fun, has_aux=has_aux))(P0),
+            jax.jit(jax.value_and_grad(fun, has_aux=has_aux))(P0),
         )
 
 

@@ -60,9 +60,13 @@ _MERGED = hasattr(_core.Jaxpr, "with_consts")
 _CLOSED: type = _core.Jaxpr if _MERGED else _core.ClosedJaxpr
 
 user_frames = _source_info_util.user_frames  # innermost first, JAX's own frames left out
-is_user_file = _source_info_util.is_user_filename  # (not JAX's own code, nor Python's)
 join_effects = _core.join_effects
 EvalTrace = _core.EvalTrace
+
+
+def is_user_file(path: str) -> bool:
+    """Whether `path` is neither JAX's own code nor Python's (JAX's test, as in `user_frames`)."""
+    return _source_info_util.is_user_filename(path)
 
 
 def current_trace():
