@@ -9,6 +9,7 @@ import functools as ft
 import os
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +19,7 @@ from jax.experimental import io_callback
 
 import deferax as dx
 
-from .helpers import assert_tree_allclose, make, ref
+from .helpers import assert_tree_allclose, hlo_ops, make, ref
 
 HERE = os.path.relpath(__file__)
 
@@ -553,3 +554,59 @@ def test_python_in_the_rules_runs_as_jax_runs_it():
         runs.clear()
         jitted(P0), jitted(2.0 * P0)
         assert (runs["fwd"], runs["bwd"]) == (1, 1), name
+
+
+# ----------------------------------------------------------------------------- only where it pays
+
+
+@jax.custom_vjp
+def straight_through(x):
+    """Rounding, differentiated as the identity (a straight-through estimator)."""
+    return jnp.round(x)
+
+
+straight_through.defvjp(lambda x: (jnp.round(x), None), lambda _, ct: (ct,))
+
+
+@jax.custom_vjp
+def clip_gradient(x):
+    return x
+
+
+clip_gradient.defvjp(lambda x: (x, None), lambda _, ct: (jnp.clip(ct, -1.0, 1.0),))
+
+
+class _MLP(eqx.Module):
+    layers: list
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 3)
+        sizes = [(8, 32), (32, 32), (32, 1)]
+        self.layers = [eqx.nn.Linear(n_in, n_out, key=k) for (n_in, n_out), k in zip(sizes, keys, strict=True)]
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = clip_gradient(straight_through(4.0 * jax.nn.relu(layer(x))) / 4.0)
+        return self.layers[-1](x)[0]
+
+
+def test_a_training_step_of_cheap_custom_vjps_is_equinox_s():
+    """Straight-through estimators and gradient clipping cost next to nothing: each call is
+    left in place by cost, and the jitted step compiles to Equinox's program, with its
+    gradients."""
+    model = _MLP(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    y = jax.random.normal(jax.random.key(2), (16,))
+
+    def loss(model, x, y):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    plan = dx.explain(loss, model, x, y)
+    assert plan.sites == () and len(plan.recognised) == 4
+    assert all(r.reason.startswith("left in place by cost: its function is estimated at") for r in plan.recognised)
+    step = eqx.filter_jit(dx.filter_value_and_grad(loss))
+    ops = hlo_ops(lambda *a: dx.filter_value_and_grad(loss)(*a), model, x, y)
+    assert ops == hlo_ops(lambda *a: eqx.filter_value_and_grad(loss)(*a), model, x, y)
+    assert_tree_allclose(
+        step(model, x, y), eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, x, y), rtol=0, atol=0
+    )
