@@ -485,8 +485,8 @@ def test_rules_as_users_write_them(case):
 
 
 def test_a_rule_closing_over_a_value_of_the_loss_is_left_as_is():
-    """A rule closing over a value computed in the loss from the differentiated input: left as
-    is (the whole call then runs as Equinox's would, as before); plain JAX's gradient."""
+    """A rule closing over a value computed in the loss cannot run outside the loss's trace:
+    left as is (the whole call then runs as Equinox's would, as before); plain JAX's gradient."""
 
     def loss(p):
         scale = jax.lax.stop_gradient(jnp.cos(p))
@@ -496,8 +496,24 @@ def test_a_rule_closing_over_a_value_of_the_loss_is_left_as_is():
 
     plan = same_as_plain_jax(loss, **ALWAYS)
     [call] = plan.recognised
-    assert call.reason.startswith("it closes over a value computed in the function from the differentiated arguments")
+    assert call.reason.startswith("its forward rule closes over a value computed in the function (a tracer of the")
     assert "closes over a value computed in the function" in plan.fallback
+
+
+def test_a_function_closing_over_a_differentiated_value_its_rules_do_not_read():
+    """JAX differentiates a custom_vjp through its rules alone: what its function closes over
+    (here a value of the differentiated input) plays no part, and the site gives plain JAX's
+    value and gradient (deferax raised JAX's `CustomVJPException` there before: it
+    differentiated the traced program, where the function's closure is an operand)."""
+
+    def loss(p):
+        scale = jnp.cos(p)
+        f = jax.custom_vjp(lambda u: u * scale)
+        f.defvjp(lambda u: (2.0 * u, None), lambda _, ct: (3.0 * ct,))
+        return jnp.sum(W * f(p))
+
+    plan = same_as_plain_jax(loss, **ALWAYS)
+    assert [s.schedule for s in plan.sites] == ["deferred"]
 
 
 def test_an_expensive_function_inside_a_custom_vjp_and_the_reverse(counter):

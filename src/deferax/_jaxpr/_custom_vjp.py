@@ -82,17 +82,17 @@ class Residual:
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """A `custom_vjp` call as a site: `fwd(x) -> (*outs, *extra)` on its operands `x`
-    (constants first), `adjoint(x, cts) -> partial` with `cts` the cotangents of the
-    outputs `ct_outputs`, and `combine(x, y, partial) -> cts` (None: `adjoint` returns
-    them), `cts` the input cotangents of the operands `ct_inputs`. `work` estimates each
-    part (`_work.work`); `needs` are the computed residuals that `combine` reads."""
+    """A `custom_vjp` call as a site: `fwd(x) -> (*outs, *extra)` on its explicit inputs
+    `x` (`extra`: the computed residuals `combine` reads that are no output),
+    `adjoint(x, cts) -> partial` with `cts` the cotangents of the outputs `ct_outputs`, and
+    `combine(x, y, partial) -> cts` (None: `adjoint` returns them), `cts` those of the
+    inputs `ct_inputs`. `work` estimates each part (`_work.work`); `needs` are the computed
+    residuals that `combine` reads."""
 
     fwd: Any  # closed programs
     adjoint: Any
     combine: Any | None
     n_outs: int
-    extra: tuple  # a ShapeDtypeStruct per extra output (the computed residuals `combine` reads)
     ct_outputs: tuple[int, ...]
     ct_inputs: tuple[int, ...]
     work: tuple[float, float, float]  # fwd, adjoint, combine
@@ -108,11 +108,13 @@ def _inexact(aval) -> bool:
 
 
 class Unreadable(Exception):
-    """The call cannot be read as a site: `reason` says why (for `explain`)."""
+    """The call cannot be read as a site: `reason` says why (for `explain`); `needs` and
+    `work` as a `Split`'s where its backward could be read (one that closes over a value of
+    the loss: it can be read, not run)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, needs: tuple = (), work: tuple | None = None):
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.needs, self.work = reason, needs, work
 
 
 def _stale(value) -> bool:
@@ -137,6 +139,7 @@ class _Forward:
     residuals: list
     res_tree: Any
     n_computed: int
+    stale: bool  # it closes over a value of the loss's trace (it can be read, not run)
 
     @property
     def jaxpr(self):
@@ -153,49 +156,52 @@ class _Forward:
 
 
 def _forward(params: dict, perturbed: Sequence[bool]) -> _Forward:
+    """The forward rule traced for the explicit inputs `perturbed` (JAX's record of it)."""
     n_consts = params["num_consts"]
     try:
-        fwd_jaxpr, fwd_consts, input_fwds, res_tree = _core.custom_vjp_parts(params, perturbed[n_consts:])
+        fwd_jaxpr, fwd_consts, input_fwds, res_tree = _core.custom_vjp_parts(params, perturbed)
     except (KeyError, TypeError, ValueError, AttributeError) as error:  # (another JAX's record)
         raise Unreadable(f"its forward rule could not be read ({type(error).__name__}: {error})") from None
-    if any(_stale(c) for c in fwd_consts):
-        raise Unreadable(_STALE.format(rule="forward rule"))
+    if any(f is not None and f < n_consts for f in input_fwds):
+        raise Unreadable("a residual of its forward is a value it closes over, which JAX does not pass on")
     computed = iter(range(len(input_fwds)))
     residuals = []
     for f in input_fwds:
         if f is not None:
-            residuals.append(("x", f))
+            residuals.append(("x", f - n_consts))
             continue
         k = next(computed)
         v = fwd_jaxpr.outvars[k]
         if isinstance(v, _core.Literal):
             residuals.append(("c", v.val))
         elif v in fwd_jaxpr.invars:  # (an input JAX did not see forwarded: one of `symbolic_zeros`'s)
-            residuals.append(("x", n_consts + fwd_jaxpr.invars.index(v)))
+            residuals.append(("x", fwd_jaxpr.invars.index(v)))
         else:
             residuals.append(("r", k))
     n_computed = sum(f is None for f in input_fwds)
-    return _Forward(_core.close(fwd_jaxpr, fwd_consts), residuals, res_tree, n_computed)
+    stale = any(_stale(c) for c in fwd_consts)
+    return _Forward(_core.close(fwd_jaxpr, fwd_consts), residuals, res_tree, n_computed, stale)
 
 
 def split_custom_vjp(params: dict, in_avals: Sequence[Any], perturbed: Sequence[bool], used: Sequence[bool]) -> Split:
     """The call of a `custom_vjp_call` equation with `params`, operands of `in_avals`
-    (constants first) of which `perturbed` depend on the differentiated inputs, and
-    outputs of which `used` are read, as a `Split`. Raises `Unreadable`."""
+    (the values it closes over first, then its explicit inputs) of which `perturbed` depend
+    on the differentiated inputs, and outputs of which `used` are read, as a `Split` on its
+    explicit inputs: JAX differentiates a `custom_vjp` through its rules alone, so what its
+    function closes over plays no part. Raises `Unreadable`."""
     n_consts = params["num_consts"]
+    arg_avals, perturbed = list(in_avals[n_consts:]), list(perturbed[n_consts:])
     out_avals = list(params["call_jaxpr"].out_avals)
     forward = _forward(params, perturbed)
     n_computed, computed_avals, traced = forward.n_computed, forward.computed_avals, forward.traced
-    res_avals = [in_avals[i] if kind == "x" else computed_avals[i] for kind, i in traced]
+    res_avals = [arg_avals[i] if kind == "x" else computed_avals[i] for kind, i in traced]
     if any(isinstance(a, _core.AbstractRef) for a in res_avals):
         raise Unreadable("a residual of its forward is a `jax.Ref`")
     symbolic = bool(params.get("symbolic_zeros", False))
     ct_outputs = tuple(i for i, a in enumerate(out_avals) if _inexact(a) and (used[i] or not symbolic))
-    ct_inputs = tuple(i for i in range(n_consts, len(in_avals)) if perturbed[i] and _inexact(in_avals[i]))
-    wanted = [i - n_consts for i in ct_inputs]
-    closed = _traced_backward(
-        params, forward.residuals, res_avals, out_avals, ct_outputs, symbolic, in_avals[n_consts:], wanted
-    )
+    ct_inputs = tuple(i for i, a in enumerate(arg_avals) if perturbed[i] and _inexact(a))
+    traced_as = (forward.residuals, res_avals, out_avals, ct_outputs, symbolic, arg_avals, ct_inputs)
+    closed, stale = _traced_backward(params, *traced_as)
     # the part that reads no computed residual, and the rest
     unknowns = [kind == "r" for kind, _ in traced] + [False] * len(ct_outputs)
     known, unknown, out_unknowns = _core.split_known(closed, unknowns)
@@ -206,12 +212,17 @@ def split_custom_vjp(params: dict, in_avals: Sequence[Any], perturbed: Sequence[
     reads = dict.fromkeys(range(n_computed), False)
     if later:
         reads.update(zip(unknown_ins, _used_inputs(unknown, n_pe), strict=True))
+    needs = tuple(_residual(forward, j) for j in range(n_computed) if reads[j])
+    estimates = (work(forward.closed), work(known), work(unknown) if later else 0.0)
+    if forward.stale or stale:
+        rule = "forward rule" if forward.stale else "backward rule"
+        raise Unreadable(_STALE.format(rule=rule), needs=needs, work=estimates)
     alias = _aliases(forward.jaxpr, n_computed)
     extra = [j for j in range(n_computed) if reads[j] and alias[j] is None]
     n_outs = len(out_avals)
 
     def fwd(*x):
-        outs = interpret(forward.closed, list(x[n_consts:]))
+        outs = interpret(forward.closed, list(x))
         computed, primal = outs[:n_computed], outs[n_computed:]
         return [*primal, *(computed[j] for j in extra)]
 
@@ -228,7 +239,7 @@ def split_custom_vjp(params: dict, in_avals: Sequence[Any], perturbed: Sequence[
         unknown_outs, known_it = iter(interpret(unknown, [*between, *computed])), iter(known_outs)
         return [next(unknown_outs) if u else next(known_it) for u in out_unknowns]
 
-    x_structs = [_struct(a) for a in in_avals]
+    x_structs = [_struct(a) for a in arg_avals]
     fwd_program = jax.make_jaxpr(fwd)(*x_structs)
     y_structs = [_struct(v.aval) for v in fwd_program.jaxpr.outvars]
     adjoint_program = jax.make_jaxpr(adjoint)(x_structs, [_ct_struct(out_avals[i]) for i in ct_outputs])
@@ -236,24 +247,23 @@ def split_custom_vjp(params: dict, in_avals: Sequence[Any], perturbed: Sequence[
     if later:
         partial_structs = [_struct(v.aval) for v in adjoint_program.jaxpr.outvars]
         combine_program = jax.make_jaxpr(combine)(x_structs, y_structs, partial_structs)
-    needs = tuple(_residual(forward, j) for j in range(n_computed) if reads[j])
     return Split(
         fwd=fwd_program,
         adjoint=adjoint_program,
         combine=combine_program,
         n_outs=n_outs,
-        extra=tuple(y_structs[n_outs:]),
         ct_outputs=ct_outputs,
         ct_inputs=ct_inputs,
-        work=(work(forward.closed), work(known), work(unknown) if later else 0.0),
+        work=estimates,
         needs=needs,
     )
 
 
-def _traced_backward(params, residuals, res_avals, out_avals, ct_outputs, symbolic: bool, arg_avals, wanted: list[int]):
-    """The backward rule traced on abstract values: `(traced residuals, cts) -> cts of
-    `wanted``, the constant residuals given as they are."""
-    backward = _backward(params["bwd"], residuals, out_avals, ct_outputs, symbolic, arg_avals, wanted)
+def _traced_backward(params, residuals, res_avals, out_avals, ct_outputs, symbolic: bool, arg_avals, wanted):
+    """`(closed, stale)`: the backward rule traced on abstract values, `(traced residuals,
+    cts) -> cts of the inputs `wanted``, the constant residuals given as they are; `stale`:
+    it closes over a value of the loss's trace (it can be read, not run)."""
+    backward = _backward(params["bwd"], residuals, out_avals, ct_outputs, symbolic, arg_avals, list(wanted))
     try:
         closed = jax.make_jaxpr(backward)(
             [_struct(a) for a in res_avals], [_ct_struct(out_avals[i]) for i in ct_outputs]
@@ -262,9 +272,7 @@ def _traced_backward(params, residuals, res_avals, out_avals, ct_outputs, symbol
         raise Unreadable(
             f"its backward rule could not be traced on abstract values ({type(error).__name__}: {error})"
         ) from None
-    if any(_stale(c) for c in closed.consts):
-        raise Unreadable(_STALE.format(rule="backward rule"))
-    return closed
+    return closed, any(_stale(c) for c in closed.consts)
 
 
 def _ct_aval(aval):

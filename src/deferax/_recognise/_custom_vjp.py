@@ -20,6 +20,7 @@ A call is rewritten only where that is sound and pays:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -107,11 +108,6 @@ def decide(found, mode) -> Any:
     n_consts = params.get("num_consts", 0)
     if any(_jaxpr.is_ref_type(a) for a in found.in_avals):
         return "it takes a `jax.Ref`, whose writes a site could not keep in order"
-    if any(found.differentiated[:n_consts]):
-        return (
-            "it closes over a value computed in the function from the differentiated arguments (its rules give the "
-            "cotangents of its explicit arguments only)"
-        )
     perturbed = [d and _inexact(a) for d, a in zip(found.differentiated, found.in_avals, strict=True)]
     if not any(perturbed):
         return "none of its inputs depends on the differentiated arguments: there is nothing to differentiate"
@@ -123,7 +119,8 @@ def decide(found, mode) -> Any:
     try:
         split = _jaxpr.split_custom_vjp(params, found.in_avals, perturbed, found.used)
     except _jaxpr.Unreadable as unreadable:
-        return unreadable.reason
+        late = unreadable.work is not None and _late(unreadable.needs, unreadable.work)
+        return f"{late}; and {unreadable.reason}" if late else unreadable.reason
     parts = [p for p in (split.fwd, split.adjoint, split.combine) if p is not None]
     if any(_calls_a_site(p) for p in parts):
         return "its rules call a deferax site, which keeps its own schedule"
@@ -151,6 +148,15 @@ _NEEDS_RESIDUALS = (
     "its backward's work ({later}) needs {needs}, so it cannot start before the forward ends: left as is (the "
     "standard schedule); the part of its backward that needs no computed residual is {early}"
 )
+
+
+def _late(needs: tuple, work: tuple) -> str | None:
+    """Why nothing worth running early is left of the backward, where its work needs the
+    residuals the forward computes (`needs`); None otherwise."""
+    _, early, later = work
+    if _pays(early) or not _pays(later) or not needs:
+        return None
+    return _NEEDS_RESIDUALS.format(later=_estimate(later), needs=_residuals(needs), early=_estimate(early))
 
 
 def _residuals(needs) -> str:
@@ -195,9 +201,10 @@ def _function(params: dict) -> str:
 
 # ----------------------------------------------------------------------------- the site
 #
-# The site's input `x` is the call's explicit operands. The arrays its programs close over,
-# and the call's own closed-over constants (`fixed`), are fields of its implementations:
-# constants to the derivative, as JAX holds them, and operands of the site equation.
+# The site's input `x` is the call's explicit inputs: JAX differentiates a `custom_vjp`
+# through its rules alone, and what its function closes over plays no part in them. The
+# arrays its programs close over are fields of its implementations: constants to the
+# derivative, and operands of the site equation.
 
 
 class _Forward(eqx.Module):
@@ -205,17 +212,16 @@ class _Forward(eqx.Module):
 
     program: _jaxpr.Program = eqx.field(static=True)
     consts: tuple
-    fixed: tuple
 
     def __call__(self, x):
-        return tuple(self.program(self.consts, (*self.fixed, *x)))
+        return tuple(self.program(self.consts, x))
 
 
 class _Cotangents(eqx.Module):
-    """Where the rule's input cotangents go among the explicit operands `x` (zeros for the
-    inputs not differentiated)."""
+    """Where the rule's input cotangents go among the inputs `x` (zeros for those not
+    differentiated)."""
 
-    inputs: tuple[int, ...] = eqx.field(static=True)  # (positions in `x`)
+    inputs: tuple[int, ...] = eqx.field(static=True)
 
     def __call__(self, x, cts):
         given = dict(zip(self.inputs, cts, strict=True))
@@ -227,12 +233,11 @@ class _Adjoint(eqx.Module):
 
     program: _jaxpr.Program = eqx.field(static=True)
     consts: tuple
-    fixed: tuple
     outputs: tuple[int, ...] = eqx.field(static=True)  # the outputs whose cotangents it reads
     placed: _Cotangents | None  # (without a second part: its result is the input cotangents)
 
     def __call__(self, x, ct):
-        out = self.program(self.consts, (*self.fixed, *x, *(ct[i] for i in self.outputs)))
+        out = self.program(self.consts, (*x, *(ct[i] for i in self.outputs)))
         return tuple(out) if self.placed is None else self.placed(x, out)
 
 
@@ -241,44 +246,34 @@ class _Combine(eqx.Module):
 
     program: _jaxpr.Program = eqx.field(static=True)
     consts: tuple
-    fixed: tuple
     placed: _Cotangents
 
     def __call__(self, x, y, partial):
-        return self.placed(x, self.program(self.consts, (*self.fixed, *x, *y, *partial)))
+        return self.placed(x, self.program(self.consts, (*x, *y, *partial)))
 
 
 class _Site:
-    """The site of one call: its programs, made once; `make(fixed, name)` the
-    `ExpensiveFn` with the call's closed-over constants `fixed` (arrays of the trace that
-    rewrites the call, which is why it is made there, not before)."""
+    """The site of one call, and how the call's outputs are computed with it (`apply`)."""
 
     def __init__(self, split, n_consts: int):
         self.n_consts, self.n_outs = n_consts, split.n_outs
-        self.fwd = _jaxpr.program(split.fwd)
-        self.adjoint = _jaxpr.program(split.adjoint)
-        self.combine = None if split.combine is None else _jaxpr.program(split.combine)
-        self.placed = _Cotangents(tuple(i - n_consts for i in split.ct_inputs))
-        self.outputs = split.ct_outputs
-        self.out = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in split.fwd.jaxpr.outvars)
-
-    def make(self, fixed: tuple, name: str = NAME) -> ExpensiveFn:
-        combine = None
-        if self.combine is not None:
-            combine = _Combine(*self.combine, fixed, self.placed)
-        adjoint = _Adjoint(*self.adjoint, fixed, self.outputs, self.placed if combine is None else None)
-        return ExpensiveFn(fwd=_Forward(*self.fwd, fixed), adjoint=adjoint, combine=combine, out=self.out, name=name)
+        placed = _Cotangents(split.ct_inputs)
+        combine = None if split.combine is None else _Combine(*_jaxpr.program(split.combine), placed)
+        adjoint = _Adjoint(*_jaxpr.program(split.adjoint), split.ct_outputs, placed if combine is None else None)
+        out = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in split.fwd.jaxpr.outvars)
+        fwd = _Forward(*_jaxpr.program(split.fwd))
+        self.site = ExpensiveFn(fwd=fwd, adjoint=adjoint, combine=combine, out=out, name=NAME)
 
     def template(self) -> ExpensiveFn:
         """The site with the structures of its arrays in their place (what a `Recognition`
         holds, in a static field, which holds no array)."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), self.make(()))
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), self.site)
 
     def apply(self, site: ExpensiveFn, *operands):
-        """The call's outputs: the site named as `site`, made with the call's constants."""
-        fixed, x = operands[: self.n_consts], operands[self.n_consts :]
-        made = self.make(tuple(fixed), name=site.name or NAME)
-        return list(made(tuple(x)))[: self.n_outs]
+        """The call's outputs from its operands (the values it closes over first): the site,
+        named as `site` (the template, renamed after the call)."""
+        named = dataclasses.replace(self.site, name=site.name)
+        return list(named(tuple(operands[self.n_consts :])))[: self.n_outs]
 
 
 def register() -> None:
