@@ -44,14 +44,18 @@ class Program:
 
     program: Any  # open: (consts, *args) -> outs
     key: Any  # `evaluation_key`, or None (then by identity)
+    digest: int = dataclasses.field(init=False)  # (the key's hash, made once: a large program's key is long)
+
+    def __post_init__(self):
+        object.__setattr__(self, "digest", hash(self.key) if self.key is not None else id(self))
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, Program):
             return NotImplemented
-        return self is other or (self.key is not None and self.key == other.key)
+        return self is other or (self.key is not None and self.digest == other.digest and self.key == other.key)
 
     def __hash__(self) -> int:
-        return hash(self.key) if self.key is not None else id(self)
+        return self.digest
 
     def __call__(self, consts: Sequence[Any], args: Sequence[Any]) -> list:
         return list(_evaluate(self, tuple(consts), tuple(args)))

@@ -89,15 +89,20 @@ def recognise_custom_vjp(f: Any, *, callbacks_independent: bool = True) -> Any:
 
 
 def _declared(params: dict) -> bool:
+    """Whether the call's backward rule was declared (`recognise_custom_vjp`)."""
     with _LOCK:
         declared = list(_DECLARED.keys())
     return any(fn in declared for fn in _jaxpr.rule_functions(params.get("bwd")))
 
 
+def _function_name(params: dict) -> str | None:
+    call = params.get("call_jaxpr")
+    return _jaxpr.function_name(getattr(getattr(call, "jaxpr", None), "debug_info", None))
+
+
 def name_of(params: dict) -> str:
     """How `explain` names the call: "custom_vjp `f`"."""
-    call = params.get("call_jaxpr")
-    name = _jaxpr.function_name(getattr(getattr(call, "jaxpr", None), "debug_info", None))
+    name = _function_name(params)
     return f"{NAME} `{name}`" if name else NAME
 
 
@@ -114,8 +119,9 @@ def decide(found, mode) -> Any:
     call = params["call_jaxpr"]
     if _calls_a_site(call):
         return "its function calls a deferax site, which keeps its own schedule"
-    if mode is True and not _pays(_jaxpr.work(call)):  # (a cheap function is left before its rules are traced)
-        return _by_cost("its function", _jaxpr.work(call))
+    cost = _jaxpr.work(call)
+    if mode is True and not _pays(cost):  # (a cheap function is left before its rules are traced)
+        return _by_cost("its function", cost)
     try:
         split = _jaxpr.split_custom_vjp(params, found.in_avals, perturbed, found.used)
     except _jaxpr.Unreadable as unreadable:
@@ -128,13 +134,12 @@ def decide(found, mode) -> Any:
     if opaque is not None or _jaxpr.uses_refs(split.adjoint):
         if not _declared(params):
             what = f"calls {opaque}" if opaque is not None else "uses a `jax.Ref`"
-            return _CALLBACKS.format(what=what, name=_function(params))
+            return _CALLBACKS.format(what=what, name=_function_name(params) or "f")
     if mode is True:
-        fwd, early, later = split.work
-        if not _pays(early) and _pays(later) and split.needs:
-            return _NEEDS_RESIDUALS.format(
-                later=_estimate(later), needs=_residuals(split.needs), early=_estimate(early)
-            )
+        fwd, early, _ = split.work
+        late = _late(split.needs, split.work)
+        if late:
+            return late
         if not (_pays(fwd) and _pays(early)):
             return _by_cost(
                 f"its forward ({_estimate(fwd)}) beside the part of its backward that needs no computed residual",
@@ -192,11 +197,6 @@ def _by_cost(what: str, operations: float) -> str:
         f"left in place by cost: {what} is estimated at {_estimate(operations)}, too little to pay for a deferred "
         f'site\'s round trips (about {PAYS_FROM * 1e3:.2g} ms); `recognise="always"` rewrites it anyway'
     )
-
-
-def _function(params: dict) -> str:
-    call = params.get("call_jaxpr")
-    return _jaxpr.function_name(getattr(getattr(call, "jaxpr", None), "debug_info", None)) or "f"
 
 
 # ----------------------------------------------------------------------------- the site
