@@ -2,6 +2,8 @@
 inverse design) in a loss, with no site and wrapped as an `ExpensiveFn`, against Equinox
 and plain JAX."""
 
+import re
+
 import equinox as eqx
 import fdtdx  # in the tests extra
 import jax
@@ -140,6 +142,20 @@ def test_fdtdx_time_reversal_gradient_without_a_site():
     loss = lambda p: weighted(simulate(p))  # noqa: E731
     plan = dx.explain(loss, params)
     assert plan.sites == () and "closes over a value computed in the function" in plan.fallback
+    # its custom_vjp is not a site: nothing of its backward can start before the forward ends
+    # (the time reversal starts from the final fields), and its rules close over the arrays
+    [call] = plan.recognised
+    assert (call.call, call.site) == ("custom_vjp `reversible_fdtd_primal`", None)
+    assert re.match(
+        r"its backward's work \(about .* ms\) needs the residuals `res\[0\]\[1\]` \(float64\[3,20,20,1\]\), "
+        r"`res\[0\]\[2\]` \(float64\[3,20,20,1\]\)",
+        call.reason,
+    ), call.reason
+    assert "so it cannot start before the forward ends: left as is (the standard schedule)" in call.reason
+    assert call.reason.endswith(
+        "and its forward rule closes over a value computed in the function (a tracer of the "
+        "loss's trace), which cannot be evaluated outside it"
+    )
     got = eqx.filter_jit(dx.filter_value_and_grad(loss))(params)
     assert_tree_allclose(got, jax.jit(jax.value_and_grad(loss))(params), rtol=1e-9, atol=1e-12)
     assert_tree_allclose(got, eqx.filter_jit(eqx.filter_value_and_grad(loss))(params), rtol=1e-9, atol=1e-12)

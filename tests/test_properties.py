@@ -97,16 +97,19 @@ def _wrapped(fn, wrap):
     return fn
 
 
-def build(spec, counters, plain=False):
+def build(spec, counters, plain=False, layouts=None):
     """The program; with `plain=True` each `ExpensiveFn` is replaced by the function it
-    stands for (the independent reference)."""
-    fns = [
-        _wrapped(
-            REFS[s["ref"]] if plain else make(REFS[s["ref"]], ("fwd", "bwd", "fused"), counters[k], name=f"site{k}"),
-            s["wrap"],
-        )
-        for k, s in enumerate(spec["sites"])
-    ]
+    stands for (the independent reference); with `layouts`, by a `jax.custom_vjp` of it
+    whose residuals are laid out as `layouts[k]` says (`custom_vjp_of`)."""
+
+    def site(k, s):
+        if plain:
+            return REFS[s["ref"]]
+        if layouts is not None:
+            return custom_vjp_of(REFS[s["ref"]], layouts[k], counters[k])
+        return make(REFS[s["ref"]], ("fwd", "bwd", "fused"), counters[k], name=f"site{k}")
+
+    fns = [_wrapped(site(k, s), s["wrap"]) for k, s in enumerate(spec["sites"])]
 
     def loss(params):
         p = params["p"] + params["q"][0] if spec["pytree_input"] else params
@@ -176,3 +179,92 @@ def test_random_programs_match_equinox(data, spec):
     assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-9)
     assert_tree_allclose(eqx.filter_value_and_grad(loss)(params), expected, rtol=1e-9, atol=1e-9)
     assert_tree_allclose(eqx.filter_jit(dx.filter_value_and_grad(loss))(params), expected, rtol=1e-9, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------- `jax.custom_vjp` programs
+#
+# The same random programs with each site a `jax.custom_vjp` of its (element-wise) reference,
+# as users write one, its residuals laid out in one of these ways; each rule is the exact
+# derivative, read from its residuals differently, so that the split of the backward (the
+# part that reads only the inputs and the cotangent, and the part that reads what the forward
+# computed) takes every shape.
+LAYOUTS = ("input", "input and output", "derivative", "half and half", "symbolic zeros")
+
+
+def custom_vjp_of(ref, layout: str, counter):
+    """`ref` as a `jax.custom_vjp`, whose forward keeps the residuals `layout` says; the
+    forward and the backward each tick `counter` ("fwd", "bwd") when they run."""
+
+    def derivative(x):  # (element-wise: the Jacobian's diagonal)
+        return jax.jvp(ref, (x,), (jnp.ones_like(x),))[1]
+
+    @jax.custom_vjp
+    def f(x):
+        return ref(x)
+
+    def f_fwd(x):
+        if layout == "symbolic zeros":
+            x = x.value
+        counter.tick("fwd")
+        y = ref(x)
+        res = {
+            "input": x,
+            "input and output": (x, y),
+            "derivative": derivative(x),
+            "half and half": (x, derivative(x)),
+            "symbolic zeros": x,
+        }[layout]
+        return y, res
+
+    def f_bwd(res, ct):
+        counter.tick("bwd")
+        if layout == "input and output":
+            x, y = res
+            return (jax.vjp(ref, x)[1](ct)[0] + 0.0 * y,)  # (reads the output: a second part)
+        if layout == "derivative":
+            return (ct * res,)
+        if layout == "half and half":
+            x, d = res
+            return (0.5 * jax.vjp(ref, x)[1](ct)[0] + 0.5 * ct * d,)
+        if layout == "symbolic zeros" and type(ct) is jax.custom_derivatives.SymbolicZero:
+            return (None,)
+        return jax.vjp(ref, res)[1](ct)
+
+    f.defvjp(f_fwd, f_bwd, symbolic_zeros=layout == "symbolic zeros")
+    return f
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(data=st.data(), spec=programs())
+def test_random_custom_vjp_programs_match_plain_jax(data, spec):
+    """Every `custom_vjp` call rewritten where it is sound (`recognise="always"`): the value and
+    gradient of plain JAX running the same program (and of the references differentiated by
+    JAX), eagerly and under `jit`, each rule's forward and backward run once a call (plain
+    JAX runs them as often, or, under `checkpoint`, the forward twice)."""
+    params = data.draw(inputs(spec["pytree_input"]), label="params")
+    layouts = [data.draw(st.sampled_from(LAYOUTS), label=f"layout {k}") for k in range(len(spec["sites"]))]
+    counters = [Counter() for _ in spec["sites"]]
+    loss = build(spec, counters, layouts=layouts)
+    expected = jax.value_and_grad(build(spec, counters, plain=True))(params)
+    assume(well_conditioned(spec, params, expected))
+    plain_jax = jax.value_and_grad(loss)
+    step = dx.filter_value_and_grad(loss, recognise="always")
+    plan = dx.explain(step, params)
+    assert len(plan.sites) == len(spec["sites"]) and all(r.site is not None for r in plan.recognised), str(plan)
+    if obviously_linear(spec):
+        assert all(s.schedule == "deferred" for s in plan.sites), str(plan)
+    for fn in (plain_jax, step, jax.jit(step)):
+        jax.block_until_ready(fn(params))  # (compiled)
+    jax.effects_barrier()
+    runs = []
+    for fn in (plain_jax, step, jax.jit(step)):
+        for c in counters:
+            c.reset()
+        got = jax.block_until_ready(fn(params))
+        jax.effects_barrier()
+        runs.append([dict(c.counts) for c in counters])
+        assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-9)
+        assert_tree_allclose(got, plain_jax(params), rtol=1e-12, atol=1e-12)
+    once = [{"fwd": 1, "bwd": 1}] * len(counters)
+    assert runs[1] == once and runs[2] == once, (runs, str(plan))
+    assert runs[0] == [{"fwd": 2 if s["wrap"] == "checkpoint" else 1, "bwd": 1} for s in spec["sites"]], runs

@@ -35,6 +35,7 @@ CONSTANTS = {
     "deferax._checks._checks._RULES": "the rule each implementation must follow, for messages",
     "deferax._host._host._METHODS": "how a host implementation is called, by kind",
     "deferax._jaxpr._dependence._CALL_PARAMS": "the parameter holding a call primitive's program, by primitive",
+    "deferax._jaxpr._keys._EVALUATED_PARAMS": "the parameters of a custom rule that its evaluation reads",
     "deferax._jaxpr._linearity._LINEAR_UNARY": "primitives linear in their operand",
     "deferax._jaxpr._linearity._ADDITIVE": "primitives that add",
     "deferax._jaxpr._linearity._PRODUCT": "primitives that multiply",
@@ -140,6 +141,7 @@ def _fill_everything():
     dx.register_recognition(jax.lax.sin_p, lambda operands, params: "never", name="sin")
     _runtime.RECOGNITION_BUILTINS.add("klujax")
     _runtime.TESSERACTS.add(_Shaped)
+    _runtime.CUSTOM_VJPS[_Shaped] = True
     _runtime.RECORDERS.append("timeline")
     _affinity._WORKERS[_Shaped] = "workers"
     _typed._field_hints(_Shaped)
@@ -175,6 +177,7 @@ def test_reset_resets_every_piece():
         _runtime.RECOGNITION_RULES,
         _runtime.RECOGNITION_BUILTINS,
         _runtime.TESSERACTS,
+        _runtime.CUSTOM_VJPS,
         _runtime.RECORDERS,
         _affinity._WORKERS,
     ):

@@ -26,6 +26,7 @@ from ._plan._cost import forget_timings as forget_timings
 from ._plan._plan import Plan as Plan
 from ._plan._plan import Recognised as Recognised
 from ._plan._plan import Site as Site
+from ._recognise._custom_vjp import recognise_custom_vjp as recognise_custom_vjp
 from ._recognise._registry import Recognition as Recognition
 from ._recognise._registry import register_recognition as register_recognition
 from ._recognise._tesseract import recognise_tesseract as recognise_tesseract

@@ -65,6 +65,8 @@ PLACEMENT: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_placeme
 DECLARED: contextvars.ContextVar[list | None] = contextvars.ContextVar("deferax_declared", default=None)
 # inside: a structural key is being made for a rule's program (`_jaxpr/_keys.py`)
 IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_keying_a_rule", default=False)
+# inside: a key is being made for a program that is only evaluated, never differentiated (`_jaxpr/_keys.py`)
+EVALUATED: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_keying_evaluated", default=False)
 # what a recorded call is part of: its site, where it runs, whether timed outside (`_record.py`)
 SITE: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("deferax_site", default=None)
 WHERE: contextvars.ContextVar[str | None] = contextvars.ContextVar("deferax_where", default=None)
@@ -88,6 +90,7 @@ CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     PLACEMENT,
     DECLARED,
     IN_RULE,
+    EVALUATED,
     SITE,
     WHERE,
     TIMED_OUTSIDE,
@@ -191,6 +194,8 @@ RECOGNITION_RULES: dict[Any, tuple[str, Callable]] = {}
 RECOGNITION_BUILTINS: set[str] = set()
 # `recognise_tesseract`: the tesseracts declared (`_recognise/_tesseract.py`)
 TESSERACTS: weakref.WeakSet = weakref.WeakSet()
+# `recognise_custom_vjp`: the backward rules declared, each with its callbacks independent (`_recognise/_custom_vjp.py`)
+CUSTOM_VJPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # the timelines of the `record()` blocks open now (`_record.py`)
 RECORDERS: list = []
 
@@ -247,6 +252,7 @@ def reset() -> None:
     RECOGNITION_RULES.clear()
     RECOGNITION_BUILTINS.clear()
     TESSERACTS.clear()
+    CUSTOM_VJPS.clear()
     RECORDERS.clear()
     for clear in _CLEARS:
         clear()

@@ -425,13 +425,15 @@ def filter_value_and_grad(
       "How the schedule is chosen" in the docs). An int is a fixed rule: `k <= max_basis`
       is deferred-basis, beyond it standard, whatever the estimates. A site's own
       `ExpensiveFn(max_basis=...)` takes precedence.
-    - `recognise`: rewrite the sparse solves that `fun` already makes (`klujax.solve`,
-      `jax.experimental.sparse.linalg.spsolve` on CPU, and primitives registered with
-      [`deferax.register_recognition`][]) into [`deferax.sparse_solve`][] sites, so that
-      one factorisation serves the forward and every adjoint. `True` (default): where the
-      rewrite provably equals the call and its saving pays for a host round trip (see
-      "Faster without rewriting" in the docs); `"always"`: wherever it provably equals the
-      call, whatever the cost; `False`: never (the program is left exactly as traced).
+    - `recognise`: rewrite the calls that `fun` already makes into sites: its
+      `jax.custom_vjp` calls (each a site whose forward and the part of its backward that
+      needs no residual computed by the forward may run at once), the sparse solves
+      (`klujax.solve`, `jax.experimental.sparse.linalg.spsolve` on CPU) into
+      [`deferax.sparse_solve`][] sites, so that one factorisation serves the forward and
+      every adjoint, and primitives registered with [`deferax.register_recognition`][].
+      `True` (default): where the rewrite provably equals the call and is estimated to pay
+      (see "Faster without rewriting" in the docs); `"always"`: wherever it provably equals
+      the call, whatever the cost; `False`: never (the program is left exactly as traced).
 
     **Returns:**
 

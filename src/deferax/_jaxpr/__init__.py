@@ -12,6 +12,8 @@ tested JAX range is pinned in `pyproject.toml`. One file a concern:
 - `_linearity`: where a program stops being linear in an input;
 - `_example_axes`: which axis of a value indexes the examples of a batch;
 - `_rewrite`: rewriting chosen equations into other code (recognised calls);
+- `_custom_vjp`: a `jax.custom_vjp` call read as a site, its backward split in two;
+- `_work`: how much work a program does, estimated from its equations;
 - `_replay`: what cannot run outside the trace that made it, or must run once;
 - `_keys`: cache keys equal for programs that compute the same thing;
 - `_config`: the caller's JAX configuration carried to other threads.
@@ -21,6 +23,11 @@ from ._config import apply_config as apply_config
 from ._config import carry_context as carry_context
 from ._config import local_config as local_config
 from ._config import setting as setting
+from ._custom_vjp import Program as Program
+from ._custom_vjp import Split as Split
+from ._custom_vjp import Unreadable as Unreadable
+from ._custom_vjp import program as program
+from ._custom_vjp import split_custom_vjp as split_custom_vjp
 from ._dependence import dependencies as dependencies
 from ._dependence import effect_dependencies as effect_dependencies
 from ._dependence import escaping as escaping
@@ -28,12 +35,16 @@ from ._dependence import first_culprit as first_culprit
 from ._dependence import input_marks as input_marks
 from ._dependence import is_eager as is_eager
 from ._dependence import is_ref as is_ref
+from ._dependence import is_ref_type as is_ref_type
 from ._dependence import needed_equations as needed_equations
 from ._dependence import opaque_call as opaque_call
 from ._dependence import raised_at as raised_at
 from ._dependence import under_differentiation as under_differentiation
 from ._dependence import uses_refs as uses_refs
 from ._example_axes import example_axes as example_axes
+from ._internals import custom_vjp_call_primitive as custom_vjp_call_primitive
+from ._internals import function_name as function_name
+from ._internals import rule_functions as rule_functions
 from ._keys import structural_key as structural_key
 from ._linearity import frontier_size as frontier_size
 from ._linearity import linear_frontier as linear_frontier
@@ -63,3 +74,4 @@ from ._replay import stranded_rule as stranded_rule
 from ._rewrite import Found as Found
 from ._rewrite import Nested as Nested
 from ._rewrite import rewrite as rewrite
+from ._work import work as work

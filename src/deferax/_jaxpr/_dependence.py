@@ -131,7 +131,12 @@ def _inner_jaxpr(eqn):
 
 
 def is_ref(v) -> bool:
-    return not isinstance(v, _core.Literal) and isinstance(v.aval, _core.AbstractRef)
+    return not isinstance(v, _core.Literal) and is_ref_type(v.aval)
+
+
+def is_ref_type(aval) -> bool:
+    """Whether `aval` is the type of a `jax.Ref`."""
+    return isinstance(aval, _core.AbstractRef)
 
 
 def uses_refs(closed) -> bool:

@@ -11,8 +11,13 @@ differ. Across the tested range (see `pyproject.toml`):
 - The names below without a public home (the trace context, the traces it is nested in and
   a tracer's trace, `join_effects`, `user_frames`, `is_user_file`,
   the configuration states, `convert_constvars_jaxpr` before 0.12, the type of a
-  `jax.Ref`'s value, the effects of an `io_callback`) are taken from `jax._src`, so a JAX
-  upgrade that moves them breaks this file only.
+  `jax.Ref`'s value, the effects of an `io_callback`, `partial_eval_jaxpr_nounits`) are
+  taken from `jax._src`, so a JAX upgrade that moves them breaks this file only.
+- A `custom_vjp_call` equation's parameters (`call_jaxpr`, `fwd_jaxpr_thunk`, `bwd`,
+  `out_trees`, `num_consts`, `symbolic_zeros`) are JAX's own record of the call, read by
+  `custom_vjp_parts` below: on jax 0.9-0.10 `out_trees()` returns `(out_tree, res_tree,
+  input_fwds)`, `input_fwds` giving, for each residual, the operand (constants first) it
+  is, or None for one the forward computes.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from jax._src.callback import OrderedIOEffect as _OrderedIOEffect
 from jax._src.state.types import AbstractRef as AbstractRef
 from jax.core import ShapedArray as ShapedArray
 from jax.core import Tracer as Tracer
+from jax.custom_derivatives import SymbolicZero as SymbolicZero
 from jax.extend.core import Jaxpr as Jaxpr
 from jax.extend.core import Literal as Literal
 from jax.extend.core import Primitive as Primitive
@@ -38,6 +44,7 @@ from jax.extend.source_info_util import current_name_stack as current_name_stack
 from jax.extend.source_info_util import user_context as user_context
 from jax.interpreters.ad import JVPTrace as JVPTrace
 from jax.interpreters.ad import Zero as Zero
+from jax.interpreters.partial_eval import dce_jaxpr as dce_jaxpr
 
 try:  # jax >= 0.10
     from jax.extend.core import DropVar as DropVar
@@ -120,3 +127,61 @@ def constvars_as_inputs(closed):
     from jax._src.interpreters import partial_eval as pe
 
     return close(pe.convert_constvars_jaxpr(closed.jaxpr), [])
+
+
+def custom_vjp_call_primitive():
+    """The primitive a `jax.custom_vjp` call binds (`custom_vjp_call`)."""
+    from jax.extend.core import primitives
+
+    return primitives.custom_vjp_call_p
+
+
+def custom_vjp_parts(params: dict, perturbed: Sequence[bool]) -> tuple[Any, list, list[int | None], Any]:
+    """`(fwd_jaxpr, fwd_consts, input_fwds, res_tree)` of a `custom_vjp_call` equation's
+    forward rule, traced for the explicit inputs `perturbed` (the closed-over constants
+    are never perturbed). The forward's program takes the explicit inputs and returns
+    `(*computed residuals, *outputs)`; `input_fwds[j]` is the operand (constants first)
+    that residual `j` is, or None for a computed one."""
+    fwd_jaxpr, fwd_consts = params["fwd_jaxpr_thunk"].call_wrapped(*perturbed)
+    _, res_tree, input_fwds = params["out_trees"]()
+    return fwd_jaxpr, list(fwd_consts), list(input_fwds), res_tree
+
+
+def function_name(debug_info) -> str | None:
+    """The function's name in a program's debug info (`f` of "f at file.py:3"), if any."""
+    return debug_info.func_name if debug_info is not None and debug_info.func_src_info else None
+
+
+def split_known(closed, unknowns: Sequence[bool]):
+    """`(known, unknown, out_unknowns)`: `closed` split by data dependence on the inputs
+    flagged in `unknowns` (JAX's partial evaluation): `known` takes the other inputs and
+    returns the outputs that do not depend on them, then the residuals; `unknown` takes the
+    residuals, then the flagged inputs, and returns the rest."""
+    from jax._src.interpreters import partial_eval as pe
+
+    known, unknown, out_unknowns, _ = pe.partial_eval_jaxpr_nounits(closed, list(unknowns), instantiate=False)
+    return known, unknown, list(out_unknowns)
+
+
+def rule_functions(wrapped) -> list:
+    """The user's functions behind a custom rule's wrapped callable (`bwd` of a
+    `custom_vjp_call`): the function JAX wrapped (`WrappedFun.f`), and, for a rule JAX made
+    from another (batched by `vmap`), those of the wrapped callables it closes over."""
+    found, todo, seen = [], [wrapped], set()
+    while todo:
+        w = todo.pop()
+        if id(w) in seen:
+            continue
+        seen.add(id(w))
+        f = w.f if isinstance(w, WrappedFun) else w
+        if not callable(f):
+            continue
+        found.append(f)
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # (an empty cell)
+                continue
+            if isinstance(inner, WrappedFun):
+                todo.append(inner)
+    return found

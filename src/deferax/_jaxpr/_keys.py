@@ -18,6 +18,9 @@ class _Unkeyable(Exception):
     pass
 
 
+_EVALUATED = _runtime.EVALUATED
+
+
 def structural_key(closed) -> tuple | None:
     """A hashable key equal for two jaxprs that compute the same thing from the same inputs:
     the same equations, parameters, literals and wiring. Constants are not part of it (see
@@ -26,6 +29,32 @@ def structural_key(closed) -> tuple | None:
         return _jaxpr_key(closed.jaxpr)
     except _Unkeyable:
         return None
+
+
+def evaluation_key(closed) -> tuple | None:
+    """As `structural_key`, for a program that is only ever evaluated, never differentiated
+    (a recognised `custom_vjp`'s forward and the parts of its backward): a custom rule in it
+    is keyed by what it computes when evaluated, its primal, and its derivative rules (a
+    Python function made anew by every trace) are left out."""
+    token = _EVALUATED.set(True)
+    try:
+        return _jaxpr_key(closed.jaxpr)
+    except _Unkeyable:
+        return None
+    finally:
+        _EVALUATED.reset(token)
+
+
+# A custom rule's parameters that say what it computes when it is evaluated (its primal).
+_EVALUATED_PARAMS = {"custom_vjp_call": ("call_jaxpr", "num_consts"), "custom_jvp_call": ("call_jaxpr", "num_consts")}
+
+
+def _params_key(e) -> tuple:
+    params = e.params
+    kept = _EVALUATED_PARAMS.get(str(e.primitive)) if _EVALUATED.get() else None
+    if kept is not None:
+        params = {k: params[k] for k in kept if k in params}
+    return tuple(sorted((k, _jvp_rule_key(e) if k == "jvp_jaxpr_fun" else _param_key(p)) for k, p in params.items()))
 
 
 def _aval_key(aval) -> tuple:
@@ -55,9 +84,7 @@ def _jaxpr_key(jaxpr) -> tuple:
             e.primitive,  # (a singleton: by identity, finer than its name and cheaper)
             tuple(var(v) for v in e.invars),
             tuple((var(v), _aval_key(v.aval)) for v in e.outvars),
-            tuple(
-                sorted((k, _jvp_rule_key(e) if k == "jvp_jaxpr_fun" else _param_key(p)) for k, p in e.params.items())
-            ),
+            _params_key(e),
         )
         for e in jaxpr.eqns
     )

@@ -31,6 +31,9 @@ class Found:
     outs: tuple  # a ShapeDtypeStruct per output
     location: Location
     multiple_results: bool
+    in_avals: tuple = ()  # the type of each operand
+    differentiated: tuple = ()  # per operand: whether it may depend on the program's (differentiated) inputs
+    used: tuple = ()  # per output: whether the program reads it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Nested:
     primitive: Any
     location: Location
     kind: str  # the construct (`lax.scan`, ...)
+    params: dict = dataclasses.field(default_factory=dict)
 
 
 def _struct(aval) -> jax.ShapeDtypeStruct:
@@ -54,6 +58,29 @@ def _known(closed) -> set:
         if not eqn.effects and all(isinstance(v, _core.Literal) or v in known for v in eqn.invars):
             known.update(v for v in eqn.outvars if not isinstance(v, _core.DropVar))
     return known
+
+
+def _numpy(aval) -> bool:
+    """Whether a value of type `aval` can be a NumPy array (not an extended dtype: a PRNG key)."""
+    return not jax.numpy.issubdtype(aval.dtype, jax.dtypes.extended)
+
+
+def _reached(jaxpr) -> set:
+    """The variables that may depend on the program's inputs (its differentiated leaves):
+    every output of an equation that reads one (more than depend on them, never fewer)."""
+    reached = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, _core.Literal) and v in reached for v in eqn.invars):
+            reached.update(v for v in eqn.outvars if not isinstance(v, _core.DropVar))
+    return reached
+
+
+def _read(jaxpr) -> set:
+    """The variables that an equation or the program's outputs read."""
+    read = {v for v in jaxpr.outvars if not isinstance(v, _core.Literal)}
+    for eqn in jaxpr.eqns:
+        read.update(v for v in eqn.invars if not isinstance(v, _core.Literal))
+    return read
 
 
 def _values(closed, variables: list) -> dict:
@@ -71,10 +98,12 @@ def rewrite(closed, chosen: Callable[[Any], bool], decide: Callable[[Found], Any
     """`(program, nested)`: `closed` with each equation of a primitive `p` for which
     `chosen(p)` holds replaced by `decide(found)`'s function, called on the equation's
     inputs under the new trace and returning its outputs as a list; where `decide`
-    returns None the equation stays. `nested`: the chosen equations left inside other
-    constructs, a `Nested` each. `decide` is called in program order."""
+    returns None the equation stays (where it does for every one, `closed` is returned as
+    it was traced, its nested `jit`s kept). `nested`: the chosen equations left inside
+    other constructs, a `Nested` each. `decide` is called in program order."""
     if not any(contains(e, chosen) for e in closed.jaxpr.eqns):
         return closed, []
+    traced = closed
     locations = iter(_locations(closed.jaxpr.eqns, chosen, None))
     closed = inline(closed, chosen)
     jaxpr = closed.jaxpr
@@ -85,12 +114,17 @@ def rewrite(closed, chosen: Callable[[Any], bool], decide: Callable[[Found], Any
             candidates.append(i)
         elif contains(eqn, chosen):
             outer = _location(eqn)
-            nested.extend(Nested(e.primitive, _at(e, outer), kind_of(eqn)) for e in _all_chosen(eqn, chosen))
+            nested.extend(
+                Nested(e.primitive, _at(e, outer), kind_of(eqn), dict(e.params)) for e in _all_chosen(eqn, chosen)
+            )
     if not candidates:
-        return closed, nested
+        return traced, nested
     known = _known(closed)
     operands = (v for i in candidates for v in jaxpr.eqns[i].invars)
-    wanted = list(dict.fromkeys(v for v in operands if not isinstance(v, _core.Literal) and v in known))
+    # (a value NumPy cannot hold, a PRNG key, is handed over as its structure)
+    wanted = list(
+        dict.fromkeys(v for v in operands if not isinstance(v, _core.Literal) and v in known and _numpy(v.aval))
+    )
     values = _values(closed, wanted)
 
     def operand(v):
@@ -98,6 +132,7 @@ def rewrite(closed, chosen: Callable[[Any], bool], decide: Callable[[Found], Any
             return np.asarray(v.val)
         return values[v] if v in values else _struct(v.aval)
 
+    reached, read = _reached(jaxpr), _read(jaxpr)
     handlers = {}
     for i in candidates:
         eqn = jaxpr.eqns[i]
@@ -108,12 +143,15 @@ def rewrite(closed, chosen: Callable[[Any], bool], decide: Callable[[Found], Any
             tuple(_struct(v.aval) for v in eqn.outvars),
             next(locations),
             eqn.primitive.multiple_results,
+            tuple(v.aval for v in eqn.invars),
+            tuple(not isinstance(v, _core.Literal) and v in reached for v in eqn.invars),
+            tuple(not isinstance(v, _core.DropVar) and v in read for v in eqn.outvars),
         )
         fn = decide(found)
         if fn is not None:
             handlers[i] = lambda eqn, ins, fn=fn: fn(*ins)
-    if not handlers:
-        return closed, nested
+    if not handlers:  # (the program as it was traced, its nested `jit`s kept)
+        return traced, nested
     structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in jaxpr.invars]
     return jax.make_jaxpr(lambda *args: interpret(closed, args, handlers))(*structs), nested
 

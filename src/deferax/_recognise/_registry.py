@@ -125,6 +125,25 @@ def register_recognition(primitive: Any, rule: Any, *, name: str) -> None:
         _RULES[primitive] = (str(name), rule)
 
 
+class Builtin:
+    """A rule built into deferax that sees the whole call (a `_jaxpr.Found`) and the
+    `recognise` mode, and names each call itself (a `custom_vjp` call by its function):
+    `rule(found, mode) -> Recognition | str`, `name_of(params) -> str`."""
+
+    def __init__(self, rule: Callable, name_of: Callable[[dict], str]):
+        self.rule, self.name_of = rule, name_of
+
+    def __call__(self, found: Any, mode: Any) -> Any:
+        return self.rule(found, mode)
+
+
+def register_builtin(primitive: Any, rule: Callable, name_of: Callable[[dict], str]) -> None:
+    """Register a `Builtin` rule for `primitive`, unless a rule was registered for it
+    (`register_recognition`'s, which replaces it)."""
+    with _LOCK:
+        _RULES.setdefault(primitive, (name_of({}), Builtin(rule, name_of)))
+
+
 def _found(obj: Any) -> str:
     text = repr(obj)
     return text if len(text) <= 60 else f"a {type(obj).__name__}"
@@ -143,9 +162,10 @@ def rules() -> dict[Any, tuple[str, Callable]]:
 
 
 def _builtin():
-    from . import _klujax, _spsolve, _tesseract
+    from . import _custom_vjp, _klujax, _spsolve, _tesseract
 
     return (
+        ("jax", _custom_vjp.register),
         ("klujax", _klujax.register),
         ("jax.experimental.sparse.linalg", _spsolve.register),
         ("tesseract_jax", _tesseract.register),

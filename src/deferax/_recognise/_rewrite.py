@@ -41,7 +41,10 @@ def recognise(closed, mode) -> tuple:
     def decide(found):
         name, rule = rules[found.primitive]
         where = _where(found.location)
-        answer = rule(found.operands, found.params)
+        if isinstance(rule, _registry.Builtin):
+            name, answer = rule.name_of(found.params), rule(found, mode)
+        else:
+            answer = rule(found.operands, found.params)
         if isinstance(answer, str):
             calls.append(Call(name, where, None, answer))
             return None
@@ -79,8 +82,13 @@ def recognise(closed, mode) -> tuple:
     closed, nested = _jaxpr.rewrite(closed, lambda p: p in rules, decide)
     for n in nested:
         reason = f"inside {n.kind}: left as is (calls at the top level of the loss, or in a nested `jit`, are)"
-        calls.append(Call(rules[n.primitive][0], _where(n.location), None, reason))
+        calls.append(Call(_name(rules[n.primitive], n.params), _where(n.location), None, reason))
     return closed, tuple(calls)
+
+
+def _name(entry, params: dict) -> str:
+    name, rule = entry
+    return rule.name_of(params) if isinstance(rule, _registry.Builtin) else name
 
 
 def _where(location) -> str:
