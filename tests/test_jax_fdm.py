@@ -103,7 +103,11 @@ def test_form_finding_gets_plain_jax_value_and_gradient(network, solves):
     loss, params = problem(network())
     dense, _ = problem(network(), sparse=False)
     plan = dx.explain(loss, params)
-    assert (plan.sites, plan.fallback, plan.recognised) == ((), None, ())
+    assert (plan.sites, plan.fallback) == ((), None)
+    # jax_fdm's custom_vjp is listed and left as it is: its backward solves through a callback
+    # (SciPy in a `pure_callback`), which may read what its forward wrote
+    assert [(r.site, "callback" in (r.reason or "")) for r in plan.recognised] == [(None, True)] * len(plan.recognised)
+    assert len(plan.recognised) >= 1, plan
     plain = jax.jit(jax.value_and_grad(loss))
     expected = plain(params)
     # the dense model, differentiated by JAX, agrees (jax_fdm's custom_vjp is right)
