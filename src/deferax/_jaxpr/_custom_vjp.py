@@ -314,7 +314,7 @@ def _backward(bwd, residuals, out_avals, ct_outputs, symbolic: bool, arg_avals, 
                 full.append(_core.SymbolicZero(_ct_aval(a)))
             else:
                 full.append(_zeros(_ct_aval(a)))
-        outs = bwd.call_wrapped(*res, *full)
+        outs = _core.bwd_cotangents(bwd.call_wrapped(*res, *full))
         return [_dense(outs[j], arg_avals[j]) for j in wanted]
 
     return backward

@@ -27,6 +27,7 @@ from typing import Any
 
 from jax._src import config as config
 from jax._src import core as _core
+from jax._src import custom_derivatives as _custom_derivatives
 from jax._src import effects as _effects
 from jax._src import source_info_util as _source_info_util
 from jax._src.callback import IOEffect as _IOEffect
@@ -185,3 +186,13 @@ def rule_functions(wrapped) -> list:
             if isinstance(inner, WrappedFun):
                 todo.append(inner)
     return found
+
+
+# A `custom_vjp_call`'s flattened backward rule returns its inputs' cotangents alone up to
+# jax 0.11, and `(cotangents, logs)` from the release that brought `defvjp_with_logs` (0.12).
+_BWD_RETURNS_LOGS = hasattr(_custom_derivatives.custom_vjp, "defvjp_with_logs")
+
+
+def bwd_cotangents(outs):
+    """The inputs' cotangents among what a `custom_vjp_call`'s `bwd` parameter returned."""
+    return outs[0] if _BWD_RETURNS_LOGS else outs
