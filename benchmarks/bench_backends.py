@@ -26,6 +26,7 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+import bench_recognised  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -54,13 +55,8 @@ def convection_diffusion(m: int):
 
 def helmholtz(m: int):
     """(c): `bench_recognised.py`'s complex operator (5-point, a lossy random diagonal)."""
-    rng = np.random.default_rng(0)
-    n = m * m
-    i = np.arange(n)
-    rows, cols, vals = [i], [i], [np.full(n, -4.0 + 0.5 + 0.05j) + rng.uniform(-0.1, 0.1, n)]
-    for d, ok in ((-1, i % m != 0), (1, i % m != m - 1), (-m, i >= m), (m, i < n - m)):
-        rows.append(i[ok]), cols.append(i[ok] + d), vals.append(np.full(ok.sum(), 1.0 + 0j))
-    return np.concatenate(vals), dx.SparsePattern(np.concatenate(rows), np.concatenate(cols), n)
+    rows, cols, _, values, _, _ = bench_recognised.helmholtz(m)
+    return np.asarray(values), dx.SparsePattern(rows, cols, m * m)
 
 
 def solvers(spd: bool) -> dict[str, dx.AbstractSparseSolver]:
