@@ -6,6 +6,7 @@ Dask worker recognised as `distributed.KilledWorker`."""
 import concurrent.futures as cf
 import gc
 import re
+import time
 import weakref
 
 import jax
@@ -50,16 +51,29 @@ def plain_host_loss(b):
     return jnp.sum(jnp.linalg.solve(jnp.asarray(A), b) ** 2)
 
 
-def freed(ref):
+def freed(ref, within=10.0):
     """Whether the object behind `ref` is freed once the bounded caches of recent programs
     are emptied: JAX's (the parameters of recently traced operations, up to 2048) and
     deferax's compiled eager stages (up to 256 programs). Each holds a program's sites, with
     their executors, until newer programs push it out, as `jax.jit` holds its static
-    arguments; nothing else may hold them."""
-    jax.clear_caches()
-    _transform._CACHE.clear()
-    gc.collect()
-    return ref() is None
+    arguments; nothing else may hold them.
+
+    Asked again for up to `within` seconds: a closed Dask client is still held for a moment
+    by its own event loop's pending callbacks (on a loaded machine, long enough for one look
+    to find it alive: CI, Python 3.13). Anything deferax held would be held for good."""
+    deadline = time.monotonic() + within
+    while True:
+        jax.clear_caches()
+        _transform._CACHE.clear()
+        gc.collect()
+        if ref() is None:
+            return True
+        if time.monotonic() > deadline:
+            held = ref()
+            holders = [type(r).__qualname__ for r in gc.get_referrers(held)] if held is not None else []
+            print(f"still held after {within} s, by: {holders}")
+            return False
+        time.sleep(0.05)
 
 
 def sparse_calls(executor):
