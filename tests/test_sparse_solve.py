@@ -448,6 +448,54 @@ def test_a_bad_treatment_is_rejected():
         dx.sparse_solve(values, pattern, b, name="fe", singular="zero")
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("kind", ["real", "complex"])
+@pytest.mark.parametrize("loss_name", ["linear", "overlap", "power"])
+def test_symmetric_takes_the_matrix_as_symmetric_in_the_adjoint(loss_name, kind, jit):
+    """`symmetric=True` solves the adjoint with `A` itself: on a matrix that is not symmetric,
+    every schedule's reverse-mode derivatives are those of a solve whose adjoint uses `A`
+    (written here densely with `jax.custom_vjp`), one factorisation a gradient, and not the
+    true ones (which the test tells apart); the value is the true one."""
+    values, pattern, b = REAL if kind == "real" else COMPLEX
+    tally = Tally()
+    loss, schedule = make_losses(sparse(pattern, tally, symmetric=True))[loss_name]
+
+    @jax.custom_vjp
+    def as_symmetric(v, b):
+        return dense(pattern)(v, b)
+
+    def fwd(v, b):
+        x = as_symmetric(v, b)
+        return x, (v, x)
+
+    def bwd(res, ct):
+        v, x = res
+        lam = jnp.linalg.solve(pattern.todense(v), ct)  # (A, not A^T)
+        ct_v = jnp.zeros_like(v).at[:].add(-lam[pattern.rows] * x[pattern.cols])
+        return ct_v, lam
+
+    as_symmetric.defvjp(fwd, bwd)
+    reference, _ = make_losses(as_symmetric)[loss_name]
+    true, _ = make_losses(dense(pattern))[loss_name]
+    assert dx.explain(loss, (values, b)).sites[0].schedule == schedule
+    expected = jax.value_and_grad(reference)((values, b))
+    got = run(loss, (values, b), jit=jit)
+    assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-12)
+    wrong = jax.value_and_grad(true)((values, b))
+    assert_tree_allclose(got[0], wrong[0], rtol=1e-9, atol=1e-12)
+    assert not bool(eqx.tree_equal(got[1], wrong[1], rtol=1e-3, atol=1e-6))
+    tally.clear()
+    run(loss, (values, b), jit=jit)
+    assert tally.counts["factor"] == 1
+
+
+def test_symmetric_must_be_a_bool():
+    values, pattern, b = REAL
+    msg = "`dx.sparse_solve(name='fe')`: `symmetric` must be True or False, but got 'yes'."
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        dx.sparse_solve(values, pattern, b, name="fe", symmetric="yes")
+
+
 def test_bad_patterns():
     with pytest.raises(
         ValueError,

@@ -77,6 +77,9 @@ class _Solve:
     # gets what its original library does.
     nonfinite: str = "raise"
     singular: str = "raise"
+    # Whether the matrix is taken as symmetric without a check (`dx.sparse_solve`'s
+    # `symmetric`): the adjoint solves with `A` itself, as a library that assumes it does.
+    symmetric: bool = False
 
     @property
     def work(self) -> np.dtype:
@@ -222,12 +225,13 @@ class _Solve:
     def _adjoints(self, lu: Any, x: tuple, ys: np.ndarray, cts: np.ndarray) -> np.ndarray:
         """`lam = A^-T ct` for each row `ct` of `cts[i]` (`i`: a row of the batch, with its
         `b` and solution `ys[i]`), all solved in one call of the solver, once each that is
-        not a multiple of another of its row (or zero). For a matrix equal to its transpose, a
-        cotangent that is a multiple `c b` of its row's right-hand side (a self-adjoint loss:
-        compliance) is `c y`, not solved."""
+        not a multiple of another of its row (or zero); `A^-1 ct` where the matrix is taken as
+        symmetric (`symmetric`). For a matrix equal to its transpose, a cotangent that is a
+        multiple `c b` of its row's right-hand side (a self-adjoint loss: compliance) is `c y`,
+        not solved."""
         values, bs = x
         cts = np.asarray(cts)
-        symmetric = None  # (checked once, where a cotangent is a multiple of its `b`)
+        symmetric = True if self.symmetric else None  # (checked once, where a cotangent is a multiple of its `b`)
         plans, rhs = [], []
         for b, row in zip(bs, cts, strict=True):
             stacked = [np.asarray(b, row.dtype), *row]  # (`b` first: a cotangent may be a multiple of it)
@@ -241,7 +245,7 @@ class _Solve:
             to_solve = used[1:] if reuse else used
             plans.append((recipe, reuse, {u: len(rhs) + j for j, u in enumerate(to_solve)}))
             rhs += [stacked[unique[u]] for u in to_solve]
-        solved = self._solve(lu, np.stack(rhs), True) if rhs else np.zeros((0, self.pattern.n), self.work)
+        solved = self._solve(lu, np.stack(rhs), not self.symmetric) if rhs else np.zeros((0, self.pattern.n), self.work)
         if not rhs and any(reuse for _, reuse, _ in plans):  # (no adjoint solve: the cost model times it as free)
             _cost.observe(self, self._shapes, bwd=0.0)
         zero = np.zeros(self.pattern.n, self.work)

@@ -89,8 +89,8 @@ is handed to the
 solver as a `scipy.sparse.csc_matrix`; the default solver is SciPy's `splu`). Install it: `pip install scipy`."""
 
 
-# `pattern` and `solver` typed `Any` so that a wrong value reaches the checks below, whose
-# messages name the call.
+# `pattern`, `solver` and `symmetric` typed `Any` so that a wrong value reaches the checks below,
+# whose messages name the call.
 def sparse_solve(
     values: ArrayLike,
     pattern: Any,
@@ -105,6 +105,7 @@ def sparse_solve(
     precision: str = "double",
     nonfinite: str = "raise",
     singular: str = "raise",
+    symmetric: Any = False,
 ) -> Inexact[Array, " n"]:
     """Solve `A x = b` for a sparse matrix `A`, real or complex, whose entries are a JAX
     array on a static pattern: `A[pattern.rows[k], pattern.cols[k]] += values[k]`.
@@ -181,6 +182,12 @@ lam = ct_x` with the forward's factorisation |
       as `"nan"`, with a `scipy.sparse.linalg.MatrixRankWarning`, as SciPy's `spsolve` warns.
     - `singular`: the same for a matrix that the solver finds singular (its `factor` raises
       `numpy.linalg.LinAlgError`: SuperLU's zero pivot). `"raise"` (the default) raises it.
+    - `symmetric`: `True` takes the matrix as symmetric without checking it, as a library
+      that assumes so (jax_fdm's `sparse_solve`): the adjoint solves with `A` itself,
+      `lam = A^-1 ct_x`, and the self-adjoint shortcut above applies without the check.
+      The reverse-mode derivatives are then right for a symmetric matrix only; for one
+      that is not, they are what such a library gives (a recognised call of it keeps that
+      answer). Forward mode is unchanged. Default `False`: the plain transpose.
     - `cost`: a [`deferax.Cost`][] with what a factorisation (`setup`) and one solve (`fwd`,
       `bwd`) take; default: as timed in earlier calls (in this process), else equal. The
       rest is known here: a factorisation serves every right-hand side of a job, the
@@ -230,6 +237,8 @@ lam = ct_x` with the forward's factorisation |
     for what, treatment in (("nonfinite", nonfinite), ("singular", singular)):
         if treatment not in TREATMENTS:
             raise ValueError(_BAD_TREATMENT.format(name=name, what=what, found=treatment))
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"`dx.sparse_solve(name={name!r})`: `symmetric` must be True or False, but got {symmetric!r}.")
     executor = _affinity.pinned(executor)
     if executor is None or (isinstance(executor, cf.Executor) and _executor.in_this_process(executor)):
         kept = "here"
@@ -237,7 +246,7 @@ lam = ct_x` with the forward's factorisation |
         kept = "worker"
     else:  # (a process pool: a backward job may land in any of its processes)
         kept = "none"
-    solve = _Solve(pattern, solver, dtype, name, precision, kept, nonfinite, singular)
+    solve = _Solve(pattern, solver, dtype, name, precision, kept, nonfinite, singular, symmetric)
     site = _solve_site(solve, timeout, name, max_basis, cost, _factorisations.not_kept(solve, executor))
     fn = on_executor(site, executor)
     return fn((values, b))

@@ -32,7 +32,7 @@ from .. import _jaxpr, _runtime, _site
 from .._implementation._expensive import ExpensiveFn
 from .._misc import zero_like
 from .._plan import _cost
-from . import _registry
+from . import _jax_fdm, _registry
 
 NAME = "custom_vjp"
 
@@ -116,6 +116,9 @@ def decide(found, mode) -> Any:
     perturbed = [d and _inexact(a) for d, a in zip(found.differentiated, found.in_avals, strict=True)]
     if not any(perturbed):
         return "none of its inputs depends on the differentiated arguments: there is nothing to differentiate"
+    library = _jax_fdm.rule_for(params)  # (a library's solve, matched by its backward rule: shared, not split)
+    if library is not None:
+        return library(found, mode)
     call = params["call_jaxpr"]
     if _calls_a_site(call):
         return "its function calls a deferax site, which keeps its own schedule"

@@ -62,6 +62,9 @@ class Recognition(eqx.Module):
       and derivatives, no error), `"warn"` (NaN with a warning, as SciPy's `spsolve`), or
       `"raise"` (an error, as `klujax.solve` on a singular matrix); the rewritten call does
       the same (`dx.sparse_solve`'s arguments of those names). Only with a `pattern`.
+    - `symmetric`: `True` where the original takes the matrix as symmetric without checking
+      (its adjoint solves with `A` itself): the rewritten call does the same
+      (`dx.sparse_solve`'s `symmetric`). Only with a `pattern`.
     - `site`: a [`deferax.ExpensiveFn`][] (one made by [`deferax.host`][], say) that
       computes the call, instead of a `pattern`. Such a call is rewritten whenever the rule
       answers so (there is no factorisation to weigh: the rule decides, and returns a
@@ -74,6 +77,7 @@ class Recognition(eqx.Module):
     round_trips: int = eqx.field(default=0, static=True)
     nonfinite: str = eqx.field(default="nan", static=True)
     singular: str = eqx.field(default="nan", static=True)
+    symmetric: bool = eqx.field(default=False, static=True)
     # (typed `Any` so that a wrong value reaches the check below, whose message says what to give)
     site: Any = eqx.field(default=None, static=True)
 

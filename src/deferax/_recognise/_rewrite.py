@@ -63,7 +63,13 @@ def recognise(closed, mode) -> tuple:
             def first(values, b, answer=answer):
                 # (a matrix with a NaN or infinite entry, or a singular one, gives what the original gives)
                 return sparse_solve(
-                    values, answer.pattern, b, name=site, nonfinite=answer.nonfinite, singular=answer.singular
+                    values,
+                    answer.pattern,
+                    b,
+                    name=site,
+                    nonfinite=answer.nonfinite,
+                    singular=answer.singular,
+                    symmetric=answer.symmetric,
                 )
 
         calls.append(Call(name, where, site, None))
