@@ -122,7 +122,7 @@ def main():
         if chosen is not None:
             label, seconds = chosen
             trial = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in sorted(seconds.items(), key=lambda kv: kv[1]))
-            print(f"  AutoSparseSolver chose {label} (its fastest factorisations: {trial})")
+            print(f"  AutoSparseSolver chose {label} (each one's median factorisation and two solves: {trial})")
         print(f"  after: {load()}")
         meds = {name: median(ts) for name, ts in times.items()}
         base = meds["SuperLU() (by fill)"]

@@ -40,12 +40,13 @@ def problem(request):
 
 
 class Tally:
-    """Factorisations and solve calls of SciPy's SuperLU, as `dx.sparse_solve` runs them."""
+    """Factorisations and solve calls of the default solver (`dx.AutoSparseSolver`, whichever
+    solver it hands them to), as `dx.sparse_solve` runs them."""
 
     def __init__(self, monkeypatch):
         self.counts = collections.Counter()
         self.lock = threading.Lock()
-        factor, solve = dx.SuperLU.factor, dx.SuperLU.solve
+        factor, solve = dx.AutoSparseSolver.factor, dx.AutoSparseSolver.solve
 
         def counted(name, fn):
             def run(*args):
@@ -55,8 +56,8 @@ class Tally:
 
             return run
 
-        monkeypatch.setattr(dx.SuperLU, "factor", counted("factor", factor))
-        monkeypatch.setattr(dx.SuperLU, "solve", counted("solve", solve))
+        monkeypatch.setattr(dx.AutoSparseSolver, "factor", counted("factor", factor))
+        monkeypatch.setattr(dx.AutoSparseSolver, "solve", counted("solve", solve))
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

@@ -70,7 +70,7 @@ def test_the_choice_is_kept_for_the_pattern_and_used_by_sparse_solve(splu_calls)
     b = jnp.asarray(np.linspace(-1.0, 1.0, matrix.shape[0]))
 
     def loss(values):
-        return jnp.sum(dx.sparse_solve(values, pattern, b) ** 2)
+        return jnp.sum(dx.sparse_solve(values, pattern, b, solver=dx.SuperLU()) ** 2)
 
     grad = dx.filter_value_and_grad(loss)
     values = jnp.asarray(matrix.data)

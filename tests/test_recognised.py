@@ -519,7 +519,7 @@ def test_a_bad_matrix_gives_nan_as_the_original_does(library, case, schedule, ji
         why = r"`values` holds 1 NaN or infinite entries \(the first: `values\[\d+\]`\)"
         flag = "`nonfinite='warn'`"
     else:
-        why = "its solver raised LinAlgError: the matrix is singular: SuperLU found a zero pivot"
+        why = "its solver raised LinAlgError: the matrix is singular: (SuperLU|KLU) found a zero pivot"
         flag = "`singular='warn'`"
     name = re.escape(f"`ExpensiveFn(name='{NAMES['spsolve']} (recognised)')`: ")
     message = rf"{name}{why}.*, so its solution and derivatives are NaN \({flag}\)\."
@@ -598,7 +598,7 @@ def test_a_singular_matrix_in_klujax_raises_as_klujax_does(jit):
     with pytest.raises((ValueError, jax.errors.JaxRuntimeError), match=r"singular matrix\?"):
         plain(x)
     error = (jax.errors.JaxRuntimeError, ValueError) if jit else dx.HostError
-    with pytest.raises(error, match=re.escape("the matrix is singular: SuperLU found a zero pivot")):
+    with pytest.raises(error, match="the matrix is singular: (SuperLU|KLU) found a zero pivot"):
         run(fn, x, jit=jit)
 
 

@@ -143,7 +143,7 @@ def test_the_programs_own_limits_work_after_jobs_from_a_pool_thread(monkeypatch)
 
 
 def test_superlu_factors_and_solves_on_one_thread_and_gives_the_setting_back(cores, monkeypatch):
-    """SciPy's SuperLU gains nothing from BLAS threads: `dx.sparse_solve`'s default solver
+    """SciPy's SuperLU gains nothing from BLAS threads: `dx.SuperLU` in `dx.sparse_solve`
     runs with one, even in a job that runs alone (the standard schedule's forward)."""
     import scipy.sparse.linalg as spl
 
@@ -177,7 +177,9 @@ def test_superlu_factors_and_solves_on_one_thread_and_gives_the_setting_back(cor
     def dense(v, b):
         return jnp.linalg.solve(pattern.todense(v), b)
 
-    got = dx.filter_value_and_grad(lambda v: loss(v, lambda v, b: dx.sparse_solve(v, pattern, b)))(values)
+    got = dx.filter_value_and_grad(lambda v: loss(v, lambda v, b: dx.sparse_solve(v, pattern, b, solver=dx.SuperLU())))(
+        values
+    )
     assert_tree_allclose(got, jax.value_and_grad(lambda v: loss(v, dense))(values), rtol=1e-10, atol=1e-12)
     # forward (a pattern's first factorisation tries both orderings), then the adjoint on its factors
     assert seen == [("factor", {1}), ("factor", {1}), ("solve", {1}), ("solve", {1})]

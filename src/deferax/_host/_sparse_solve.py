@@ -27,9 +27,10 @@ from .._implementation._expensive import ExpensiveFn
 from .._plan._cost import Cost
 from . import _affinity, _executor, _factorisations
 from ._host import host, on_executor, timing_its_own
+from ._solvers._auto import AutoSparseSolver
 from ._sparse_host import TREATMENTS, _Solve
 from ._sparse_pattern import SparsePattern
-from ._sparse_solver import AbstractSparseSolver, SuperLU
+from ._sparse_solver import AbstractSparseSolver
 
 
 @_runtime.cached(maxsize=64)
@@ -148,10 +149,11 @@ lam = ct_x` with the forward's factorisation |
     - `b`: the right-hand side, shape `(n,)`, real or complex. `x` has NumPy's result dtype
       of `values` and `b`.
     - `solver`: the sparse direct solver, a [`deferax.AbstractSparseSolver`][]; default
-      [`deferax.SuperLU`][] (SciPy's `splu`, imported when it first runs), whose column
-      ordering is chosen for each pattern on its first factorisation: `"COLAMD"` or
-      `"MMD_AT_PLUS_A"`, whichever fills less (`dx.SuperLU(permc_spec=...)` chooses it
-      yourself).
+      [`deferax.AutoSparseSolver`][]: the fastest for the pattern of CHOLMOD (symmetric
+      positive definite matrices), KLU and SuperLU with two orderings, as measured on the
+      pattern's first factorisations in this program (those installed: SciPy's SuperLU
+      always; cholespy and klujax with `pip install deferax[sparse]`). `dx.Cholmod()`,
+      `dx.KLU()` or `dx.SuperLU(...)` chooses yourself.
 
     When the matrix equals its transpose (checked exactly on the host, entries at one
     position summed first), an adjoint right-hand side that is a multiple `c b` of `b` (a
@@ -215,7 +217,7 @@ lam = ct_x` with the forward's factorisation |
         raise ImportError(_NO_SCIPY.format(name=name))
     if not isinstance(pattern, SparsePattern):
         raise TypeError(_NOT_PATTERN.format(name=name, found=_found(pattern)))
-    solver = SuperLU() if solver is None else solver
+    solver = AutoSparseSolver() if solver is None else solver
     if not isinstance(solver, AbstractSparseSolver):
         raise TypeError(
             f"`dx.sparse_solve(name={name!r})`: `solver` must be a `dx.AbstractSparseSolver` (e.g. `dx.SuperLU()`), "

@@ -1,5 +1,5 @@
 """Sparse direct solvers for [`deferax.sparse_solve`][]: `AbstractSparseSolver`, the hook, and
-`SuperLU`, SciPy's `splu`, the default.
+`SuperLU`, SciPy's `splu` (the others, and the default that measures them, in `_solvers/`).
 
 They run on the host (NumPy and SciPy in, NumPy out). SciPy is imported when a solve first
 runs, not when deferax is imported.
@@ -156,8 +156,9 @@ column."""
 
 
 class SuperLU(AbstractSparseSolver):
-    """SciPy's sparse LU factorisation, `scipy.sparse.linalg.splu` (SuperLU), the default
-    solver of [`deferax.sparse_solve`][].
+    """SciPy's sparse LU factorisation, `scipy.sparse.linalg.splu` (SuperLU), one of the
+    candidates of [`deferax.AutoSparseSolver`][] (the default solver of
+    [`deferax.sparse_solve`][]), and the solver there when SciPy alone is installed.
 
     **Arguments:**
 

@@ -1,5 +1,6 @@
-"""`AutoSparseSolver`: the default solver of `sparse_solve`, which measures the installed
-solvers on each sparsity pattern's first factorisations and keeps the fastest."""
+"""`AutoSparseSolver`: the default solver of `sparse_solve`, which answers each sparsity
+pattern's first factorisations with the installed solvers in turn, timing each with its solves,
+and then keeps the fastest."""
 
 from __future__ import annotations
 
@@ -26,39 +27,56 @@ _CANDIDATES = (
 # Which are tried, first preferred, for a symmetric positive definite matrix (as far as its
 # entries and diagonal show: CHOLMOD's factorisation tells), and for any other (real or complex).
 # On SPD matrices KLU and SuperLU with COLAMD took 1.3-3.2 times CHOLMOD's time in every
-# measurement (docs/linear-solve.md, "Which solver"): not tried there, so the first call pays less.
+# measurement (docs/linear-solve.md, "Which solver"): not tried there.
 _SPD = ("CHOLMOD", "SuperLU MMD_AT_PLUS_A")
-_GENERAL = ("KLU", "SuperLU COLAMD", "SuperLU MMD_AT_PLUS_A")
-# After the first trial of a pattern, the candidates within this factor of the fastest are timed
-# once more on its next factorisation (one sample each is noisy); then the choice is made.
-_CLOSE = 1.25
-_ROUNDS = 2
+_GENERAL = ("KLU", "SuperLU MMD_AT_PLUS_A", "SuperLU COLAMD")
+# For a matrix in single precision (`precision="input"`), those that factor in it: SuperLU's.
+_SINGLE = ("SuperLU MMD_AT_PLUS_A", "SuperLU COLAMD")
+# Each candidate answers this many of a pattern's factorisations before the choice is made; its
+# first is not counted (it may import or compile: klujax's functions, SciPy), so this many less
+# one are; a candidate whose counted time is past `_SLOW` times the fastest is not tried again.
+_CALLS = 3
+_SLOW = 1.5
 
 
 @dataclasses.dataclass
 class _Trial:
-    """What the factorisations of one pattern (and dtype) measured: each candidate's fastest
-    factorisation in seconds, those that could not factor a matrix of it (CHOLMOD, on one that
-    was not positive definite), and the rounds of trials run."""
+    """What one pattern's (and dtype's) factorisations measured, in the program that runs them:
+    each candidate's factorisation times and solve times (its first factorisation and the
+    solves with it left out), those that could not factor a matrix of it (CHOLMOD, on one that
+    was not positive definite), and how many factorisations each has made or is making."""
 
-    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    factor: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    solve: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
     failed: set[str] = dataclasses.field(default_factory=set)
-    rounds: int = 0
 
-    def best(self, among: tuple[str, ...]) -> str | None:
-        timed = [c for c in among if c in self.seconds]
-        return min(timed, key=lambda c: self.seconds[c]) if timed else None
+    def seconds(self, name: str) -> float | None:
+        """A gradient's worth of `name`'s work: its median factorisation and two median solves
+        (a forward and a transposed one); None before a counted factorisation."""
+        factor = self.factor.get(name)
+        if not factor:
+            return None
+        solve = self.solve.get(name)
+        return float(np.median(factor)) + (2 * float(np.median(solve)) if solve else 0.0)
 
-    def contenders(self, applicable: tuple[str, ...]) -> tuple[str, ...]:
-        """The candidates to time on this factorisation: none (the choice is made) or several."""
-        best = self.best(applicable)
-        unmeasured = tuple(c for c in applicable if c not in self.seconds)
-        if unmeasured:  # (every candidate once: a pattern's first factorisation, or a class of matrix new to it)
-            return unmeasured + ((best,) if best is not None else ())
-        if self.rounds >= _ROUNDS or best is None:
-            return ()
-        close = tuple(c for c in applicable if self.seconds[c] <= _CLOSE * self.seconds[best])
-        return close if len(close) > 1 else ()
+    def measured(self, among: tuple[str, ...]) -> dict[str, float]:
+        out = {c: self.seconds(c) for c in among}
+        return {c: s for c, s in out.items() if s is not None}
+
+    def next(self, applicable: tuple[str, ...]) -> str:
+        """The candidate to factor with now: one still to be measured (the least tried first),
+        else the fastest."""
+        measured = self.measured(applicable)
+        best = min(measured.values()) if measured else None
+        trying = [
+            c
+            for c in applicable
+            if self.calls.get(c, 0) < _CALLS and not (c in measured and best is not None and measured[c] > _SLOW * best)
+        ]
+        if trying:
+            return min(trying, key=lambda c: self.calls.get(c, 0))
+        return min(measured, key=measured.__getitem__) if measured else applicable[0]
 
 
 # by (pattern, dtype): what its factorisations measured (`AutoSparseSolver`)
@@ -67,10 +85,11 @@ _LOCK = threading.Lock()
 
 
 class _Made:
-    """A factorisation and the candidate that made it."""
+    """A factorisation, the candidate that made it, and the trial its solves are timed for
+    (None once they need not be: not the candidate's first, its trial still measuring)."""
 
-    def __init__(self, name: str, solver: AbstractSparseSolver, factorisation: Any):
-        self.name, self.solver, self.factorisation = name, solver, factorisation
+    def __init__(self, name: str, solver: AbstractSparseSolver, factorisation: Any, trial: _Trial | None):
+        self.name, self.solver, self.factorisation, self.trial = name, solver, factorisation, trial
 
 
 def _candidate(name: str) -> AbstractSparseSolver:
@@ -79,25 +98,32 @@ def _candidate(name: str) -> AbstractSparseSolver:
 
 class AutoSparseSolver(AbstractSparseSolver):
     """The default solver of [`deferax.sparse_solve`][]: the fastest of the sparse direct
-    solvers installed, measured on each sparsity pattern.
+    solvers installed, measured on each sparsity pattern in the program that uses it.
 
     The candidates, for a matrix that is real, equal to its transpose entry for entry and
     with a positive diagonal: [`deferax.Cholmod`][] (CHOLMOD's Cholesky) and
     [`deferax.SuperLU`][] with `"MMD_AT_PLUS_A"`; for any other, and one whose Cholesky
-    factorisation fails: [`deferax.KLU`][] and SuperLU with `"COLAMD"` and
-    `"MMD_AT_PLUS_A"`. Those whose library is not installed (cholespy, klujax) are left out.
-    The first factorisation of a pattern (and dtype) in the process factors
-    with each candidate in turn, timing each (KLU twice, its first call compiling its JAX
-    functions), and keeps the fastest one's factorisation; the next factorisation times once
-    more those within 1.25 of the fastest, and from then on the fastest is used at once
-    (`chosen` says which, and each one's time). So the first call or two of a pattern pay for
-    the trial, once per process, and later calls may be answered by another factorisation than
-    the first call's: the same solution to rounding.
+    factorisation fails: [`deferax.KLU`][] and SuperLU with `"MMD_AT_PLUS_A"` and
+    `"COLAMD"`; for a matrix in single precision (`precision="input"`), SuperLU's two alone,
+    the others factoring in double precision. Those whose library is not installed (cholespy, klujax: `pip install
+    deferax[sparse]`) are left out.
+
+    Each factorisation is made once, by one candidate: a pattern's first factorisations (and
+    dtype's) go to the candidates in turn, 3 each, and every one is timed with the solves
+    made with it; then the one whose median factorisation and two median solves (a
+    gradient's worth) took least answers every later factorisation (`chosen` says which,
+    and each one's time). A candidate's first factorisation is not counted (klujax compiles
+    its functions then), and one that took more than 1.5 times the fastest is not tried
+    again. So no call factors twice, the first 4-9 calls of a pattern may take
+    a slower solver, and the choice is measured where it will be used: among the program's
+    own work, with its memory and threads (a factorisation timed alone can rank otherwise:
+    docs/linear-solve.md, "Which solver"). Calls may be answered by different factorisations
+    from one another: the same solution to rounding.
 
     A matrix that is not symmetric positive definite never reaches CHOLMOD's answer: CHOLMOD
     is tried only where the entries are symmetric with a positive diagonal, and where its
     factorisation reports a pivot that is not positive (an indefinite matrix), the matrix is
-    factored by the fastest LU instead, and CHOLMOD is not tried again on that pattern.
+    factored by an LU instead, and CHOLMOD is not tried again on that pattern.
 
     Pass `solver=dx.Cholmod()`, `dx.KLU()` or `dx.SuperLU(...)` to choose yourself.
     """
@@ -107,53 +133,44 @@ class AutoSparseSolver(AbstractSparseSolver):
         with _LOCK:
             trial = _TRIALS.setdefault(key, _Trial())
             spd_tried = "CHOLMOD" not in trial.failed
-        order = _SPD if spd_tried and _cholmod_may(matrix) else _GENERAL
+        if np.dtype(matrix.dtype).itemsize < (8 if np.isrealobj(matrix.data) else 16):
+            order = _SINGLE
+        else:
+            order = _SPD if spd_tried and _cholmod_may(matrix) else _GENERAL
         while True:
             with _LOCK:
                 applicable = tuple(c for c in order if c not in trial.failed and _installed(c))
-                contenders = trial.contenders(applicable)
-                if contenders:
-                    trial.rounds += 1
-                best = trial.best(applicable)
-            if not contenders:
-                assert best is not None
-                try:
-                    return _Made(best, _candidate(best), _factor(best, matrix))
-                except _cholmod.NotPositiveDefinite:
-                    self._failed(trial, best)
-                    continue
-            made = self._trial(matrix, trial, contenders)
-            if made is not None:
-                return made
-
-    @staticmethod
-    def _failed(trial: _Trial, name: str) -> None:
-        with _LOCK:
-            trial.failed.add(name)
-            trial.seconds.pop(name, None)
-
-    def _trial(self, matrix: Any, trial: _Trial, contenders: tuple[str, ...]) -> _Made | None:
-        """Factor with each of `contenders`, timing each, and return the fastest one's
-        factorisation (None if all failed as not positive definite)."""
-        best: tuple[float, _Made] | None = None
-        for name in contenders:
+                name = trial.next(applicable)
+                made = trial.calls.get(name, 0)
+                measuring = made < _CALLS
+                trial.calls[name] = made + 1
             solver = _candidate(name)
+            start = time.perf_counter()
             try:
-                seconds, made = _timed(name, matrix, repeat=2 if name == "KLU" and name not in trial.seconds else 1)
+                factorisation = _factor(name, matrix)
             except _cholmod.NotPositiveDefinite:
-                self._failed(trial, name)
+                with _LOCK:
+                    trial.failed.add(name)
                 continue
-            if isinstance(solver, SuperLU):
-                _fill.record(matrix, solver.ordering(False), int(made.nnz))
-            with _LOCK:
-                trial.seconds[name] = min(seconds, trial.seconds.get(name, np.inf))
-            if best is None or seconds < best[0]:
-                best = (seconds, _Made(name, solver, made))
-            del made  # (the other factorisations' memory released before the next is made)
-        return None if best is None else best[1]
+            seconds = time.perf_counter() - start
+            if isinstance(solver, SuperLU) and measuring:
+                _fill.record(matrix, solver.ordering(False), int(factorisation.nnz))
+            counted = measuring and made > 0
+            if counted:
+                with _LOCK:
+                    trial.factor.setdefault(name, []).append(seconds)
+            return _Made(name, solver, factorisation, trial if counted else None)
 
     def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
-        return factorisation.solver.solve(factorisation.factorisation, rhs, transpose)
+        made = factorisation
+        if made.trial is None:
+            return made.solver.solve(made.factorisation, rhs, transpose)
+        start = time.perf_counter()
+        out = made.solver.solve(made.factorisation, rhs, transpose)
+        seconds = time.perf_counter() - start
+        with _LOCK:
+            made.trial.solve.setdefault(made.name, []).append(seconds)
+        return out
 
     def nbytes(self, factorisation: Any, dtype: np.dtype) -> int:
         """The bytes of the factorisation as the solver that made it counts them."""
@@ -162,15 +179,17 @@ class AutoSparseSolver(AbstractSparseSolver):
     def chosen(self, pattern: Any, dtype: Any = np.float64) -> tuple[str, dict[str, float]] | None:
         """`(solver, seconds)`: the solver chosen so far for the sparsity `pattern` (a
         [`deferax.SparsePattern`][], or a SciPy sparse matrix) with matrices of `dtype` (the
-        dtype factored: float64 or complex128 by default, whatever the inputs'), and the
-        fastest factorisation each candidate measured, in seconds; None before its first
-        factorisation. The solver is one of `"CHOLMOD"`, `"KLU"`, `"SuperLU MMD_AT_PLUS_A"`
-        and `"SuperLU COLAMD"`."""
+        dtype factored: float64 or complex128 by default, whatever the inputs'), and each
+        candidate's time so far, in seconds: its median factorisation and two median solves;
+        None before a counted factorisation (a candidate's second). The solver is one of
+        `"CHOLMOD"`, `"KLU"`, `"SuperLU MMD_AT_PLUS_A"` and `"SuperLU COLAMD"`."""
         with _LOCK:
             trial = _TRIALS.get((_pattern_key(_structure(pattern)), np.dtype(dtype).str))
-            if trial is None or not trial.seconds:
+            if trial is None:
                 return None
-            seconds = dict(trial.seconds)
+            seconds = trial.measured(tuple(trial.factor))
+        if not seconds:
+            return None
         return min(seconds, key=seconds.__getitem__), seconds
 
 
@@ -187,16 +206,3 @@ def _factor(name: str, matrix: Any) -> Any:
     """The candidate `name`'s factorisation of `matrix` (CHOLMOD's without its checks: `factor`
     has made them)."""
     return _cholmod.cholesky(matrix) if name == "CHOLMOD" else _candidate(name).factor(matrix)
-
-
-def _timed(name: str, matrix: Any, repeat: int) -> tuple[float, Any]:
-    """`(seconds, factorisation)`: the fastest of `repeat` factorisations of `matrix` by the
-    candidate `name`, and the last."""
-    seconds = np.inf
-    made = None
-    for _ in range(repeat):
-        made = None  # (the previous one's memory released first)
-        start = time.perf_counter()
-        made = _factor(name, matrix)
-        seconds = min(seconds, time.perf_counter() - start)
-    return seconds, made
