@@ -93,7 +93,7 @@ class _Host(eqx.Module):
         # (with the caller's context: the site's name and schedule, for the recording)
         callback = _jaxpr.carry_context(ft.partial(runner, kind, result, arg_structs, shapes))
         try:
-            return jax.pure_callback(callback, result, *args, vmap_method="broadcast_all")
+            return jax.pure_callback(callback, result, *args, vmap_method="expand_dims")
         except ValueError as e:  # (JAX's own message names neither the site nor what is supported)
             if "do not support JVP" not in str(e):
                 raise

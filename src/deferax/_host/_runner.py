@@ -225,7 +225,12 @@ class Runner:
         (its leaves), by which the timings are kept."""
         args = jtu.tree_map(np.asarray, args)  # a callback receives `jax.Array`s
         first, first_struct = jtu.tree_leaves(args)[0], jtu.tree_leaves(arg_structs)[0]
-        batch = tuple(np.shape(first)[: np.ndim(first) - len(first_struct.shape)])
+        ndim = np.ndim(first) - len(first_struct.shape)
+        # (under `vmap`, an argument not batched comes with axes of length 1 (`expand_dims`):
+        # broadcast here, as views, not copied `k` times by the program and sent over)
+        batch = np.broadcast_shapes(*(np.shape(a)[:ndim] for a in jtu.tree_leaves(args)))
+        if ndim:
+            args = jtu.tree_map(lambda a, s: np.broadcast_to(a, (*batch, *s.shape)), args, arg_structs)
         elements = [args] if not batch else [jtu.tree_map(lambda a, i=i: a[i], args) for i in np.ndindex(batch)]
         with self.scope(kind, elements) if self.scope is not None else contextlib.nullcontext():
             outs = self._run_all(elements, kind, result, shapes)

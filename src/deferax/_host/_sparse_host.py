@@ -135,6 +135,22 @@ class _Solve:
     def _key(self, values: np.ndarray) -> Any:
         return (self, values.dtype.str, values.tobytes())
 
+    def _row_keys(self, elements: list) -> list:
+        """`_key` of each row's matrix (`elements[i][0][0]`), made once for a run of rows with
+        equal values (`jax.jacrev`, `vmap` over `b`: every row broadcasts one matrix), each
+        row compared with the one before it rather than copied and hashed (a key hashes
+        every byte of the entries)."""
+        keys: list = []
+        previous = None
+        for args in elements:
+            v = args[0][0]
+            if previous is not None and (_same_memory(v, previous) or np.array_equal(v, previous)):
+                keys.append(keys[-1])
+            else:
+                keys.append(self._key(v))
+            previous = v
+        return keys
+
     def _nbytes(self, lu: Any) -> int:
         """The bytes of the factorisation `lu`, as its solver reports them (the first one's
         kept for the plan: `nbytes_of`)."""
@@ -175,9 +191,10 @@ class _Solve:
         return np.asarray(out, self.work).T if rhs.ndim == 2 else np.asarray(out, self.work)
 
     def _cotangents(self, x: tuple, y: np.ndarray, lam: np.ndarray) -> tuple:
-        """`(ct_values, ct_b)` from `lam = A^-T ct_y` (one, or `k` stacked)."""
+        """`(ct_values, ct_b)` from `lam = A^-T ct_y` (one, or `k` stacked; `y` one, or as many
+        stacked)."""
         values, b = x
-        ct_values = -lam[..., self.pattern.rows] * y[self.pattern.cols]
+        ct_values = -lam[..., self.pattern.rows] * y[..., self.pattern.cols]
         return _like(ct_values, values.dtype), _like(lam, b.dtype)
 
     def _product(self, t_values: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -220,7 +237,8 @@ class _Solve:
         else:
             lu = self._acquire(values, users=rows)  # a user a row until `request` ends
             lams = self._adjoints(lu, x, ys, cts[:, None])
-        return [self._cotangents((values, b), y, lam[0]) for b, y, lam in zip(bs, ys, lams, strict=True)]
+        ct_values, ct_bs = self._cotangents((values, bs), ys, lams[:, 0])  # (all rows at once)
+        return list(zip(ct_values, ct_bs, strict=True))
 
     def _adjoints(self, lu: Any, x: tuple, ys: np.ndarray, cts: np.ndarray) -> np.ndarray:
         """`lam = A^-T ct` for each row `ct` of `cts[i]` (`i`: a row of the batch, with its
@@ -231,6 +249,8 @@ class _Solve:
         not solved."""
         values, bs = x
         cts = np.asarray(cts)
+        if cts.shape[1] == 1 and len(bs) > 1:  # (one cotangent a row: `jax.jacrev`, `vmap`; all rows at once)
+            return self._adjoints_of_rows(lu, values, bs, ys, cts[:, 0])[:, None]
         symmetric = True if self.symmetric else None  # (checked once, where a cotangent is a multiple of its `b`)
         plans, rhs = [], []
         for b, row in zip(bs, cts, strict=True):
@@ -257,6 +277,47 @@ class _Solve:
             lams.append([c * lam[u] if u is not None else zero for u, c in recipe])
         return np.asarray(lams, self.work).reshape((*cts.shape[:2], self.pattern.n))
 
+    def _adjoints_of_rows(self, lu: Any, values: np.ndarray, bs: np.ndarray, ys: np.ndarray, cts: np.ndarray):
+        """`_adjoints` for one cotangent a row, `cts[i]`, the rows' tests made on all at once:
+        where the matrix equals its transpose, a zero cotangent's adjoint is zero and one that
+        is a multiple `c b` of its row's `b` (by `_multiples`' test) is `c y`; the others are
+        solved in one call (all of them, for any other matrix: a zero one's solution is zero)."""
+        cts = np.asarray(cts)
+        if not (self.symmetric or self.pattern._symmetric(np.asarray(values))):
+            return np.asarray(self._solve(lu, cts, not self.symmetric), self.work)
+        tol = 100 * np.finfo(cts.dtype).eps
+        flat_b = np.asarray(bs, cts.dtype).reshape(len(bs), -1).astype(np.complex128)
+        flat_v = cts.reshape(len(cts), -1).astype(np.complex128)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            scale_b, scale_v = np.max(np.abs(flat_b), axis=1), np.max(np.abs(flat_v), axis=1)
+            finite = np.isfinite(scale_b) & np.isfinite(scale_v) & (scale_b > 0)
+            zero = np.isfinite(scale_v) & (scale_v == 0)
+            ok = finite & ~zero
+            w = np.where(ok[:, None], flat_b / np.where(ok, scale_b, 1.0)[:, None], 0)
+            v = np.where(ok[:, None], flat_v / np.where(ok, scale_v, 1.0)[:, None], 0)
+            d = np.sum(w.conj() * v, axis=1)
+            w2, norm2 = np.sum(np.abs(w) ** 2, axis=1), np.sum(np.abs(v) ** 2, axis=1)
+            near = ok & (np.abs(d) ** 2 >= 0.5 * w2 * norm2)
+            c = np.where(near, d / np.where(near, w2, 1.0), 0)
+            real = np.abs(c.imag) <= tol * np.abs(c)
+            c = np.where(np.abs(c.real) <= tol * np.abs(c), 1j * c.imag, c)
+            residual = np.sum(np.abs(v - c[:, None] * w) ** 2, axis=1)
+            complex_ok = np.issubdtype(self.dtype, np.complexfloating)
+            multiple = near & (complex_ok | real) & (residual <= tol**2 * norm2)
+            c = c * np.where(ok, scale_v / np.where(ok, scale_b, 1.0), 0)
+            c = np.where(complex_ok & ~real, c, c.real)
+        reuse = multiple
+        solve = ~zero & ~reuse
+        lams = np.zeros((len(cts), self.pattern.n), self.work)
+        if solve.any():
+            lams[solve] = self._solve(lu, cts[solve], not self.symmetric)
+        elif reuse.any():  # (no adjoint solve: the cost model times it as free)
+            _cost.observe(self, self._shapes, bwd=0.0)
+        lams[reuse] = (c[reuse, None] if np.iscomplexobj(lams) else c[reuse, None].real) * np.asarray(ys, self.work)[
+            reuse
+        ]
+        return lams
+
     def rows(self, kind: str, elements: list) -> list | None:
         """The jobs of one host request of `kind` (each of `elements` a row's arguments): one
         a matrix, for the rows of a `vmap` batch that share it (`vmap` over `b`: one
@@ -278,8 +339,8 @@ class _Solve:
         if fn is None or (len(elements) < 2 and not alone):
             return None
         groups: dict[Any, list[int]] = {}
-        for i, args in enumerate(elements):
-            groups.setdefault(self._key(args[0][0]), []).append(i)
+        for i, key in enumerate(self._row_keys(elements)):
+            groups.setdefault(key, []).append(i)
         if len(groups) == len(elements) and not alone:
             return None
         jobs = []
@@ -302,7 +363,7 @@ class _Solve:
         if self.kept != "here" or kind not in ("fwd", "bwd") or (kind == "fwd" and not _BACKWARD.get()):
             yield  # (a forward that no backward pass follows lets its factorisation go itself: `rows`)
             return
-        rows = collections.Counter(self._key(args[0][0]) for args in elements)
+        rows = collections.Counter(self._row_keys(elements))
         try:
             yield
         except BaseException:
@@ -360,6 +421,16 @@ class _Solve:
             rhs = np.asarray(t_b, self.work) - self._product(t_values, ys[:, None, :])
             t_ys = self._solve(lu, rhs.reshape(-1, self.pattern.n), False).reshape(rhs.shape)
         return [(y.astype(self.dtype), t_y.astype(self.dtype)) for y, t_y in zip(ys, t_ys, strict=True)]
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether `a` and `b` are views of the same entries (rows of one broadcast array)."""
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.strides == b.strides
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+    )
 
 
 def _stack(*a: np.ndarray) -> np.ndarray:
