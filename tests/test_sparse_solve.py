@@ -255,6 +255,46 @@ def test_vmap_over_right_hand_sides_shares_the_factorisation(loss_name):
         assert tally.counts == {"factor": 1, "solve": 2, "rhs": 6}
 
 
+@pytest.mark.parametrize("kind", ["real", "complex"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_many_rows_on_a_symmetric_matrix_reuse_the_solution_where_a_cotangent_is_a_multiple_of_b(kind, jit):
+    """The rows of a `vmap` batch on one symmetric matrix, their adjoints made at once: a
+    cotangent `c b` (the compliance `b . x` and its multiples, real or complex) takes `c x`
+    and is not solved, a zero one is zero, the others are solved together; against a
+    dense solve, with the right-hand sides counted."""
+    rng = np.random.default_rng(5)
+    dtype = np.float64 if kind == "real" else np.complex128
+    values, pattern, _ = REAL if kind == "real" else COMPLEX
+    dense_a = np.asarray(pattern.todense(values))
+    sym = dense_a + dense_a.T  # (complex symmetric, not Hermitian, for complex)
+    rows, cols = np.nonzero(np.ones_like(sym, dtype=bool))
+    spattern = dx.SparsePattern(rows, cols, pattern.n)
+    svalues = jnp.asarray(sym[rows, cols])
+    bs = jnp.asarray(rng.normal(size=(6, pattern.n)) + (0 if kind == "real" else 1j * rng.normal(size=(6, pattern.n))))
+    # cotangents: 2 b; (1 - 0.5j) b for complex, 3 b for real; 0; a general one; -b; b
+    general = jnp.asarray(rng.normal(size=pattern.n)).astype(dtype)
+    scales = jnp.asarray([2.0, 1 - 0.5j if kind == "complex" else 3.0, 0.0, 0.0, -1.0, 1.0]).astype(dtype)
+    extra = jnp.zeros((6, pattern.n), dtype).at[3].set(general)
+
+    def loss(v, b, s, e, solve):
+        x = solve(v, b)
+        return jnp.real(jnp.sum((s * b + e) * x))
+
+    tally = Tally()
+    fn = jax.vmap(
+        jax.value_and_grad(lambda v, b, s, e: loss(v, b, s, e, sparse(spattern, tally)), argnums=(0, 1)),
+        in_axes=(None, 0, 0, 0),
+    )
+    ref = jax.vmap(
+        jax.value_and_grad(lambda v, b, s, e: loss(v, b, s, e, dense(spattern)), argnums=(0, 1)),
+        in_axes=(None, 0, 0, 0),
+    )
+    got = (jax.jit(fn) if jit else fn)(svalues, bs, scales, extra)
+    assert_tree_allclose(got, ref(svalues, bs, scales, extra), rtol=1e-10, atol=1e-10)
+    # one factorisation; the forward's 6 right-hand sides, then 1 adjoint (the general row) alone
+    assert tally.counts == {"factor": 1, "solve": 2, "rhs": 7}
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_vmap_over_systems(jit):
     values, pattern, b = COMPLEX

@@ -298,14 +298,14 @@ class _Solve:
             d = np.sum(w.conj() * v, axis=1)
             w2, norm2 = np.sum(np.abs(w) ** 2, axis=1), np.sum(np.abs(v) ** 2, axis=1)
             near = ok & (np.abs(d) ** 2 >= 0.5 * w2 * norm2)
-            c = np.where(near, d / np.where(near, w2, 1.0), 0)
-            real = np.abs(c.imag) <= tol * np.abs(c)
-            c = np.where(np.abs(c.real) <= tol * np.abs(c), 1j * c.imag, c)
+            c = np.asarray(np.where(near, d / np.where(near, w2, 1.0), 0), np.complex128)
+            real = np.abs(np.imag(c)) <= tol * np.abs(c)
+            c = np.where(np.abs(np.real(c)) <= tol * np.abs(c), 1j * np.imag(c), c)
             residual = np.sum(np.abs(v - c[:, None] * w) ** 2, axis=1)
             complex_ok = np.issubdtype(self.dtype, np.complexfloating)
             multiple = near & (complex_ok | real) & (residual <= tol**2 * norm2)
             c = c * np.where(ok, scale_v / np.where(ok, scale_b, 1.0), 0)
-            c = np.where(complex_ok & ~real, c, c.real)
+            c = np.where(complex_ok & ~real, c, np.real(c))
         reuse = multiple
         solve = ~zero & ~reuse
         lams = np.zeros((len(cts), self.pattern.n), self.work)
@@ -313,9 +313,8 @@ class _Solve:
             lams[solve] = self._solve(lu, cts[solve], not self.symmetric)
         elif reuse.any():  # (no adjoint solve: the cost model times it as free)
             _cost.observe(self, self._shapes, bwd=0.0)
-        lams[reuse] = (c[reuse, None] if np.iscomplexobj(lams) else c[reuse, None].real) * np.asarray(ys, self.work)[
-            reuse
-        ]
+        scale = c[reuse, None] if np.iscomplexobj(lams) else np.real(c[reuse, None])
+        lams[reuse] = scale * np.asarray(ys, self.work)[reuse]
         return lams
 
     def rows(self, kind: str, elements: list) -> list | None:
