@@ -249,8 +249,10 @@ class _Solve:
         not solved."""
         values, bs = x
         cts = np.asarray(cts)
-        if cts.shape[1] == 1 and len(bs) > 1:  # (one cotangent a row: `jax.jacrev`, `vmap`; all rows at once)
-            return self._adjoints_of_rows(lu, values, bs, ys, cts[:, 0])[:, None]
+        if cts.shape[1] == 1 and len(bs) > 1 and not self.symmetric and not self.pattern._symmetric(np.asarray(values)):
+            # (one cotangent a row, `jax.jacrev` or `vmap`, on a matrix not equal to its transpose:
+            # no cotangent can take its row's solution, so all are solved in one call untested)
+            return self._solve(lu, cts[:, 0], True)[:, None]
         symmetric = True if self.symmetric else None  # (checked once, where a cotangent is a multiple of its `b`)
         plans, rhs = [], []
         for b, row in zip(bs, cts, strict=True):
@@ -276,46 +278,6 @@ class _Solve:
                 lam[0] = np.asarray(y, self.work)
             lams.append([c * lam[u] if u is not None else zero for u, c in recipe])
         return np.asarray(lams, self.work).reshape((*cts.shape[:2], self.pattern.n))
-
-    def _adjoints_of_rows(self, lu: Any, values: np.ndarray, bs: np.ndarray, ys: np.ndarray, cts: np.ndarray):
-        """`_adjoints` for one cotangent a row, `cts[i]`, the rows' tests made on all at once:
-        where the matrix equals its transpose, a zero cotangent's adjoint is zero and one that
-        is a multiple `c b` of its row's `b` (by `_multiples`' test) is `c y`; the others are
-        solved in one call (all of them, for any other matrix: a zero one's solution is zero)."""
-        cts = np.asarray(cts)
-        if not (self.symmetric or self.pattern._symmetric(np.asarray(values))):
-            return np.asarray(self._solve(lu, cts, not self.symmetric), self.work)
-        tol = 100 * np.finfo(cts.dtype).eps
-        flat_b = np.asarray(bs, cts.dtype).reshape(len(bs), -1).astype(np.complex128)
-        flat_v = cts.reshape(len(cts), -1).astype(np.complex128)
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            scale_b, scale_v = np.max(np.abs(flat_b), axis=1), np.max(np.abs(flat_v), axis=1)
-            finite = np.isfinite(scale_b) & np.isfinite(scale_v) & (scale_b > 0)
-            zero = np.isfinite(scale_v) & (scale_v == 0)
-            ok = finite & ~zero
-            w = np.where(ok[:, None], flat_b / np.where(ok, scale_b, 1.0)[:, None], 0)
-            v = np.where(ok[:, None], flat_v / np.where(ok, scale_v, 1.0)[:, None], 0)
-            d = np.sum(w.conj() * v, axis=1)
-            w2, norm2 = np.sum(np.abs(w) ** 2, axis=1), np.sum(np.abs(v) ** 2, axis=1)
-            near = ok & (np.abs(d) ** 2 >= 0.5 * w2 * norm2)
-            c = np.asarray(np.where(near, d / np.where(near, w2, 1.0), 0), np.complex128)
-            real = np.abs(np.imag(c)) <= tol * np.abs(c)
-            c = np.where(np.abs(np.real(c)) <= tol * np.abs(c), 1j * np.imag(c), c)
-            residual = np.sum(np.abs(v - c[:, None] * w) ** 2, axis=1)
-            complex_ok = np.issubdtype(self.dtype, np.complexfloating)
-            multiple = near & (complex_ok | real) & (residual <= tol**2 * norm2)
-            c = c * np.where(ok, scale_v / np.where(ok, scale_b, 1.0), 0)
-            c = np.where(complex_ok & ~real, c, np.real(c))
-        reuse = multiple
-        solve = ~zero & ~reuse
-        lams = np.zeros((len(cts), self.pattern.n), self.work)
-        if solve.any():
-            lams[solve] = self._solve(lu, cts[solve], not self.symmetric)
-        elif reuse.any():  # (no adjoint solve: the cost model times it as free)
-            _cost.observe(self, self._shapes, bwd=0.0)
-        scale = c[reuse, None] if np.iscomplexobj(lams) else np.real(c[reuse, None])
-        lams[reuse] = scale * np.asarray(ys, self.work)[reuse]
-        return lams
 
     def rows(self, kind: str, elements: list) -> list | None:
         """The jobs of one host request of `kind` (each of `elements` a row's arguments): one

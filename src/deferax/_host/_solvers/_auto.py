@@ -86,7 +86,8 @@ _LOCK = threading.Lock()
 
 class _Made:
     """A factorisation, the candidate that made it, and the trial its solves are timed for
-    (None once they need not be: not the candidate's first, its trial still measuring)."""
+    (None where they are not timed: a candidate's first factorisation, and those after its
+    measuring calls)."""
 
     def __init__(self, name: str, solver: AbstractSparseSolver, factorisation: Any, trial: _Trial | None):
         self.name, self.solver, self.factorisation, self.trial = name, solver, factorisation, trial
@@ -105,8 +106,8 @@ class AutoSparseSolver(AbstractSparseSolver):
     [`deferax.SuperLU`][] with `"MMD_AT_PLUS_A"`; for any other, and one whose Cholesky
     factorisation fails: [`deferax.KLU`][] and SuperLU with `"MMD_AT_PLUS_A"` and
     `"COLAMD"`; for a matrix in single precision (`precision="input"`), SuperLU's two alone,
-    the others factoring in double precision. Those whose library is not installed (cholespy, klujax: `pip install
-    deferax[sparse]`) are left out.
+    the others factoring in double precision. Those whose library is not installed
+    (cholespy, klujax: `pip install deferax[sparse]`) are left out.
 
     Each factorisation is made once, by one candidate: a pattern's first factorisations (and
     dtype's) go to the candidates in turn, 3 each, and every one is timed with the solves
