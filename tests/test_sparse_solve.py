@@ -258,7 +258,7 @@ def test_vmap_over_right_hand_sides_shares_the_factorisation(loss_name):
 @pytest.mark.parametrize("kind", ["real", "complex"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_many_rows_on_a_symmetric_matrix_reuse_the_solution_where_a_cotangent_is_a_multiple_of_b(kind, jit):
-    """The rows of a `vmap` batch on one symmetric matrix, their adjoints made at once: a
+    """The rows of a `vmap` batch on one symmetric matrix, in one job: a
     cotangent `c b` (the compliance `b . x` and its multiples, real or complex) takes `c x`
     and is not solved, a zero one is zero, the others are solved together; against a
     dense solve, with the right-hand sides counted."""
