@@ -116,7 +116,11 @@ def main():
                 rtol = 1e-9 if name == "deferax" else 1e-12  # (another factorisation: SuperLU's own ordering)
                 assert close(step(x), want, rtol), name
             same = operations(sides["deferax as is"], x) == operations(sides["Equinox"], x)
-            ok = ok and same and len(plan.sites) == 1
+            # A net of 80 nodes factors in microseconds: the rule leaves it in place by cost, so the
+            # site is required at full size only.
+            if not same or not (args.small or len(plan.sites) == 1):
+                print(f"FAILED: as is with Equinox's operations {same}; {len(plan.sites)} sites where 1 is wanted")
+                ok = False
             print(f"  values and gradients equal; deferax as is has Equinox's operations: {same}")
             times = interleaved({name: (lambda s=step, x=x: s(x)) for name, step in sides.items()}, repeats)
             for side, ts in times.items():
