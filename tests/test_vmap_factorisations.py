@@ -7,7 +7,9 @@ gradient factors the matrix once and solves its right-hand sides together (one h
 request, one call of the solver), eagerly and under `jit`, 20 times over, where the rows' jobs
 once shared a factorisation only when they happened to overlap in time. A jitted step whose
 loss also solves with `values` it does not differentiate leaves nothing in the store: no
-backward pass comes for that solve, and deferax plans the step knowing it.
+backward pass comes for that solve, and deferax plans the step knowing it. `jax.jacrev` (a
+`vmap` of the VJP over its rows) and a `vmap` of a forward solve alone factor once too, and
+solve all their rows in one host job.
 
 Gradients against the same loss with a dense `jnp.linalg.solve`, in plain JAX. Factorisations
 and solve calls counted by the solver (`CountingLU`) or the recording (`dx.record`, for the
@@ -186,3 +188,47 @@ def test_klujax_with_six_right_hand_sides_factors_once(schedule, jit):
         assert_tree_allclose(got, want, rtol=1e-8, atol=1e-10)
         seen.append(counts)
     assert seen == [(1, 2, JOBS[schedule])] * REPEATS, seen
+
+
+# ----------------------------------------------------------------------------- jacrev and a forward vmap
+
+EVERY_OTHER = jnp.arange(0, N, 2)  # 18 outputs: jacrev's rows
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1)], ids=["values", "b", "both"])
+def test_jacrev_factors_once_and_solves_its_rows_in_one_job(argnums, jit):
+    """`jax.jacrev` of 18 entries of `x = A^-1 b`, 20 times: each one factorisation, one
+    forward job with one solve call, and one backward job whose one solve call takes all 18
+    cotangents (jacrev is a `vmap` of the VJP over its rows); the dense Jacobian's numbers."""
+    tally = Tally()
+    fn = jax.jacrev(lambda v, b: sparse(tally)(v, b)[EVERY_OTHER], argnums=argnums)
+    want = jax.jacrev(lambda v, b: dense(v, b)[EVERY_OTHER], argnums=argnums)(VALUES, BS[0])
+    fn = jax.jit(fn) if jit else fn
+    if jit:
+        jax.block_until_ready(fn(VALUES, BS[0]))  # (compiled)
+    seen = []
+    for _ in range(REPEATS):
+        got, counts = counted(lambda vb: fn(*vb), (VALUES, BS[0]), tally)
+        assert_tree_allclose(got, want, rtol=1e-10, atol=1e-12)
+        seen.append(counts)
+    assert seen == [(1, 2, {"fwd": 1, "bwd": 1})] * REPEATS, seen
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_vmap_of_a_forward_solve_over_many_right_hand_sides_is_one_job(jit):
+    """`jax.vmap` of a forward solve over 40 right-hand sides, 20 times: one factorisation,
+    one solve call, one host job; the dense solve's numbers."""
+    tally = Tally()
+    bs = jnp.asarray(RNG.normal(size=(40, N)))
+    fn = jax.vmap(lambda b: sparse(tally)(VALUES, b))
+    want = jax.vmap(lambda b: dense(VALUES, b))(bs)
+    fn = jax.jit(fn) if jit else fn
+    if jit:
+        jax.block_until_ready(fn(bs))  # (compiled)
+    seen = []
+    for _ in range(REPEATS):
+        got, counts = counted(fn, bs, tally)
+        assert_tree_allclose(got, want, rtol=1e-10, atol=1e-12)
+        seen.append(counts)
+    assert seen == [(1, 1, {"fwd": 1})] * REPEATS, seen
