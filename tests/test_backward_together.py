@@ -399,7 +399,6 @@ def test_two_sparse_solves(jit, two):
     """The forward's factorisation, made inside stage 2 (under `jit`, from its callback), is
     kept for the backward job in stage 2b: one factorisation a matrix a step, as in turn,
     and none kept after."""
-    _factorisations.FACTORISATIONS._entries.clear()
     tally = Tally()
     loss = solves(two, lambda v, b: dx.sparse_solve(v, P, b, solver=CountingLU(tally)))
     plan = dx.explain(loss, (V0, V1))

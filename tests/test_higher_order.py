@@ -16,14 +16,6 @@ from deferax._host import _factorisations
 
 from .helpers import CountingLU, Tally
 
-
-@pytest.fixture(autouse=True)
-def no_factorisations_kept():
-    _factorisations.FACTORISATIONS._entries.clear()
-    yield
-    _factorisations.FACTORISATIONS._entries.clear()
-
-
 N = 8
 
 

@@ -58,16 +58,6 @@ VALUES = tuple(v for v, _ in SITES)
 EXPECTED = jax.value_and_grad(loss_of(dense))(VALUES)
 
 
-@pytest.fixture(autouse=True)
-def fresh_store():
-    """Each test starts with no factorisation kept and ends with the default budget."""
-    _factorisations.FACTORISATIONS._entries.clear()
-    _factorisations._MEASURED.clear()
-    yield
-    dx.set_factorisation_budget(None)
-    _factorisations.FACTORISATIONS._entries.clear()
-
-
 def one_factorisation_nbytes():
     """The bytes of one site's factorisation, as the store counts them."""
     v, p = SITES[0]

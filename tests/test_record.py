@@ -300,7 +300,7 @@ def test_sparse_solve_factorisations_and_solves_are_recorded_as_steps(how, jit):
     fn = jax.jit(fn) if jit else fn
     fn(VALUES)  # (compiled, and SciPy imported)
     gc.collect()  # (an eager forward's factorisation is kept until its output is collected)
-    _factorisations.FACTORISATIONS._entries.clear()
+    _factorisations.FACTORISATIONS.clear()
     tally.clear()
     with dx.record() as timeline:
         got = fn(VALUES)

@@ -20,7 +20,7 @@ from jaxtyping import Array, Float
 import deferax as dx
 from deferax import _jaxpr, _runtime, _typed
 from deferax._concurrency import _devices, _native_threads, _serial
-from deferax._host import _affinity, _executor, _host, _sparse_solve
+from deferax._host import _affinity, _executor, _factorisations, _host, _sparse_solve
 from deferax._plan import _cost
 from deferax._recognise import _cost as _recognise_cost
 
@@ -147,6 +147,8 @@ def _fill_everything():
     _typed._field_hints(_Shaped)
     _typed._signature(_Shaped.__call__)
     _recognise_cost.factor_seconds(dx.SparsePattern(np.array([0, 1]), np.array([0, 1]), 2), False)
+    _factorisations.FACTORISATIONS.acquire("matrix", lambda: "its factorisation")  # (one user: kept)
+    dx.set_factorisation_budget(12345)
     for var in _runtime.CONTEXT_VARS:
         var.set(object())
     dx.set_typechecking(False)
@@ -183,6 +185,8 @@ def test_reset_resets_every_piece():
     ):
         assert len(store) == 0, store
     assert [cache for cache in caches if cache.cache_info().currsize] == []
+    store = _factorisations.FACTORISATIONS
+    assert len(store) == 0 and store.budget == _factorisations.default_budget()
     assert _sparse_solve._solve_site in caches and _host._check_picklable in caches
     # the pools: shut down (a job submitted to an old one is refused) and made afresh
     assert [_runtime.POOLS.made(name) for name in pools] == [None, None, None]

@@ -18,17 +18,11 @@ import pytest
 import scipy.sparse
 
 import deferax as dx
-from deferax._host import _factorisations
 
 from .helpers import assert_tree_allclose
 
 pytest.importorskip("klujax")
 pytest.importorskip("cholespy")
-
-
-@pytest.fixture(autouse=True)
-def no_factorisations_kept():
-    _factorisations.FACTORISATIONS._entries.clear()
 
 
 def spd(m=6):

@@ -17,11 +17,6 @@ from deferax._host import _factorisations
 from .helpers import assert_tree_allclose, load_example
 
 
-@pytest.fixture(autouse=True)
-def no_factorisations_kept():
-    _factorisations.FACTORISATIONS._entries.clear()
-
-
 @pytest.fixture(scope="module")
 def beam():
     """The MBB beam of `examples/topology_mbb.py`, 60 x 20 elements (2,540 unknowns)."""

@@ -121,11 +121,9 @@ def test_basis_site_under_vmap_inside_a_vmap_of_the_whole_step():
     """A `dx.sparse_solve` vmapped over 3 wavelengths inside the loss (deferred-basis), the
     step vmapped over 2 designs: 6 systems, each factored once in its own `fused_batch`
     job with b and one adjoint solved, the gradient that of a vmapped dense solve."""
-    from deferax._host import _factorisations
 
     from .test_sparse_solve import COMPLEX, Tally, dense, sparse, wavelengths
 
-    _factorisations.FACTORISATIONS._entries.clear()  # (none kept by an earlier test)
     values, pattern, b = COMPLEX
     vs = jnp.stack([values, 1.1 * values, values + 0.5])
     designs = jnp.stack([vs, 0.9 * vs])

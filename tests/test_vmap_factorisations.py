@@ -15,8 +15,6 @@ Gradients against the same loss with a dense `jnp.linalg.solve`, in plain JAX. F
 and solve calls counted by the solver (`CountingLU`) or the recording (`dx.record`, for the
 recognised call, which makes its own site); host jobs by the recording."""
 
-import gc
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,15 +46,6 @@ N = M * M
 RNG = np.random.default_rng(0)
 BS = jnp.asarray(RNG.normal(size=(6, N)))  # six right-hand sides
 MODE = jnp.asarray(RNG.normal(size=N))
-
-
-@pytest.fixture(autouse=True)
-def empty_store():
-    """Each test starts with no factorisation kept by an earlier one."""
-    gc.collect()
-    STORE._entries.clear()
-    yield
-    STORE._entries.clear()
 
 
 def sparse(tally, **options):
@@ -94,7 +83,7 @@ def counted(fn, x, tally):
     """`fn(x)` and what one step ran, after the store is emptied: `(factorisations, solve
     calls, host jobs)`, the first two as the solver `tally` counts them, or, without one, as
     the recording does (a recognised call makes its own site)."""
-    STORE._entries.clear()
+    STORE.clear()
     if tally is not None:
         tally.factor = tally.solves = 0
     with dx.record() as timeline:

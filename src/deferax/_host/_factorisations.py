@@ -86,6 +86,13 @@ class Store:
     def _nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
+    def clear(self) -> None:
+        """Drop every factorisation kept (their callers that run now keep theirs; a backward
+        pass that finds nothing factors again). `_runtime.reset` calls it."""
+        with self._lock:
+            self._entries.clear()
+            self._ended.clear()
+
     def set_budget(self, budget: int) -> None:
         """Bound the store by `budget` bytes from now on, dropping the oldest factorisations
         kept until the others fit."""
@@ -212,7 +219,9 @@ def default_budget() -> int:
 # (the workers of as many matrices are remembered on Dask, `_affinity.REMEMBERED`), and at
 # most the budget's bytes (`set_factorisation_budget`).
 FACTORISATIONS = Store(limit=_affinity.REMEMBERED)
-# (a test's budget is not the next one's: reset puts the default back)
+# (a test's factorisations and budget are not the next one's: reset empties the store and puts
+# the default budget back)
+_runtime.on_reset(FACTORISATIONS.clear)
 _runtime.on_reset(lambda: FACTORISATIONS.set_budget(default_budget()))
 
 
