@@ -58,7 +58,7 @@ def imported(module: pathlib.Path) -> set[str]:
 
 def test_the_layer_table_names_the_families_it_orders():
     places = [p for _, ps in layers() for p in ps]
-    for place in ("_site", "_implementation", "_stages", "_analysis", "_plan", "_jaxpr", "_transform.py"):
+    for place in ("_site", "_implementation", "_stages", "_analysis", "_plan", "_jaxpr", "_recognise", "_transform.py"):
         assert place in places, (place, places)
     assert "_forward_basis" not in places and not (PACKAGE / "_forward_basis").exists()
 
@@ -74,3 +74,44 @@ def test_no_import_runs_up_the_layers():
             if target in row and row[target] < row[source]:
                 upward.append(f"{module.relative_to(PACKAGE)} imports {target}")
     assert upward == []
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Each module of the package (`deferax._site._spec`; a package by its own name) and the
+    package modules it imports, anywhere in it (a function's import too), relative imports
+    resolved to the module named where there is one, else to the package."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level == 0:
+                continue
+            target = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+            for alias in node.names:
+                module = f"{target}.{alias.name}"
+                found.add(module if module in modules else target)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_no_import_circle():
+    """No module reaches itself through the imports of the package's modules (a circle holds a
+    module that cannot be read, or loaded, without the others)."""
+    graph = module_imports()
+    circles = []
+    for start in sorted(graph):
+        seen, todo = set(), list(graph[start])
+        while todo:
+            module = todo.pop()
+            if module == start:
+                circles.append(start)
+                break
+            if module not in seen:
+                seen.add(module)
+                todo.extend(graph[module])
+    assert circles == []

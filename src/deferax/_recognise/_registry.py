@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import equinox as eqx
@@ -153,27 +153,17 @@ def _found(obj: Any) -> str:
     return text if len(text) <= 60 else f"a {type(obj).__name__}"
 
 
-def rules() -> dict[Any, tuple[str, Callable]]:
-    """The registered rules by primitive, with the built-in ones for the libraries imported
-    so far (looked up here, so that deferax imports none of them)."""
-    for module, load in _builtin():
+def rules(builtins: Iterable[tuple[str, Callable[[], None]]]) -> dict[Any, tuple[str, Callable]]:
+    """The registered rules by primitive, with the built-in ones (`builtins`: `(module, register)`
+    pairs, the rule modules' own table, `_rewrite.BUILTINS`) for the libraries imported so far
+    (looked up here, so that deferax imports none of them)."""
+    for module, load in builtins:
         if module in sys.modules and module not in _BUILTIN_LOADED:
             with _LOCK:
                 _BUILTIN_LOADED.add(module)
             load()
     with _LOCK:
         return dict(_RULES)
-
-
-def _builtin():
-    from . import _custom_vjp, _klujax, _spsolve, _tesseract
-
-    return (
-        ("jax", _custom_vjp.register),
-        ("klujax", _klujax.register),
-        ("jax.experimental.sparse.linalg", _spsolve.register),
-        ("tesseract_jax", _tesseract.register),
-    )
 
 
 def bad_answer(name: str, where: str, found: Any) -> TypeError:

@@ -12,7 +12,15 @@ import numpy as np
 from .. import _jaxpr
 from .._host._sparse_solve import sparse_solve
 from .._plan._plan import Plan, Recognised
-from . import _cost, _registry
+from . import _cost, _custom_vjp, _klujax, _registry, _spsolve, _tesseract
+
+# The built-in rules: `(module, register)`, each registered once its library is imported.
+BUILTINS = (
+    ("jax", _custom_vjp.register),
+    ("klujax", _klujax.register),
+    ("jax.experimental.sparse.linalg", _spsolve.register),
+    ("tesseract_jax", _tesseract.register),
+)
 
 _BAD_OUTPUT = """`dx.register_recognition(name={name!r})`: the rewrite of the call {where} returned {found}, \
 but the call returns {expected}. `Recognition.apply` must return arrays of the call's own shapes and dtypes."""
@@ -33,7 +41,7 @@ def recognise(closed, mode) -> tuple:
     cost; "always"; False: none), and a `Call` for each call of a registered primitive."""
     if mode is False:
         return closed, ()
-    rules = _registry.rules()
+    rules = _registry.rules(BUILTINS)
     if not rules:
         return closed, ()
     calls: list[Call] = []
