@@ -258,8 +258,8 @@ def test_a_backward_that_needs_the_forward_state_is_left_as_is():
     assert plan.sites == () and call.site is None
     line = _line_of("(u, u_prev), _ = lax.scan(lambda c")
     needs = (
-        r"its backward's work \(about .* operations, .* ms\) needs the residuals `res\[0\]` \(float64\[32,32\]\) and "
-        rf"`res\[1\]` \(float64\[32,32\]\) that its forward computes \(`scan` at {HERE}:{line} "
+        r"its backward's work \(about .* operations, .* ms\) needs the residuals `res\[0\]` \(float64\[32, 32\]\) and "
+        rf"`res\[1\]` \(float64\[32, 32\]\) that its forward computes \(`scan` at {HERE}:{line} "
     )
     assert re.match(needs, call.reason), call.reason
     assert "so it cannot start before the forward ends: left as is (the standard schedule)" in call.reason

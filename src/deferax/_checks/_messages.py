@@ -23,6 +23,8 @@ def tree_text(value: Any) -> str:
     (a large pytree, an MLP say, by its type and size rather than in full)."""
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return shape_text(value)
+    if value is None:
+        return "None"
     leaves, treedef = jtu.tree_flatten(value)
     if treedef.num_nodes == 1:
         return type(value).__name__ if not leaves or leaves[0] is not value else repr(value)[:80]

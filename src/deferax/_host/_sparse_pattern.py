@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Inexact
 
+from .._checks._messages import shape_text
+
 _BAD_PATTERN = """`dx.SparsePattern`: {what}, but got {found}.
 A pattern is the row and column index of each stored entry of an `n x n` matrix:
 
@@ -43,11 +45,7 @@ class SparsePattern:
         for what, given in (("rows", self.rows), ("cols", self.cols)):
             a = np.asarray(given)
             if a.ndim != 1 or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
-                raise ValueError(
-                    _BAD_PATTERN.format(
-                        what=f"`{what}` must be a 1-D integer array", found=f"{a.dtype.name}{list(a.shape)}"
-                    )
-                )
+                raise ValueError(_BAD_PATTERN.format(what=f"`{what}` must be a 1-D integer array", found=shape_text(a)))
             if a.size and (a.min() < 0 or a.max() >= n):
                 raise ValueError(
                     _BAD_PATTERN.format(

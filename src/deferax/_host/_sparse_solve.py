@@ -23,6 +23,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Inexact
 
 from .. import _runtime
+from .._checks._messages import tree_text
 from .._implementation._expensive import ExpensiveFn
 from .._plan._cost import Cost
 from . import _affinity, _executor, _factorisations
@@ -216,7 +217,7 @@ lam = ct_x` with the forward's factorisation |
     if importlib.util.find_spec("scipy") is None:
         raise ImportError(_NO_SCIPY.format(name=name))
     if not isinstance(pattern, SparsePattern):
-        raise TypeError(_NOT_PATTERN.format(name=name, found=_found(pattern)))
+        raise TypeError(_NOT_PATTERN.format(name=name, found=tree_text(pattern)))
     solver = AutoSparseSolver() if solver is None else solver
     if not isinstance(solver, AbstractSparseSolver):
         raise TypeError(
@@ -230,7 +231,7 @@ lam = ct_x` with the forward's factorisation |
     ):
         if a.shape != shape or not jnp.issubdtype(a.dtype, jnp.inexact):
             expected = f"a real or complex array of shape {shape} (for {pattern!r})"
-            raise ValueError(_BAD_OPERAND.format(name=name, what=what, expected=expected, found=_found(a), fix=fix))
+            raise ValueError(_BAD_OPERAND.format(name=name, what=what, expected=expected, found=tree_text(a), fix=fix))
     dtype = np.result_type(np.dtype(values.dtype), np.dtype(b.dtype))
     if cost is not None and not isinstance(cost, Cost):
         raise TypeError(f"`dx.sparse_solve(name={name!r})`: `cost` must be a `dx.Cost` or None, but got {cost!r}.")
@@ -260,9 +261,3 @@ _BAD_PRECISION = """`dx.sparse_solve(name={name!r})`: `precision` must be "doubl
 
 _BAD_TREATMENT = """`dx.sparse_solve(name={name!r})`: `{what}` must be "raise", "nan" or "warn", but got {found!r}.
 "raise" (the default) raises an error; "nan" gives NaN for `x` and every derivative; "warn" gives NaN with a warning."""
-
-
-def _found(a: Any) -> str:
-    if hasattr(a, "shape") and hasattr(a, "dtype"):
-        return f"{np.dtype(a.dtype).name}{list(a.shape)}"
-    return repr(a) if len(repr(a)) <= 80 else type(a).__name__

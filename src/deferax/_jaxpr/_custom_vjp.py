@@ -77,11 +77,8 @@ class Residual:
     """A residual the forward computes and the backward's second part reads."""
 
     path: str  # where it is in the forward's residuals (`res[0][1]`)
-    shape: str  # `float64[20,20]`
+    aval: jax.ShapeDtypeStruct  # its shape and dtype
     location: Location | None  # the operation of the forward that computes it
-
-    def __str__(self) -> str:
-        return f"`{self.path}` ({self.shape})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,5 +348,5 @@ def _residual(forward: _Forward, j: int) -> Residual:
     var = forward.jaxpr.outvars[j]
     maker = next((e for e in forward.jaxpr.eqns if any(o is var for o in e.outvars)), None)
     aval = forward.computed_avals[j]
-    shape = f"{np.dtype(aval.dtype).name}[{','.join(map(str, aval.shape))}]"
-    return Residual(f"res{paths[position]}", shape, None if maker is None else _location(maker))
+    struct = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    return Residual(f"res{paths[position]}", struct, None if maker is None else _location(maker))

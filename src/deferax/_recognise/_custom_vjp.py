@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _jaxpr, _runtime, _site
+from .._checks._messages import shape_text, tree_text
 from .._implementation._expensive import ExpensiveFn
 from .._misc import zero_like
 from .._plan import _cost
@@ -79,7 +80,7 @@ def recognise_custom_vjp(f: Any, *, callbacks_independent: bool = True) -> Any:
     """
     bwd = getattr(f, "bwd", None)
     if not isinstance(f, jax.custom_vjp) or bwd is None:
-        raise TypeError(_BAD_FUNCTION.format(found=_registry._found(f)))
+        raise TypeError(_BAD_FUNCTION.format(found=tree_text(f)))
     with _LOCK:
         if callbacks_independent:
             _DECLARED[bwd] = True
@@ -168,8 +169,10 @@ def _late(needs: tuple, work: tuple) -> str | None:
 
 
 def _residuals(needs) -> str:
-    """ "the residual `res[0]` (float64[20,20]) that its forward computes (`scan` at ...)"."""
-    named = [str(r) for r in needs[:3]] + ([f"{len(needs) - 3} more"] if len(needs) > 3 else [])
+    """ "the residual `res[0]` (float64[20, 20]) that its forward computes (`scan` at ...)"."""
+    named = [f"`{r.path}` ({shape_text(r.aval)})" for r in needs[:3]] + (
+        [f"{len(needs) - 3} more"] if len(needs) > 3 else []
+    )
     listed = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " and " + named[-1]
     where = next((r.location for r in needs if r.location is not None), None)
     made = f" ({where})" if where is not None else ""

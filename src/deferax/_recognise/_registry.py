@@ -17,6 +17,7 @@ from typing import Any
 import equinox as eqx
 
 from .. import _jaxpr, _runtime
+from .._checks._messages import tree_text
 from .._host._sparse_host import TREATMENTS
 from .._host._sparse_pattern import SparsePattern
 from .._implementation._expensive import ExpensiveFn
@@ -84,12 +85,12 @@ class Recognition(eqx.Module):
     def __check_init__(self):
         if (self.pattern is None) == (self.site is None):
             given = "both" if self.site is not None else "neither"
-            found = f"{given} (pattern={_found(self.pattern)}, site={_found(self.site)})"
+            found = f"{given} (pattern={tree_text(self.pattern)}, site={tree_text(self.site)})"
             raise TypeError(_BAD_KIND.format(found=found))
         if self.pattern is not None and not isinstance(self.pattern, SparsePattern):
-            raise TypeError(_BAD_KIND.format(found=f"pattern={_found(self.pattern)}"))
+            raise TypeError(_BAD_KIND.format(found=f"pattern={tree_text(self.pattern)}"))
         if self.site is not None and not isinstance(self.site, ExpensiveFn):
-            raise TypeError(_BAD_KIND.format(found=f"site={_found(self.site)}"))
+            raise TypeError(_BAD_KIND.format(found=f"site={tree_text(self.site)}"))
         for what, case in (("nonfinite", "a matrix with a NaN or infinite entry"), ("singular", "a singular matrix")):
             if getattr(self, what) not in TREATMENTS:
                 raise ValueError(_BAD_TREATMENT.format(what=what, case=case, found=getattr(self, what)))
@@ -122,9 +123,9 @@ def register_recognition(primitive: Any, rule: Any, *, name: str) -> None:
     Registering a primitive again replaces its rule.
     """
     if not _jaxpr.is_primitive(primitive):
-        raise TypeError(_BAD_PRIMITIVE.format(found=_found(primitive)))
+        raise TypeError(_BAD_PRIMITIVE.format(found=tree_text(primitive)))
     if not callable(rule):
-        raise TypeError(_BAD_RULE.format(name=name, found=_found(rule)))
+        raise TypeError(_BAD_RULE.format(name=name, found=tree_text(rule)))
     with _LOCK:
         _RULES[primitive] = (str(name), rule)
 
@@ -148,11 +149,6 @@ def register_builtin(primitive: Any, rule: Callable, name_of: Callable[[dict], s
         _RULES.setdefault(primitive, (name_of({}), Builtin(rule, name_of)))
 
 
-def _found(obj: Any) -> str:
-    text = repr(obj)
-    return text if len(text) <= 60 else f"a {type(obj).__name__}"
-
-
 def rules(builtins: Iterable[tuple[str, Callable[[], None]]]) -> dict[Any, tuple[str, Callable]]:
     """The registered rules by primitive, with the built-in ones (`builtins`: `(module, register)`
     pairs, the rule modules' own table, `_rewrite.BUILTINS`) for the libraries imported so far
@@ -167,4 +163,4 @@ def rules(builtins: Iterable[tuple[str, Callable[[], None]]]) -> dict[Any, tuple
 
 
 def bad_answer(name: str, where: str, found: Any) -> TypeError:
-    return TypeError(_BAD_ANSWER.format(name=name, where=where, found=_found(found)))
+    return TypeError(_BAD_ANSWER.format(name=name, where=where, found=tree_text(found)))

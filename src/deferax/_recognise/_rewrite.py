@@ -7,9 +7,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .. import _jaxpr
+from .._checks._messages import shape_text
 from .._host._sparse_solve import sparse_solve
 from .._plan._plan import Plan, Recognised
 from . import _cost, _custom_vjp, _klujax, _registry, _spsolve, _tesseract
@@ -111,7 +111,7 @@ def _where(location) -> str:
 
 
 def _text(structs) -> str:
-    return ", ".join(f"{np.dtype(s.dtype).name}{list(s.shape)}" for s in structs)
+    return ", ".join(shape_text(s) for s in structs)
 
 
 def annotate(plan: Plan, calls: tuple) -> Plan:
