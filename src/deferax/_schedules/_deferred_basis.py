@@ -78,21 +78,7 @@ def _basis_cotangents(program, variables, ins, ys, position, axes=None):
     values, vjp = jax.vjp(frontier_of, ys[position])
     if axes is not None:  # each example's own rows (`_per_example`)
         return jax.vmap(vjp)(_per_example.seeds(values, axes))[0]
-    seeds = []
-    for i, v in enumerate(values):
-        units = [jnp.eye(v.size, dtype=v.dtype)]
-        if jnp.iscomplexobj(v):
-            units.append(1j * units[0])
-        for unit in units:
-            rows = unit.shape[0]
-            seeds.append(
-                [
-                    jnp.reshape(unit, (rows, *v.shape)) if j == i else jnp.zeros((rows, *w.shape), w.dtype)
-                    for j, w in enumerate(values)
-                ]
-            )
-    batch = [jnp.concatenate([s[j] for s in seeds]) for j in range(len(values))]
-    (basis,) = jax.vmap(vjp)(batch)
+    (basis,) = jax.vmap(vjp)(_site.unit_tangents(values))  # (the real basis of the frontier values)
     return basis
 
 

@@ -26,8 +26,6 @@ examples' different coefficients cannot be taken out of.
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
 from .. import _jaxpr, _site
@@ -77,19 +75,12 @@ def seeds(values: list, axes: tuple[int, ...]) -> list:
     example axis left out; a complex value's real directions, then its imaginary ones),
     a unit at `r` in every example at once. The examples' rows do not mix (each example's
     frontier is reached by its own output only), so one seed gives every example its row."""
-    out: list[list] = [[] for _ in values]
-    for i, (v, a) in enumerate(zip(values, axes, strict=True)):
-        size = v.shape[a]
-        rest = v.shape[:a] + v.shape[a + 1 :]
-        n = math.prod(rest)
-        eye = jnp.eye(n, dtype=v.dtype)
-        units = [eye, 1j * eye] if jnp.iscomplexobj(v) else [eye]
-        for unit in units:
-            stacked = jnp.broadcast_to(unit[:, None, :], (n, size, n)).reshape((n, size, *rest))
-            stacked = jnp.moveaxis(stacked, 1, a + 1)
-            for j, w in enumerate(values):
-                out[j].append(stacked if j == i else jnp.zeros((n, *w.shape), w.dtype))
-    return [jnp.concatenate(parts) for parts in out]
+    one = [jnp.zeros(v.shape[:a] + v.shape[a + 1 :], v.dtype) for v, a in zip(values, axes, strict=True)]
+    units = _site.unit_tangents(one)  # (the real basis of one example's numbers)
+    return [
+        jnp.broadcast_to(jnp.expand_dims(u, a + 1), (u.shape[0], *v.shape))
+        for u, v, a in zip(units, values, axes, strict=True)
+    ]
 
 
 def coefficients(ct_z, axis: int):
