@@ -559,7 +559,8 @@ def test_bad_patterns():
     with pytest.raises(
         TypeError,
         match=re.escape(
-            "`dx.sparse_solve(name='sparse_solve')`: `pattern` must be a `dx.SparsePattern`, but got (int64[71], int64[71])."
+            "`dx.sparse_solve(name='sparse_solve')`: `pattern` must be a `dx.SparsePattern`, "
+            "but got (int64[71], int64[71])."
         ),
     ):
         dx.sparse_solve(values, (pattern.rows, pattern.cols), b)

@@ -14,14 +14,14 @@ from .._schedules._deferred_basis import DeferredBasis
 from .._schedules._early import Early, standard_fields
 from .._schedules._forward_basis import ForwardBasis
 from .._schedules._standard import Standard
-from .._schedules._together import Together, leaves_both
+from .._schedules._together import Together, both_leave_program
 
 
-def jobs_leave(check, p: int) -> bool:
+def jobs_leave_program(check, p: int) -> bool:
     """Whether site `p`'s standard jobs could run at once with others': host functions, not
     differentiated by JAX."""
     spec = check.specs[p]
-    return leaves_both(spec) and not spec.static.autodiff
+    return both_leave_program(spec) and not spec.static.autodiff
 
 
 def may_run_together(check, ready) -> bool:
@@ -36,7 +36,7 @@ def may_run_together(check, ready) -> bool:
         and not check.nested
         and n >= 2
         and len(ready) == n
-        and any(jobs_leave(check, p) for p in range(n))
+        and any(jobs_leave_program(check, p) for p in range(n))
     )
 
 
@@ -48,7 +48,9 @@ def in_turn(check, schedules, upstream) -> None:
     if check.schedule != "auto" or check.fallback is not None or n + len(check.nested) < 2:
         return
     eligible = [
-        p for p, s in schedules.items() if isinstance(s, Standard | Early) and s.differentiated and jobs_leave(check, p)
+        p
+        for p, s in schedules.items()
+        if isinstance(s, Standard | Early) and s.differentiated and jobs_leave_program(check, p)
     ]
     why = [
         f"the input of site #{p} `{check.specs[p].name}` depends on an expensive output"
@@ -77,7 +79,7 @@ def choose(check, schedules, once) -> None:
             continue
         if _still(s) and not spec.static.autodiff and not once.get(p):
             still.append(p)  # (no backward job: its `fwd` runs in stage 2 beside the others')
-        elif isinstance(s, Standard | Early) and jobs_leave(check, p) and not once.get(p):
+        elif isinstance(s, Standard | Early) and jobs_leave_program(check, p) and not once.get(p):
             group.append(p)
         elif isinstance(s, ForwardBasis):
             blocking.append(f"site #{p} `{spec.name}` is on the forward-basis strategy")
@@ -125,13 +127,13 @@ def against_basis(check, schedules, candidates, stays_standard) -> None:
     basis = [
         p
         for p in candidates
-        if isinstance(schedules[p], DeferredBasis) and _limit(check, p) is None and jobs_leave(check, p)
+        if isinstance(schedules[p], DeferredBasis) and _limit(check, p) is None and jobs_leave_program(check, p)
     ]
     if not basis:
         return
     # (a site that nothing differentiates has no backward job to run at once)
     standard = [p for p in range(n) if p not in basis and not schedules[p].defers and not _still(schedules[p])]
-    if any(not (isinstance(schedules[p], Standard) and jobs_leave(check, p)) for p in standard):
+    if any(not (isinstance(schedules[p], Standard) and jobs_leave_program(check, p)) for p in standard):
         return  # (a site that cannot run at once: `choose` would keep the group in turn)
     jointly = _cost.together([_cost_of(check, p) for p in sorted([*basis, *standard])])
     estimates = [schedules[p].estimates for p in basis]

@@ -329,7 +329,7 @@ def forward_basis(
     )
 
 
-class Together(eqx.Module):
+class TogetherEstimates(eqx.Module):
     """The estimates of standard sites that may run their jobs at once (`together`).
 
     **Fields:**
@@ -360,7 +360,7 @@ class Together(eqx.Module):
         return f"estimated {self.at_once:.4g}{unit} at once against {self.in_turn:.4g}{unit} in turn"
 
 
-def together(sites: list[tuple[Hashable, tuple, Cost | None, int]], still: int = 0) -> Together:
+def together(sites: list[tuple[Hashable, tuple, Cost | None, int]], still: int = 0) -> TogetherEstimates:
     """The estimates of standard sites (`(key, shapes, hint, workers)` each, as for `estimate`)
     whose forward jobs run at once in one stage and whose backward jobs run at once in the
     next, from the same numbers as `estimate`'s (the last `still` sites have no backward
@@ -392,4 +392,4 @@ def together(sites: list[tuple[Hashable, tuple, Cost | None, int]], still: int =
     at_once = sum(max(max(jobs), sum(jobs) / workers) for jobs in (forward, backward) if jobs) + 3 * stage
     sources = {n[4] for n in numbers}
     source = "measured" if "measured" in sources else "hint" if "hint" in sources else "defaults"
-    return Together(in_turn=in_turn, at_once=at_once, workers=workers, source=source, stage=stage)
+    return TogetherEstimates(in_turn=in_turn, at_once=at_once, workers=workers, source=source, stage=stage)

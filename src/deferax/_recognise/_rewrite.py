@@ -27,7 +27,7 @@ but the call returns {expected}. `Recognition.apply` must return arrays of the c
 
 
 @dataclasses.dataclass(frozen=True)
-class Call:
+class RegisteredCall:
     """A call of a registered primitive in the loss, and what became of it."""
 
     name: str  # as the user wrote it: "klujax.solve"
@@ -38,13 +38,13 @@ class Call:
 
 def recognise(closed, mode) -> tuple:
     """`(program, calls)`: `closed` with its recognised calls rewritten (`mode`: True, by
-    cost; "always"; False: none), and a `Call` for each call of a registered primitive."""
+    cost; "always"; False: none), and a `RegisteredCall` for each call of a registered primitive."""
     if mode is False:
         return closed, ()
     rules = _registry.rules(BUILTINS)
     if not rules:
         return closed, ()
-    calls: list[Call] = []
+    calls: list[RegisteredCall] = []
 
     def decide(found):
         name, rule = rules[found.primitive]
@@ -54,7 +54,7 @@ def recognise(closed, mode) -> tuple:
         else:
             answer = rule(found.operands, found.params)
         if isinstance(answer, str):
-            calls.append(Call(name, where, None, answer))
+            calls.append(RegisteredCall(name, where, None, answer))
             return None
         if not isinstance(answer, _registry.Recognition):
             raise _registry.bad_answer(name, where, answer)
@@ -65,7 +65,7 @@ def recognise(closed, mode) -> tuple:
             complex_ = any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in found.operands)
             reason = None if mode == "always" else _cost.refusal(answer, complex_)
             if reason is not None:
-                calls.append(Call(name, where, None, reason))
+                calls.append(RegisteredCall(name, where, None, reason))
                 return None
 
             def first(values, b, answer=answer):
@@ -80,7 +80,7 @@ def recognise(closed, mode) -> tuple:
                     symmetric=answer.symmetric,
                 )
 
-        calls.append(Call(name, where, site, None))
+        calls.append(RegisteredCall(name, where, site, None))
 
         def rewritten(*ins):
             out = answer.apply(first, *ins)
@@ -96,7 +96,7 @@ def recognise(closed, mode) -> tuple:
     closed, nested = _jaxpr.rewrite(closed, lambda p: p in rules, decide)
     for n in nested:
         reason = f"inside {n.kind}: left as is (calls at the top level of the loss, or in a nested `jit`, are)"
-        calls.append(Call(_name(rules[n.primitive], n.params), _where(n.location), None, reason))
+        calls.append(RegisteredCall(_name(rules[n.primitive], n.params), _where(n.location), None, reason))
     return closed, tuple(calls)
 
 

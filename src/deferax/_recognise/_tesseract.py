@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from .. import _runtime
+from .._checks._messages import tree_text
 from .._host._host import host
 from . import _registry
 
@@ -66,7 +67,7 @@ def recognise_tesseract(tesseract: Any) -> Any:
     """
     Tesseract = _tesseract_class()
     if Tesseract is None or not isinstance(tesseract, Tesseract):
-        raise TypeError(_BAD_TESSERACT.format(found=_registry._found(tesseract)))
+        raise TypeError(_BAD_TESSERACT.format(found=tree_text(tesseract)))
     with _LOCK:
         _DECLARED.add(tesseract)
     return tesseract

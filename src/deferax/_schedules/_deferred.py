@@ -86,7 +86,7 @@ def estimate(spec: _site.Spec, k: int, peers: int = 1, per_example: bool = False
     )
 
 
-def made_here(spec: Spec) -> bool:
+def fused_is_derived(spec: Spec) -> bool:
     """Whether a deferred site's `fused` is made from its `fwd` and its `adjoint` or `y`-free
     `bwd` (it has none of its own)."""
     return spec.static.fused is None and spec.static.fused_batch is None
@@ -96,7 +96,7 @@ def fused_label(spec: Spec) -> str:
     """How the plan's stages name a deferred site's call: its `fused`, or the halves it is
     made from."""
     static = spec.static
-    if made_here(spec):
+    if fused_is_derived(spec):
         return stage_label(spec, "fwd + " + ("adjoint" if static.adjoint is not None else "bwd"))
     return stage_label(spec, "fused")
 
@@ -129,17 +129,17 @@ class Deferred(AbstractAhead):
 
     @property
     def impl(self) -> Any:
-        return None if made_here(self.spec) else self.spec.static.fused
+        return None if fused_is_derived(self.spec) else self.spec.static.fused
 
     @property
     def leaves_program(self) -> bool:
-        return made_here(self.spec) or isinstance(self.impl, AbstractImplementation)
+        return fused_is_derived(self.spec) or isinstance(self.impl, AbstractImplementation)
 
     def call(self, operands: list, cts: Any) -> tuple:
         """`fused(x, ct_y)` over every batch level: output leaves, and the cotangents of the
         differentiable leaves of `x` shaped like their operands. A site without a `fused`
-        (`derived`) gets one made from its `fwd` and `adjoint` (or `y`-free `bwd`)."""
-        spec, derived = self.spec, made_here(self.spec)
+        (`is_derived`) gets one made from its `fwd` and `adjoint` (or `y`-free `bwd`)."""
+        spec, is_derived = self.spec, fused_is_derived(self.spec)
         n_fn = spec.n_fn
         diff = spec.diff
 
@@ -152,18 +152,18 @@ class Deferred(AbstractAhead):
             return (list(level[:n_fn]), list(level[n_fn:]), [0] * len(spec.y_structs))
 
         batched_impl = any(a is not None for level, _ in spec.axes for a in level[:n_fn])
-        concurrent = derived or isinstance(spec.static.fused, AbstractFused)
+        concurrent = is_derived or isinstance(spec.static.fused, AbstractFused)
         if concurrent and not batched_impl:
             # `dx.fuse` (or one made here): the whole batch's forward and adjoint on two threads
             fn = spec.fn(operands[:n_fn])
-            impl = fn.derived_fused() if derived else fn.fused
+            impl = fn.derived_fused() if is_derived else fn.fused
             assert isinstance(impl, AbstractFused)  # (as `concurrent` says)
             x, ct_tree = spec.x(operands[n_fn:]), jtu.tree_unflatten(spec.y_tree, list(cts))
             if spec.axes:
                 x_axes = [jtu.tree_unflatten(spec.x_tree, list(level[n_fn:])) for level, _ in spec.axes]
                 y, ct_x = impl.under_vmap(x, ct_tree, x_axes)
             else:
-                y, ct_x = fn.run_fused(x, ct_tree) if not derived else impl(x, ct_tree)
+                y, ct_x = fn.run_fused(x, ct_tree) if not is_derived else impl(x, ct_tree)
             y, ct_x = jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_x), diff, strict=True) if d]
         else:
             y, ct_x = spec.over_levels(one, axes_of)(list(operands[:n_fn]), list(operands[n_fn:]), list(cts))

@@ -21,7 +21,7 @@ from .._plan._plan import Schedule
 from .._site import Spec
 from . import _per_example
 from ._abstract import AbstractAhead
-from ._deferred import estimate, fused_label, made_here
+from ._deferred import estimate, fused_is_derived, fused_label
 from ._returning import returning
 
 
@@ -141,13 +141,13 @@ class DeferredBasis(AbstractAhead):
     @property
     def impl(self) -> Any:
         static = self.spec.static
-        if made_here(self.spec):
+        if fused_is_derived(self.spec):
             return None
         return static.fused_batch if static.fused_batch is not None else static.fused
 
     @property
     def leaves_program(self) -> bool:
-        return made_here(self.spec) or isinstance(self.impl, AbstractImplementation)
+        return fused_is_derived(self.spec) or isinstance(self.impl, AbstractImplementation)
 
     def call(self, operands: list, cts: Any) -> tuple:
         """The forward and `k` adjoints of a basis site in one job (`fused_batch`, or a `fused`
@@ -156,14 +156,14 @@ class DeferredBasis(AbstractAhead):
         (a host one: a job per example), each on its `k` basis cotangents at that example: its
         own rows for a basis counted per example (`_per_example`), else all `k` (a site with a
         `fused_batch`; zero there for those that only other examples' outputs reach)."""
-        spec, derived = self.spec, made_here(self.spec)
+        spec, is_derived = self.spec, fused_is_derived(self.spec)
         n_fn = spec.n_fn
 
         def one(fn_leaves, x_leaves, ct_leaves):
             fn = spec.fn(fn_leaves)
             cts_tree = jtu.tree_unflatten(spec.y_tree, list(ct_leaves))
             x = spec.x(x_leaves)
-            y, ct_xs = fn.derived_fused().batched(x, cts_tree) if derived else fn.run_fused_batch(x, cts_tree)
+            y, ct_xs = fn.derived_fused().batched(x, cts_tree) if is_derived else fn.run_fused_batch(x, cts_tree)
             return jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_xs), spec.diff, strict=True) if d]
 
         if not spec.axes:

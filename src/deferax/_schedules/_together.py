@@ -27,7 +27,7 @@ from ._deferred import replay
 from ._early import AbstractForwardAhead, standard_fields
 
 
-def leaves_both(spec: Spec) -> bool:
+def both_leave_program(spec: Spec) -> bool:
     """Whether a site's `fwd` and `bwd` both leave the program (host functions): XLA runs
     the implementations traced into it one after another, so only those can run at once."""
     static = spec.static
