@@ -153,6 +153,16 @@ def _given(fn: Callable[..., Any] | None) -> Callable[..., Any]:
 
 
 @dataclasses.dataclass(frozen=True)
+class StackedRows:
+    """What a rows function (`Runner.rows`) may return instead of its list of one result a
+    row: the results stacked, each leaf with the job's rows on its leading axis, in their
+    order. A job of all the request's rows then gives the request's answer as it is, not
+    unstacked into rows and stacked again (the 200 rows of a `jax.jacrev` are one array)."""
+
+    tree: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class _Call:
     """One call of a host function, with the structure its result must have."""
 
@@ -234,12 +244,17 @@ class Runner:
         elements = [args] if not batch else [jtu.tree_map(lambda a, i=i: a[i], args) for i in np.ndindex(batch)]
         with self.scope(kind, elements) if self.scope is not None else contextlib.nullcontext():
             outs = self._run_all(elements, kind, result, shapes)
-        if not batch:
+        if isinstance(outs, StackedRows):  # (one job of all the rows, its results stacked)
+            together = outs.tree
+        elif not batch:
             return outs[0]
-        stacked = _stack(outs, result)
-        return jtu.tree_map(lambda a, s: np.reshape(a, (*batch, *s.shape)), stacked, result)
+        else:
+            together = _stack(outs, result)
+        if not batch:
+            return jtu.tree_map(lambda a: a[0], together)
+        return jtu.tree_map(lambda a, s: np.reshape(a, (*batch, *s.shape)), together, result)
 
-    def _run_all(self, elements: list, kind: str, result: PyTree, shapes: tuple) -> list:
+    def _run_all(self, elements: list, kind: str, result: PyTree, shapes: tuple) -> list | StackedRows:
         jobs = self.rows(kind, elements) if self.rows is not None else None
         if jobs is not None:
             return self._run_rows(jobs, len(elements), kind, result, shapes)
@@ -266,17 +281,22 @@ class Runner:
             "jvp_batch": (self.jvp_batch, _EXPECTED_PAIR_JVP_BATCH),
         }.get(kind)
 
-    def _run_rows(self, jobs: list, n: int, kind: str, result: PyTree, shapes: tuple) -> list:
+    def _run_rows(self, jobs: list, n: int, kind: str, result: PyTree, shapes: tuple) -> list | StackedRows:
         """The results of `n` elements from `jobs` (`rows`' answer), one job each of
-        several rows."""
+        several rows: a list, or, from one job of all `n` in order that stacked its results,
+        those (`StackedRows`)."""
         one_call = self._one_call(kind)
         assert one_call is not None  # (`rows` answers for one-call requests only)
         why = f"{one_call[1]}, a list of one result a row of the `vmap` batch"
         calls = [_Call(kind, fn, args, [result] * len(indices), why) for indices, fn, args in jobs]
         results, seconds = self._execute(calls)
         self._observe(shapes, calls, seconds)
+        if len(jobs) == 1 and list(jobs[0][0]) == list(range(n)) and isinstance(results[0], StackedRows):
+            return results[0]
         outs: list = [None] * n
         for (indices, _, _), rows in zip(jobs, results, strict=True):
+            if isinstance(rows, StackedRows):
+                rows = [jtu.tree_map(lambda a, j=j: a[j], rows.tree) for j in range(len(indices))]
             for i, out in zip(indices, rows, strict=True):
                 outs[i] = out
         return outs
@@ -406,6 +426,9 @@ class Runner:
             _cost.observe(self.key, shapes, **least)
 
     def _check(self, c: _Call, r: Any) -> PyTree:
+        if isinstance(r, StackedRows):  # (a rows function's results stacked: checked so)
+            rows = dataclasses.replace(c, expected=stacked(c.expected[0], len(c.expected)))
+            return StackedRows(self._check(rows, r.tree))
         if isinstance(c.expected, tuple) and isinstance(r, list | tuple) and len(r) == len(c.expected):
             r = tuple(r)
         r = jtu.tree_map(lambda a: np.asarray(a) if isinstance(a, _ARRAY_LIKE) else a, r)

@@ -21,7 +21,7 @@ from .. import _record, _runtime
 from .._checks import _checks
 from .._plan import _cost
 from ._factorisations import FACTORISATIONS, record_nbytes
-from ._runner import _multiples
+from ._runner import StackedRows, _multiples
 from ._sparse_pattern import SparsePattern
 from ._sparse_solver import AbstractSparseSolver
 
@@ -194,7 +194,11 @@ class _Solve:
         """`(ct_values, ct_b)` from `lam = A^-T ct_y` (one, or `k` stacked; `y` one, or as many
         stacked)."""
         values, b = x
-        ct_values = -lam[..., self.pattern.rows] * y[..., self.pattern.cols]
+        if y.ndim == 2 and y.strides[0] == 0:  # (one solution for every row, broadcast: `jax.jacrev`)
+            y = y[0]
+        minus_y = -y[..., self.pattern.cols]
+        ct_values = np.take(lam, self.pattern.rows, axis=-1).astype(np.result_type(lam, minus_y), copy=False)
+        np.multiply(ct_values, minus_y, out=ct_values)  # (in place: `k` rows of `nnz` entries)
         return _like(ct_values, values.dtype), _like(lam, b.dtype)
 
     def _product(self, t_values: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -211,24 +215,25 @@ class _Solve:
 
     def fwd(self, x: tuple) -> np.ndarray:
         values, b = x
-        return self.fwd_rows((values, b[None]))[0]
+        return self.fwd_rows((values, b[None])).tree[0]
 
-    def fwd_rows(self, x: tuple, keep: bool = True) -> list:
+    def fwd_rows(self, x: tuple, keep: bool = True) -> StackedRows:
         """The forward of the rows; with `keep`, its factorisation waits for the backward pass
         (without, no backward pass follows: it is let go)."""
         values, bs = x
         if self.kept == "none" or not keep:
             with self._factorised(values, uses=1) as lu:
-                return list(self._solve(lu, bs, False).astype(self.dtype))
+                return StackedRows(self._solve(lu, bs, False).astype(self.dtype))
         # a user a row until `request` ends (in a Dask worker, for `bwd` to remove)
         lu = self._acquire(values, users=len(bs))
-        return list(self._solve(lu, bs, False).astype(self.dtype))
+        return StackedRows(self._solve(lu, bs, False).astype(self.dtype))
 
     def bwd(self, x: tuple, y: np.ndarray, ct_y: np.ndarray) -> tuple:
         values, b = x
-        return self.bwd_rows((values, b[None]), y[None], ct_y[None])[0]
+        ct_values, ct_b = self.bwd_rows((values, b[None]), y[None], ct_y[None]).tree
+        return ct_values[0], ct_b[0]
 
-    def bwd_rows(self, x: tuple, ys: np.ndarray, cts: np.ndarray) -> list:
+    def bwd_rows(self, x: tuple, ys: np.ndarray, cts: np.ndarray) -> StackedRows:
         values, bs = x
         rows = len(bs)
         if self.kept != "here":  # (a Dask worker's store: these uses, and the forward's; or these uses alone)
@@ -237,8 +242,7 @@ class _Solve:
         else:
             lu = self._acquire(values, users=rows)  # a user a row until `request` ends
             lams = self._adjoints(lu, x, ys, cts[:, None])
-        ct_values, ct_bs = self._cotangents((values, bs), ys, lams[:, 0])  # (all rows at once)
-        return list(zip(ct_values, ct_bs, strict=True))
+        return StackedRows(self._cotangents((values, bs), ys, lams[:, 0]))  # (all rows at once)
 
     def _adjoints(self, lu: Any, x: tuple, ys: np.ndarray, cts: np.ndarray) -> np.ndarray:
         """`lam = A^-T ct` for each row `ct` of `cts[i]` (`i`: a row of the batch, with its
@@ -308,7 +312,7 @@ class _Solve:
         for members in groups.values():
             values = elements[members[0]][0][0]
             rows = [elements[i] for i in members]
-            bs = np.stack([args[0][1] for args in rows])
+            bs = _stack(*(args[0][1] for args in rows))
             # (the rows' other arguments, each stacked: `y` and `ct_y`, a cotangent, tangents)
             rest = [jax.tree.map(_stack, *(args[j] for args in rows)) for j in range(1, len(rows[0]))]
             jobs.append((members, fn, ((values, bs), *rest)))
@@ -395,6 +399,10 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _stack(*a: np.ndarray) -> np.ndarray:
+    """The rows `a` stacked; views of one array (an argument not batched, broadcast) stay one
+    broadcast view, not copied a row each."""
+    if all(_same_memory(a[0], b) for b in a[1:]):
+        return np.broadcast_to(a[0], (len(a), *np.shape(a[0])))
     return np.stack(a)
 
 
