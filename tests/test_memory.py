@@ -371,3 +371,27 @@ def test_a_step_leaves_nothing_for_solves_that_nothing_differentiates(case, jit)
         )
     if still:  # (no backward row for it in the plan)
         assert [row for stage in plan.stages for row in stage if row.startswith("still: bwd")] == []
+
+
+@pytest.mark.parametrize("vmapped", [False, True], ids=["one", "vmap over b"])
+def test_a_call_outside_any_transformation_keeps_nothing(vmapped):
+    """`dx.sparse_solve` called on concrete arrays, outside any transformation, 20 times: no
+    backward pass can follow such a call, so the store holds nothing right after it (while its
+    output is alive; it once held the factorisation until the output was collected, which on
+    jax 0.12 waits for the garbage collector), each call factors once, and the dense solve's
+    answer."""
+    tally = Tally()
+    v, p = SITES[0]
+    for n in range(STEPS):
+        scale = 1.0 + 0.01 * n
+        tally.factor = 0
+        if vmapped:
+            bs = jnp.stack([B, 2.0 * B])
+            x = jax.vmap(lambda b, s=scale: dx.sparse_solve(s * v, p, b, solver=CountingLU(tally)))(bs)
+            want = jax.vmap(lambda b, s=scale: jnp.linalg.solve(p.todense(s * v), b))(bs)
+        else:
+            x = dx.sparse_solve(scale * v, p, B, solver=CountingLU(tally))
+            want = dense(scale * v, p)
+        assert len(_factorisations.FACTORISATIONS) == 0, n
+        assert tally.factor == 1, n
+        assert_tree_allclose(x, want, rtol=1e-10, atol=1e-12)

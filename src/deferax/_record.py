@@ -399,14 +399,14 @@ def recorded(impl: str, fn: Callable[[], Any], traced: bool, device: Any = None)
     return result
 
 
-def job(impl: str, where: str) -> Callable[[Any], None] | None:
-    """For a host job about to be submitted: the `Future` callback that records it when it
-    is done (timed from now), or None when nothing is to be recorded."""
+def job(impl: str, where: str) -> Callable[[float], None] | None:
+    """For a host job about to be submitted: `record(end)`, which records it as run from now
+    to `end` (`time.perf_counter()`), or None when nothing is to be recorded."""
     if not wanted():
         return None
     site_name, schedule = current(impl)
     start = time.perf_counter()
-    return lambda _future: _add(site_name, impl, schedule, start, time.perf_counter(), where, None)
+    return lambda end: _add(site_name, impl, schedule, start, end, where, None)
 
 
 def log_plan(plan: Any) -> None:

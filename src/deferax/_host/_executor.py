@@ -14,6 +14,7 @@ import concurrent.futures as cf
 import dataclasses
 import pickle
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -293,14 +294,17 @@ Give `dx.host(..., executor=...)` an executor that accepts jobs (not one that wa
 def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[Job], check: Any = None) -> list[Any]:
     futures: list[cf.Future] = []
     where = name(executor)
-    for job in jobs:
-        done = _record.job(job.impl, where)
+    records: list[tuple[int, Any]] = []  # (the jobs to record, each `_record.job`'s `record(end)`)
+    ends: dict[int, float] = {}  # (when each ended: its future's callback, on the thread that ran it)
+    for i, job in enumerate(jobs):
+        record = _record.job(job.impl, where)
         # a job on a thread of this process records its steps as the site's (a sparse solve's factorisations)
-        fn = _record.carrying(job.fn, where) if done is not None and in_this_process(executor) else job.fn
+        fn = _record.carrying(job.fn, where) if record is not None and in_this_process(executor) else job.fn
         try:
             futures.append(executor.submit(fn, *job.args))
-            if done is not None:
-                futures[-1].add_done_callback(done)
+            if record is not None:
+                records.append((i, record))
+                futures[-1].add_done_callback(lambda _, i=i: ends.setdefault(i, time.perf_counter()))
         except Exception as e:
             for f in futures:
                 f.cancel()
@@ -309,6 +313,12 @@ def _submit(call: str, executor: cf.Executor, timeout: float | None, jobs: list[
             ) from e
     job_of = dict(zip(futures, jobs, strict=True))
     done, pending = cf.wait(futures, timeout=timeout, return_when=cf.FIRST_EXCEPTION)
+    # Recorded here, before the request returns (a future's callbacks may run after its waiter
+    # wakes: a recording could end without the job), each at its own end where its callback ran.
+    now = time.perf_counter()
+    for i, record in records:
+        if futures[i] in done:
+            record(ends.get(i, now))
     for f in futures:
         if f in done:
             e = cf.CancelledError("the job was cancelled") if f.cancelled() else f.exception()

@@ -5,14 +5,15 @@ call matched by its backward rule's identity (`sparse_solve_bwd`), rewritten int
 Its forward solves `A x = b` (`b` of shape `(n, 3)`, a column a coordinate) with SciPy's
 `spsolve` in a `pure_callback`; its backward solves again, `lam = A^-1 g` (jax_fdm takes `A`
 as symmetric and does not transpose it), then `ct_b = lam`, and the cotangent of the
-matrix's entries from JAX's `CSC` product `A @ x`, which lays it out as for the transposed
-pattern: `ct_data[k] = -lam[cols[k]] * x[rows[k]]`, summed over the columns. (For jax_fdm's
+matrix's entries from JAX's `CSC` product `A @ x`, which in some JAX versions (0.10, not
+0.12: `_transposed_layout` finds out) lays it out as for the transposed pattern:
+`ct_data[k] = -lam[cols[k]] * x[rows[k]]`, summed over the columns. (For jax_fdm's
 matrices, symmetric with mirrored entries made alike from the force densities, that is the
 true gradient; for another matrix it is not.) Plain JAX factors twice a value and gradient,
 with two host callbacks; the rewritten call factors once, its columns one job, and gives
 jax_fdm's answer for any matrix: its adjoint solves with `A` itself (`symmetric=True`), and
-the entries' cotangent is moved to the mirror entry (so the pattern must be structurally
-symmetric, without duplicates: other calls are left as they are). SciPy returns NaN with a
+the entries' cotangent is moved to the mirror entry where JAX lays it out so (the pattern must
+then be structurally symmetric, without duplicates: other calls are left as they are). SciPy returns NaN with a
 warning for a singular matrix, as the rewritten call does. Only the CPU backend's solve is a
 SciPy callback; on a GPU it is cuSolver's, and the call is left as it is.
 """
@@ -25,9 +26,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from .. import _jaxpr
+from .. import _jaxpr, _runtime
 from .._host._sparse_pattern import SparsePattern
 from . import _registry
 
@@ -71,12 +73,14 @@ def rule(found, mode) -> Any:
     if indices.size == 0 or indices.max() != n - 1:
         return f"its matrix has no entry in row {n - 1}, so SciPy takes it as non-square and fails"
     cols = np.repeat(np.arange(n), np.diff(indptr))
-    mirror = _mirror(indices, cols, n)
-    if mirror is None:
-        return (
-            "its pattern is not structurally symmetric without duplicates, so jax_fdm's cotangent of the entries "
-            "(laid out for the transposed pattern) has no entry to go to"
-        )
+    mirror = None
+    if _transposed_layout():
+        mirror = _mirror(indices, cols, n)
+        if mirror is None:
+            return (
+                "its pattern is not structurally symmetric without duplicates, so jax_fdm's cotangent of the entries "
+                "(laid out for the transposed pattern, as this JAX's CSC product lays it) has no entry to go to"
+            )
     pattern = SparsePattern(indices, cols, n)
     # SciPy's `spsolve` returns NaN with a warning for a singular matrix and for one with a
     # NaN pivot; jax_fdm's backward solves with `A` itself (`symmetric=True`). Its two
@@ -87,6 +91,22 @@ def rule(found, mode) -> Any:
     return _registry.Recognition(
         pattern, apply, factorisations=2, round_trips=0, nonfinite="warn", singular="warn", symmetric=True
     )
+
+
+@_runtime.cached(maxsize=None)
+def _transposed_layout() -> bool:
+    """Whether this JAX's `CSC @ x` lays the cotangent of the matrix's entries out as for the
+    transposed pattern (jax 0.10 does, jax 0.12 does not): jax_fdm's backward takes it from
+    that product. Found on a 2 x 2 matrix, once a process."""
+    from jax.experimental.sparse import CSC
+
+    rows, cols = np.array([0, 1, 0, 1]), np.array([0, 0, 1, 1])  # (every entry of a 2 x 2, by column)
+    x, ct = np.array([1.0, 10.0]), np.array([1.0, 100.0])
+    with jax.ensure_compile_time_eval():
+        matrix = lambda d: CSC((d, jnp.asarray(rows), jnp.array([0, 2, 4])), shape=(2, 2))  # noqa: E731
+        _, vjp = jax.vjp(lambda d: matrix(d) @ jnp.asarray(x), jnp.ones(4))
+        (got,) = vjp(jnp.asarray(ct))
+    return not np.allclose(np.asarray(got), ct[rows] * x[cols])
 
 
 def _mirror(rows: np.ndarray, cols: np.ndarray, n: int) -> np.ndarray | None:
@@ -138,7 +158,8 @@ class _Static:
 def _apply(solve, *operands, mirror):
     """`x = A^-1 b`, the columns of `b` one batch on one factorisation."""
     data, _, _, b = operands[-4:]
-    data = _mirrored_cotangent(data, _Static(mirror))
+    if mirror is not None:
+        data = _mirrored_cotangent(data, _Static(mirror))
     if b.ndim == 1:
         return [solve(data, b).astype(b.dtype)]
     return [jax.vmap(solve, in_axes=(None, 1), out_axes=1)(data, b).astype(b.dtype)]

@@ -318,9 +318,11 @@ def declared_outputs_checked():
 
 def bind_site(fn: Any, x: Any) -> Any:
     """`fn(x)` as one `site_p` equation (on concrete arrays outside any transformation,
-    simply `fwd(x)`: no output structure is needed to run it)."""
+    simply `fwd(x)`: no output structure is needed to run it, and no backward pass can follow,
+    so it keeps nothing for one)."""
     if _jaxpr.is_eager() and is_concrete((fn, x)):
-        return fn.primal(x)
+        with _jaxpr.setting(_runtime.BACKWARD, False):
+            return fn.primal(x)
     fn_dynamic, static = eqx.partition(fn, eqx.is_array)
     fn_leaves, fn_tree = jtu.tree_flatten(fn_dynamic)
     x_leaves, x_tree = jtu.tree_flatten(x)
