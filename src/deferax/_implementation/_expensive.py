@@ -44,7 +44,7 @@ _BAD_COST_HINT = """{call}: `cost` must be a `dx.Cost` or None, but got {found!r
 _BAD_OUT = "{call}: `out` must be a pytree of `jax.ShapeDtypeStruct` or a callable returning one, but got {found!r}."
 
 
-class ExpensiveFn(eqx.Module):
+class ExpensiveFn(_site.AbstractSiteFunction):
     """An expensive function with hand-written derivatives that behaves as a JAX function.
 
     Give any of three implementations; each is a callable (a function, or an `eqx.Module`

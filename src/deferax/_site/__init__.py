@@ -4,6 +4,7 @@ partner and the forward-basis primitive with their rules, and the unit tangents 
 The rest of deferax imports this package (`from .. import _site`) and reads these names."""
 
 from ._forward_basis import forward_basis_p as forward_basis_p
+from ._function import AbstractSiteFunction as AbstractSiteFunction
 from ._primitive import bind_site as bind_site
 from ._primitive import cotangents as cotangents
 from ._primitive import declared_outputs_checked as declared_outputs_checked

@@ -1,11 +1,9 @@
 """What a site equation knows statically (`Spec`), and what its primitives share: their
 names and their batching rule.
 
-A site's function (an `ExpensiveFn`, from the layer above) is held in the `Spec` and
-called by name; the site's rules call only `primal`, `cotangent`, `tangent`, `tangents`,
-`output_and_jacobian`, `strategy` and `forward_basis_estimates` (with `out`, `out_struct` and
-`check_out` when a call is bound), and read the implementations it was given (`jvp`,
-`jvp_batch`, `bwd`, `adjoint`), `autodiff`, `has_vjp`, `on_host`, `max_tangents`, `name` and `title`.
+A site's function (an `ExpensiveFn`, from the layer above) is held in the `Spec`, typed as
+its interface (`AbstractSiteFunction`, `_function.py`: what the rules, the analysis, the
+schedules and the stages call on it, declared, so that pyright checks every use).
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import jax.tree_util as jtu
 
 from .. import _jaxpr
 from .._misc import is_inexact
+from ._function import AbstractSiteFunction
 from ._tangents import n_inputs
 
 SITE = "deferax_site"
@@ -41,7 +40,7 @@ class Spec:
     later); False for a call that nothing differentiates, whose forward keeps nothing.
     """
 
-    static: Any  # the `ExpensiveFn` with its arrays partitioned out (called by name: see above)
+    static: AbstractSiteFunction  # the `ExpensiveFn` with its arrays partitioned out (see above)
     fn_tree: Any
     x_tree: Any
     x_structs: tuple
@@ -92,7 +91,7 @@ class Spec:
         differentiable leaves (`n_inputs`), the `n` of the forward-basis strategy."""
         return n_inputs(self.x(self.x_structs))
 
-    def fn(self, fn_leaves) -> Any:
+    def fn(self, fn_leaves) -> AbstractSiteFunction:
         return eqx.combine(jtu.tree_unflatten(self.fn_tree, list(fn_leaves)), self.static)
 
     def x(self, x_leaves) -> Any:
