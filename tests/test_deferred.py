@@ -514,7 +514,7 @@ def test_no_reanalysis_on_repeated_calls(monkeypatch, counter):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr("deferax._transform.analyse", counting)
+    monkeypatch.setattr("deferax._stages._run.analyse", counting)
     f = make(ref, ("fwd", "bwd", "fused"), counter)
     loss = lambda p: jnp.sum(W * f(p))  # noqa: E731
     step = dx.filter_value_and_grad(loss)

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax import _jaxpr, _transform
+from deferax import _jaxpr
 from deferax._jaxpr import _keys
+from deferax._stages import _run
 
 from .helpers import P0, W, assert_tree_allclose
 
@@ -25,7 +26,7 @@ from .helpers import P0, W, assert_tree_allclose
 def spied(monkeypatch):
     """Counts of the analysis, the cache keys and the compiled stages made by eager calls."""
     counts: collections.Counter = collections.Counter()
-    analyse, key, compiled = _transform.analyse, _jaxpr.structural_key, _transform._Compiled
+    analyse, key, compiled = _run.analyse, _jaxpr.structural_key, _run.Compiled
 
     def counted_analyse(*args, **kwargs):
         counts["analyse"] += 1
@@ -40,9 +41,9 @@ def spied(monkeypatch):
             counts["compiled"] += 1
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(_transform, "analyse", counted_analyse)
+    monkeypatch.setattr(_run, "analyse", counted_analyse)
     monkeypatch.setattr(_jaxpr, "structural_key", counted_key)
-    monkeypatch.setattr(_transform, "_Compiled", CountedCompiled)
+    monkeypatch.setattr(_run, "Compiled", CountedCompiled)
     return counts
 
 

@@ -214,7 +214,7 @@ def test_custom_rules_in_the_loss_and_the_cache(counter):
     trace, keyed by what they compute); a rule that reads a rebound global is a new program.
     A `custom_vjp` (its backward rule cannot be keyed) is not cached, and still right."""
     global RULE_SCALE
-    from deferax import _transform
+    from deferax._stages import _run
 
     f = make(ref, ("fwd", "bwd", "fused"), counter)
     loss = lambda p: (
@@ -224,24 +224,24 @@ def test_custom_rules_in_the_loss_and_the_cache(counter):
         jnp.sum(W * plain(p)) + jnp.sum(jax.nn.relu(p)) + jnp.sum(jax.nn.softmax(p) * W) + jnp.sum(_scaled_tanh(p))
     )  # noqa: E731
     step = dx.filter_value_and_grad(loss)
-    _transform._CACHE.clear()
+    _run._CACHE.clear()
     try:
         for scale, new_entries in ((1.0, 1), (1.0, 0), (3.0, 1), (3.0, 0), (1.0, 0)):
             RULE_SCALE = scale
-            before = len(_transform._CACHE)
+            before = len(_run._CACHE)
             counter.reset()
             got = step(P0)
             assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1}
             assert_tree_allclose(got, jax.value_and_grad(reference)(P0))
-            assert len(_transform._CACHE) - before == new_entries, scale
+            assert len(_run._CACHE) - before == new_entries, scale
         # a custom_vjp's backward rule cannot be keyed: not cached, run uncompiled, still right
         clipped = jax.custom_vjp(lambda x: x)
         clipped.defvjp(lambda x: (x, None), lambda _, ct: (jnp.clip(ct, -1.0, 1.0),))
         for _ in range(2):
-            before = len(_transform._CACHE)
+            before = len(_run._CACHE)
             counter.reset()
             got = dx.filter_value_and_grad(lambda p: jnp.sum(W * f(clipped(p))))(P0)
-            assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1} and len(_transform._CACHE) == before
+            assert counter.as_dict() == {"fwd": 0, "bwd": 0, "fused": 1} and len(_run._CACHE) == before
             assert_tree_allclose(got, jax.value_and_grad(lambda p: jnp.sum(W * plain(clipped(p))))(P0))
         # a rule with symbolic zeros sees which tangents are zero: not keyed, still right
         sym = jax.custom_jvp(jnp.sin)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax import _transform
 from deferax._host import _executor, _sparse_solve
+from deferax._stages import _run
 
 from .helpers import assert_tree_allclose
 
@@ -64,7 +64,7 @@ def freed(ref, within=10.0):
     deadline = time.monotonic() + within
     while True:
         jax.clear_caches()
-        _transform._CACHE.clear()
+        _run._CACHE.clear()
         gc.collect()
         if ref() is None:
             return True

@@ -68,7 +68,7 @@ def _analysed(monkeypatch, loss, x):
         found.append(analysis_module.analyse(*args, **kwargs))
         return found[-1]
 
-    monkeypatch.setattr("deferax._transform.analyse", keeping)
+    monkeypatch.setattr("deferax._stages._run.analyse", keeping)
     value, grad = dx.filter_value_and_grad(loss)(x)
     return found[-1], value, grad
 

@@ -10,10 +10,8 @@ every call and a change of it either changes the program or reaches it as a new 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools as ft
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -22,16 +20,14 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _jaxpr, _record, _runtime, _site
-from ._analysis._analysis import Analysis, analyse
-from ._analysis._bwd import bwd_decisions
+from . import _jaxpr, _site
+from ._analysis._analysis import analyse
 from ._checks import _checks, _messages
 from ._misc import is_concrete, struct_of
-from ._plan import _cost
 from ._plan._plan import Plan
 from ._recognise import _rewrite as _recognise
-from ._site._spec import PRIMITIVES, SITE, spec_of
-from ._stages import _stage1, _stage2, _stage3
+from ._site._spec import SITE
+from ._stages import _run
 
 _SCHEDULES = ("auto", "standard", "deferred")
 _BAD_RECOGNISE = """`deferax.filter_value_and_grad`: `recognise` must be True (rewrite recognised calls where it \
@@ -169,71 +165,6 @@ def _check_value(value, explaining: bool = False):
     raise TypeError(_NOT_SCALAR.format(where=_WHERE, found=found))
 
 
-class _Compiled:
-    """What a traced program needs, cached for calls outside any transformation: its
-    analysis and the cheap stages compiled with `jax.jit` (constants as arguments)."""
-
-    def __init__(self, analysis: Analysis, has_diff: list[bool]):
-        self.analysis = analysis
-        self.stage1 = jax.jit(ft.partial(_stage1.stage1, analysis))
-        self.backward_cotangents = (
-            jax.jit(ft.partial(_stage2.backward_cotangents, analysis)) if analysis.together else None
-        )
-        # With standard sites left, stage 3 runs their implementations: it runs uncompiled,
-        # as in Equinox, so that they run eagerly (and read what they read afresh).
-        self.stage3 = None if analysis.live else jax.jit(ft.partial(_stage3.stage3, analysis, has_diff))
-
-
-_CACHE = _runtime.EAGER_CACHE
-_CACHE_SIZE = 256
-_CACHE_LOCK = threading.Lock()
-
-
-def _analysis(traced: _Traced, schedule, max_basis, eager: bool):
-    """The analysis of a traced program (and, eagerly, its compiled stages: from the cache
-    when the same program was seen before)."""
-    key, bwds = None, None
-    if eager:
-        key = _jaxpr.structural_key(traced.program)
-        if key is not None:
-            # which inputs are constants and which are differentiated is not in the equations,
-            # nor whether each `bwd` (traced now) lets a `fused` be made from it
-            bwds = bwd_decisions(traced.program)
-            key = (key, len(traced.consts), schedule, max_basis, bwds, _timings(traced.program))
-            with _CACHE_LOCK:
-                compiled = _CACHE.get(key)
-                if compiled is not None:
-                    _CACHE.move_to_end(key)
-            if compiled is not None:
-                return compiled.analysis, compiled
-    analysis = analyse(
-        traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE, bwds=bwds
-    )
-    _record.log_plan(analysis.plan)  # a new program (or one traced under a transformation)
-    if not eager or key is None:
-        # (a program that cannot be keyed would be compiled for one call: run uncompiled)
-        return analysis, None
-    compiled = _Compiled(analysis, traced.has_diff())
-    with _CACHE_LOCK:
-        _CACHE[key] = compiled
-        if len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    return analysis, compiled
-
-
-def _timings(program) -> tuple:
-    """The timings each site of `program` (nested ones included) is planned from
-    (`_cost.decided`), in order: part of the key of its compiled stages, so that a site's
-    timings, once decided, recompile the programs that contain it and no other."""
-    found = []
-    for eqn in program.jaxpr.eqns:
-        for e in [eqn, *(e for name in PRIMITIVES for e in _jaxpr.nested_in(eqn, name))]:
-            if str(e.primitive) in PRIMITIVES:
-                spec = spec_of(e)
-                found.append(_cost.decided(spec.static.timings_key, tuple(s.shape for s in spec.x_structs)))
-    return tuple(found)
-
-
 _DEFERRED_UNDER_DIFFERENTIATION = """{where}: schedule='deferred' was requested inside an enclosing differentiation \
 (`jax.grad`,
 `jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' deferred calls
@@ -258,7 +189,9 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, re
         # `fused`, a callback) themselves: the standard schedule is what it can differentiate.
         schedule = "standard"
     eager = _jaxpr.is_eager() and is_concrete(ins)
-    analysis, compiled = _analysis(traced, schedule, max_basis, eager)
+    analysis, compiled = _run.analysis_of(
+        traced.program, len(traced.consts), traced.has_diff(), schedule, max_basis, eager, _WHERE
+    )
     if analysis.plan.fallback is not None:
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
     outside = [s.spec.name for s in analysis.deferring if s.leaves_program] if differentiated else []
@@ -266,32 +199,8 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, re
     if outside:
         sites = ", ".join(f"`{name}`" for name in outside)
         raise ValueError(_DEFERRED_UNDER_DIFFERENTIATION.format(where=_WHERE, sites=sites))
-    results = None
-    if analysis.ahead:
-        with _stage("deferax stage 1: operands and cotangents"):
-            operands, cts = (compiled.stage1 if compiled is not None else ft.partial(_stage1.stage1, analysis))(ins)
-        with _stage("deferax stage 2: expensive calls"):
-            ys, diff_cts = _stage2.by_position(analysis.ahead, _stage2.stage2(analysis.ahead, operands, cts, eager))
-        if analysis.together:
-            with _stage("deferax stage 2b: backward jobs at once"):
-                backward = compiled.backward_cotangents if compiled is not None else None
-                backward = backward or ft.partial(_stage2.backward_cotangents, analysis)
-                diff_cts |= _stage2.stage2b(analysis, operands, ys, backward(ins, ys), eager=eager)
-        results = (cts, ys, diff_cts)
-    with _stage("deferax stage 3: value and gradients"):
-        if compiled is not None and compiled.stage3 is not None:
-            outs, grads = compiled.stage3(ins, results)
-        else:
-            outs, grads = _stage3.stage3(analysis, traced.has_diff(), ins, results)
+    outs, grads = _run.run(analysis, compiled, traced.has_diff(), ins, eager)
     return traced.result(outs, grads, has_aux)
-
-
-@contextlib.contextmanager
-def _stage(name: str):
-    """A named region: in a profiler trace (`jax.profiler.trace`) for what runs here, and in
-    the names of the operations traced here (what a compiled program shows)."""
-    with jax.profiler.TraceAnnotation(name), jax.named_scope(name.replace(" ", "_").replace(":", "")):
-        yield
 
 
 _NO_ARGS = "{where}: the function must be called with at least one positional argument, passed by position (the \
