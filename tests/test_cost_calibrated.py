@@ -1,5 +1,5 @@
 """The cost model counting what each schedule runs (not timed): with the timings the model
-decides from injected (`_cost._DECIDED`, where a site's first calls put them), the schedule
+decides from injected (`_runtime.TIMINGS`, where a site's first calls put them), the schedule
 chosen follows the arithmetic worked out here by hand:
 
 - two wavelengths of a frequency-domain solve, k = 6 real numbers each (3 complex overlaps:
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import deferax as dx
+from deferax import _runtime
 from deferax._plan import _cost
 
 from .helpers import assert_tree_allclose, load_example
@@ -75,9 +76,10 @@ EPS = jnp.asarray(np.random.default_rng(1).uniform(0.1, 0.3, N * N))
 
 def inject(**seconds):
     """Replace every site's decided timings (after its first calls) with `seconds`."""
-    assert _cost._DECIDED  # (the first calls decided them)
-    for key in _cost._DECIDED:
-        _cost._DECIDED[key] = dict(seconds)
+    decided = _runtime.TIMINGS.sites()
+    assert decided  # (the first calls decided them)
+    for key, shapes in decided:
+        _runtime.TIMINGS.decide(key, shapes, seconds)
 
 
 def decide(loss, x):
@@ -134,7 +136,8 @@ def test_a_compliance_needs_no_adjoint_solve_and_is_timed_as_free():
     beam = load_example("topology_mbb").MBB(12, 4)
     x = jnp.full(48, 0.5)
     grad = decide(beam.compliance, x)
-    ((key, timings),) = _cost._DECIDED.items()
+    ((key, shapes),) = _runtime.TIMINGS.sites()
+    timings = _runtime.TIMINGS.decided(key, shapes)
     assert timings["bwd"] == 0.0 and timings["setup"] > 0 and timings["fwd"] > 0
     site = dx.explain(grad, x).sites[0]
     assert site.schedule == "deferred" and site.estimates.source == "measured"

@@ -79,7 +79,7 @@ def _module_state():
 
 def test_no_module_keeps_state_outside_the_runtime():
     """Each mutable found at module level is the runtime's own (a module naming it once:
-    `_DECIDED = _runtime.DECIDED`), a store registered with `reset` (`_runtime.store`,
+    `_TIMINGS = _runtime.TIMINGS`), a store registered with `reset` (`_runtime.store`,
     `_runtime.cached`), or a constant table listed above with its reason."""
     owned = {id(value) for value in vars(_runtime).values()}
     cleared = set(_runtime._CLEARS)
@@ -134,7 +134,7 @@ def _fill_everything():
     for _ in range(_cost.SAMPLES):
         _cost.observe("decided", ((2,),), fwd=1.0, bwd=2.0)
     _cost.observe("sampled", ((2,),), fwd=1.0)
-    _runtime.GATHERING.seconds = {}
+    _runtime.TIMINGS._gathering.seconds = {}
     _native_threads._libraries()
     _runtime.EAGER_CACHE["key"] = "compiled"
     _runtime.REPLAY_ALONE[_Shaped] = True
@@ -169,8 +169,8 @@ def test_reset_resets_every_piece():
     }
     assert dx.typechecking_enabled() == _runtime.TYPECHECK_DEFAULT
     # the timings
-    assert _cost.decided("decided", ((2,),)) == () and _runtime.SAMPLES == {} and _runtime.DECIDED == {}
-    assert not hasattr(_runtime.GATHERING, "seconds")
+    assert _cost.decided("decided", ((2,),)) == () and len(_runtime.TIMINGS) == 0
+    assert not hasattr(_runtime.TIMINGS._gathering, "seconds")
     assert _runtime.NATIVE.found is None
     # the caches, registries and stores
     for store in (

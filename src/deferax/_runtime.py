@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import contextvars
 import dataclasses
 import functools as ft
+import math
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -151,13 +153,90 @@ POOLS = Pools()
 
 # ----------------------------------------------------------------------------- timings of earlier calls
 
-TIMINGS_LOCK = threading.Lock()
-# by (site identity, input shapes): the timings decisions are made from, decided once (`_plan/_cost.py`)
-DECIDED: dict[tuple, dict[str, float]] = {}
-# by (site identity, input shapes): for each of `setup`, `fwd`, `bwd`, one sample a call, until decided
-SAMPLES: dict[tuple, dict[str, list[float]]] = {}
-# `_cost.gathering`'s timings, on each thread
-GATHERING = threading.local()
+
+class Timings:
+    """The timings of sites' earlier calls, by (site identity, input shapes), with their lock:
+    for each of `setup`, `fwd`, `bwd`, one sample a call of a site's first calls, until
+    `samples` calls have given `fwd` and `bwd`; then the least of each kind, decided once
+    (what the estimates are made from, `_plan/_cost.py`); and, on each thread, the timings
+    gathered for one job that times its own parts (`gathering`)."""
+
+    def __init__(self, samples: int):
+        self.samples = samples
+        self._lock = threading.Lock()
+        self._decided: dict[tuple, dict[str, float]] = {}
+        self._sampled: dict[tuple, dict[str, list[float]]] = {}
+        self._gathering = threading.local()
+
+    def observe(self, key: Any, shapes: tuple, seconds: dict[str, float]) -> None:
+        """One call's timings of site `key` on inputs of `shapes` (gathered instead, inside
+        `gathering` on this thread)."""
+        gathered = getattr(self._gathering, "seconds", None)
+        if gathered is not None:
+            into = gathered.setdefault((key, shapes), {})
+            for what, t in seconds.items():
+                into[what] = min(float(t), into.get(what, math.inf))
+            return
+        with self._lock:
+            if (key, shapes) in self._decided:
+                return
+            sampled = self._sampled.setdefault((key, shapes), {})
+            for what, t in seconds.items():
+                kept = sampled.setdefault(what, [])
+                if len(kept) < self.samples:
+                    kept.append(float(t))
+            if all(len(sampled.get(what, ())) >= self.samples for what in ("fwd", "bwd")):
+                self._decided[(key, shapes)] = {what: min(kept) for what, kept in sampled.items()}
+                del self._sampled[(key, shapes)]
+
+    @contextlib.contextmanager
+    def gathering(self) -> Iterator[dict]:
+        """Inside, the timings observed on this thread are gathered into the dict yielded,
+        the least of each kind for each site."""
+        outer = getattr(self._gathering, "seconds", None)
+        self._gathering.seconds = gathered = {}
+        try:
+            yield gathered
+        finally:
+            self._gathering.seconds = outer
+
+    def decided(self, key: Any, shapes: tuple) -> dict[str, float]:
+        """The timings decided for site `key` on inputs of `shapes` (empty before)."""
+        with self._lock:
+            return dict(self._decided.get((key, shapes), {}))
+
+    def decide(self, key: Any, shapes: tuple, seconds: dict[str, float]) -> None:
+        """Decide `seconds` for site `key` on inputs of `shapes` (for tests: as its first calls would)."""
+        with self._lock:
+            self._decided[(key, shapes)] = dict(seconds)
+            self._sampled.pop((key, shapes), None)
+
+    def sampled(self, key: Any, shapes: tuple) -> dict[str, list[float]]:
+        """The samples kept of site `key` on inputs of `shapes`, not yet decided (empty after)."""
+        with self._lock:
+            return {what: list(kept) for what, kept in self._sampled.get((key, shapes), {}).items()}
+
+    def sites(self, sampled: bool = False) -> list[tuple]:
+        """The `(key, shapes)` of the sites whose timings are decided (and, with `sampled`,
+        those still sampled)."""
+        with self._lock:
+            return list(self._decided) + (list(self._sampled) if sampled else [])
+
+    def __len__(self) -> int:
+        """How many sites have timings, decided or sampled."""
+        with self._lock:
+            return len(self._decided) + len(self._sampled)
+
+    def clear(self) -> None:
+        """Forget every timing (also the gathering on this thread)."""
+        with self._lock:
+            self._decided.clear()
+            self._sampled.clear()
+        self._gathering.__dict__.clear()
+
+
+TIMINGS_SAMPLES = 3  # timings of a site's first calls, of which the least is kept
+TIMINGS = Timings(TIMINGS_SAMPLES)
 
 # ----------------------------------------------------------------------------- native thread pools
 
@@ -240,10 +319,7 @@ def reset() -> None:
     SWITCHES.concurrent, SWITCHES.devices = defaults.concurrent, defaults.devices
     for var in CONTEXT_VARS:
         var.set(_default(var))
-    with TIMINGS_LOCK:
-        DECIDED.clear()
-        SAMPLES.clear()
-    GATHERING.__dict__.clear()
+    TIMINGS.clear()
     with NATIVE_LOCK:
         NATIVE.found = None
     EAGER_CACHE.clear()

@@ -52,9 +52,8 @@ where it runs (`_runner`), so its `fwd` and `bwd` include any setup of their own
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from typing import Any
 
 import equinox as eqx
@@ -67,7 +66,7 @@ from .. import _runtime
 # stage) and 6.8 ms standard (two) on a 2-core CPU at load 13; less on an idle machine
 # (`benchmarks/bench_cost.py`'s "stage" case measures it: see `STAGE_SECONDS` there).
 STAGE_SECONDS = 1e-3
-SAMPLES = 3  # timings of a site's first calls, of which the least is kept
+SAMPLES = _runtime.TIMINGS_SAMPLES  # timings of a site's first calls, of which the least is kept
 DEFAULT_STAGE = 0.01  # (in units of one forward, with the equal-cost defaults)
 
 
@@ -176,10 +175,7 @@ class Estimates(eqx.Module):
 
 # ----------------------------------------------------------------------------- timings of earlier calls
 
-_LOCK = _runtime.TIMINGS_LOCK
-_DECIDED = _runtime.DECIDED  # the timings decisions are made from, decided once
-_SAMPLES = _runtime.SAMPLES  # one sample a call of each kind, until decided
-_GATHERING = _runtime.GATHERING  # `gathering`'s timings on this thread
+_TIMINGS = _runtime.TIMINGS
 
 
 def observe(key: Hashable, shapes: tuple, **seconds: float) -> None:
@@ -187,54 +183,29 @@ def observe(key: Hashable, shapes: tuple, **seconds: float) -> None:
     `shapes` (`setup`, `fwd`, `bwd`: seconds). Inside `gathering` on this thread they are
     gathered there instead. Once `SAMPLES` calls have given `fwd` and `bwd`, the least of
     each kind is decided: then, and only then, the site's decisions change (one new plan,
-    one compilation of the programs that contain it)."""
-    gathered = getattr(_GATHERING, "seconds", None)
-    if gathered is not None:
-        into = gathered.setdefault((key, shapes), {})
-        for what, t in seconds.items():
-            into[what] = min(float(t), into.get(what, math.inf))
-        return
-    with _LOCK:
-        if (key, shapes) in _DECIDED:
-            return
-        samples = _SAMPLES.setdefault((key, shapes), {})
-        for what, t in seconds.items():
-            kept = samples.setdefault(what, [])
-            if len(kept) < SAMPLES:
-                kept.append(float(t))
-        if all(len(samples.get(what, ())) >= SAMPLES for what in ("fwd", "bwd")):
-            _DECIDED[(key, shapes)] = {what: min(kept) for what, kept in samples.items()}
-            del _SAMPLES[(key, shapes)]
+    one compilation of the programs that contain it). (`_runtime.Timings` keeps them.)"""
+    _TIMINGS.observe(key, shapes, seconds)
 
 
-@contextlib.contextmanager
-def gathering() -> Iterator[dict]:
+def gathering():
     """Inside, the timings that `observe` gets on this thread are gathered, the least of each
     kind for each site, into the dict yielded (for a host function that times its own
     parts, several solves in one job: the job's runner feeds them to `observe` as one
     sample of its call)."""
-    outer = getattr(_GATHERING, "seconds", None)
-    _GATHERING.seconds = gathered = {}
-    try:
-        yield gathered
-    finally:
-        _GATHERING.seconds = outer
+    return _TIMINGS.gathering()
 
 
 def decided(key: Hashable, shapes: tuple) -> tuple:
     """The timings decided for site `key` on inputs of `shapes` (empty before): what its
     decisions are made from, so part of the key of a program's compiled stages."""
-    with _LOCK:
-        return tuple(sorted(_DECIDED.get((key, shapes), {}).items()))
+    return tuple(sorted(_TIMINGS.decided(key, shapes).items()))
 
 
 def forget_timings() -> None:
     """Forget the timings of earlier calls, so that the schedules chosen from them are chosen
     again from the next calls' (after a change of machine load, of executor, of problem).
     Programs compiled under `jax.jit` keep the plan they were traced with."""
-    with _LOCK:
-        _DECIDED.clear()
-        _SAMPLES.clear()
+    _TIMINGS.clear()
 
 
 # ----------------------------------------------------------------------------- the estimates
@@ -243,8 +214,7 @@ def forget_timings() -> None:
 def _numbers(key: Hashable, shapes: tuple, hint: Cost, defaults: bool = False) -> tuple:
     """`(setup, fwd, bwd, stage, source)` for a site: its hint's numbers, else its timings,
     else the equal-cost defaults (all of them with `defaults`)."""
-    with _LOCK:
-        measured = dict(_DECIDED.get((key, shapes), {}))
+    measured = _TIMINGS.decided(key, shapes)
     given = {f: value for f, value in hint._seconds().items() if f != "stage" and value is not None}
     if defaults or not {"fwd", "bwd"} <= set(measured) | set(given):  # (seconds are not mixed with the defaults' units)
         measured = {}
