@@ -69,7 +69,7 @@ def every_implementation(runs, **kwargs):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("make_loss, k", [(one_overlap, 2), (two_overlaps, 4)], ids=["k=2", "k=4"])
 def test_a_users_fused_batch_is_the_one_job_beside_fwd_and_adjoint(make_loss, k, jit):
-    """With `cost=dx.Cost(setup=10, fwd=1, bwd=1)` (seconds), `_cost.estimate`'s formulas give
+    """With `cost=dx.Cost(setup=10, fwd=1, bwd=1)` (seconds), `_schedules._deferred.estimate`'s formulas give
         standard       = (setup + fwd) + setup + bwd + 2 * stage = 11 + 11 + 0.002 = 22.002
         deferred-basis = one job: setup + fwd + k * bwd + stage  = 11 + k + 0.001
     (13.001 for k = 2, 15.001 for k = 4; `stage` is 1 ms once numbers are given). So the

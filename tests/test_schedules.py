@@ -10,6 +10,7 @@ import pytest
 
 import deferax as dx
 from deferax._plan import _cost
+from deferax._schedules import _deferred
 
 PACKAGE = os.path.dirname(dx.__file__)
 W = jnp.array([1.0, -2.0, 0.5])
@@ -50,13 +51,14 @@ def test_stage2_reaches_fused_in_few_frames(n_sites):
     assert max(map(len, depths)) <= 6, depths
 
 
-def test_estimate_is_keyword_only():
+def test_the_deferred_estimate_of_one_job_on_the_defaults():
+    """A deferred site's one job on the equal-cost defaults: its forward and its adjoint, one
+    each, and a stage; the job's switches are keyword-only."""
+    setup, fwd, bwd, stage, source = _cost.numbers(None, ((3,),), dx.Cost())
     with pytest.raises(TypeError, match="positional"):
-        _cost.estimate(None, ((3,),), None, 1, False, True, False, 1)  # pyright: ignore[reportCallIssue]
-    found = _cost.estimate(
-        key=None, shapes=((3,),), hint=None, k=1, complex_out=False, one_job=True, fused_only=False, workers=1
-    )
-    assert found.deferred == 1.0 + 1.0 + _cost.DEFAULT_STAGE
+        _deferred.jobs(setup, fwd, bwd, 1, dx.Cost(), False, True, False)  # pyright: ignore[reportCallIssue]
+    found = _deferred.jobs(setup, fwd, bwd, 1, dx.Cost(), complex_out=False, one_job=True, fused_jobs=False)
+    assert source == "defaults" and _cost.at_once(found, 1, stage) == 1.0 + 1.0 + _cost.DEFAULT_STAGE
 
 
 def _analysed(monkeypatch, loss, x):

@@ -383,7 +383,7 @@ class _Check:
         limit = spec.static.max_basis
         limit = limit if limit is not None else self.max_basis
         estimates = DeferredBasis.estimate(spec, basis.k, alike, per_example=basis.example_axes is not None)
-        assert estimates.deferred is not None  # (`_cost.estimate` always estimates the deferred schedule)
+        assert estimates.deferred is not None  # (`_deferred.estimate` always estimates the deferred schedule)
         if basis.k <= limit if limit is not None else estimates.deferred < estimates.standard:
             ahead = _jaxpr.once_only(basis.program, [True] * len(basis.program.jaxpr.eqns))
             if ahead is not None:

@@ -1,5 +1,5 @@
 """Whether standard sites' backward jobs run at once (`Together`, `_schedules/_together.py`):
-the conditions, the estimates that choose it (`_cost.together`), and the texts that say
+the conditions, the estimates that choose it (`_schedules._together.together`), and the texts that say
 with which sites, or why not. `check` is the analysis's `_Check` of the program."""
 
 from __future__ import annotations
@@ -9,12 +9,11 @@ from typing import Any
 
 from .. import _jaxpr
 from .._implementation._abstract import AbstractImplementation
-from .._plan import _cost
 from .._schedules._deferred_basis import DeferredBasis
 from .._schedules._early import Early, standard_fields
 from .._schedules._forward_basis import ForwardBasis
 from .._schedules._standard import Standard
-from .._schedules._together import Together, both_leave_program
+from .._schedules._together import Together, both_leave_program, together
 
 
 def jobs_leave_program(check, p: int) -> bool:
@@ -68,7 +67,7 @@ def in_turn(check, schedules, upstream) -> None:
 
 def choose(check, schedules, once) -> None:
     """The standard sites whose backward jobs run at once, where every other site runs in
-    stage 2 and the estimates say it is faster (`_cost.together`); the reasons say
+    stage 2 and the estimates say it is faster (`_schedules._together.together`); the reasons say
     with which sites, or why not. A site that nothing differentiates has no backward job:
     its forward job runs in stage 2 beside theirs (`Early`)."""
     n = len(check.sites)
@@ -96,7 +95,7 @@ def choose(check, schedules, once) -> None:
         for p in group:
             schedules[p] = _with_reason(schedules[p], why)
         return
-    estimates = _cost.together([_cost_of(check, p) for p in [*group, *still]], still=len(still))
+    estimates = together([_cost_of(check, p) for p in [*group, *still]], still=len(still))
     members = ", ".join(f"#{p}" for p in sorted([*group, *still]))
     jobs = "jobs" if still else "backward jobs"  # (those that nothing differentiates have a forward job only)
     if estimates.faster:
@@ -135,14 +134,14 @@ def against_basis(check, schedules, candidates, stays_standard) -> None:
     standard = [p for p in range(n) if p not in basis and not schedules[p].defers and not _still(schedules[p])]
     if any(not (isinstance(schedules[p], Standard) and jobs_leave_program(check, p)) for p in standard):
         return  # (a site that cannot run at once: `choose` would keep the group in turn)
-    jointly = _cost.together([_cost_of(check, p) for p in sorted([*basis, *standard])])
+    jointly = together([_cost_of(check, p) for p in sorted([*basis, *standard])])
     estimates = [schedules[p].estimates for p in basis]
     if not jointly.faster or any(e is None or e.deferred is None or e.source != jointly.source for e in estimates):
         return  # (no gain; or estimates in other units than the jobs at once: not compared)
     # each basis site's estimate is its share of the stage they all run in, plus that stage
     deferred = sum(e.deferred for e in estimates) - (len(basis) - 1) * jointly.stage  # pyright: ignore[reportOptionalOperand, reportOptionalMemberAccess]  (checked above)
     if len(standard) > 1:
-        now = _cost.together([_cost_of(check, p) for p in standard])
+        now = together([_cost_of(check, p) for p in standard])
         deferred += now.at_once if now.faster else now.in_turn
     elif standard:
         deferred += sum(schedules[p].estimates.standard for p in standard if schedules[p].estimates is not None)
@@ -176,7 +175,7 @@ def _limit(check, p: int) -> int | None:
 
 
 def _cost_of(check, p: int) -> tuple:
-    """`(key, shapes, hint, workers)` of site `p`, for `_cost.together`."""
+    """`(key, shapes, hint, workers)` of site `p`, for `together`."""
     static = check.specs[p].static
     workers = [i.jobs_at_once for i in (static.fwd, static.bwd) if isinstance(i, AbstractImplementation)]
     shapes = tuple(s.shape for s in check.specs[p].x_structs)

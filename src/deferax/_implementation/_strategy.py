@@ -20,17 +20,38 @@ STRATEGIES = ("standard", "forward-basis")
 
 
 def forward_basis_estimates(fn: Any, shapes: tuple, n: int) -> _cost.Estimates | None:
-    """The estimates of the standard schedule and the forward-basis strategy on an input
-    of leaves of `shapes` with `n` numbers (`_cost.forward_basis`); None without `jvp`
-    or `jvp_batch`. One job computes the output and all `n` tangents, unless a host
-    function's `jvp` runs once per tangent."""
+    """The estimates of the standard schedule and the forward-basis strategy (the output
+    and `n` unit tangents on the forward pass, one stage; `ct_x = J^T ct_y` after) on an
+    input of leaves of `shapes` with `n` numbers; None without `jvp` or `jvp_batch`:
+
+        forward-basis   = one job:  setup + fwd + n * tangent + stage
+                          (`jvp_batch`, or a traced `jvp` batched with `vmap`)
+                          or n jobs:  max(one job, all jobs / workers) + stage
+                          (`dx.host`'s `jvp` without `jvp_batch`: setup + fwd + tangent each)
+
+    A tangent costs what an adjoint does (`bwd`'s number): a tangent solve and an adjoint
+    solve share the forward's factorisation alike; these are the deferred-basis estimates
+    with `n` tangents in place of cotangents. With the equal-cost defaults the fixed rule
+    decides, not this estimate (`strategy`): `n` unit tangents estimated as `n` adjoints
+    would never be chosen, yet a tangent solve beside the forward is often nearly free."""
     if fn.jvp is None and fn.jvp_batch is None:
         return None
     batch = fn.jvp_batch
     one_job = not isinstance(batch, AbstractImplementation) or batch.batch_in_one_job
     fused_only = fn.fwd is None and fn.bwd is None and fn.adjoint is None
     workers = batch.jobs_at_once if isinstance(batch, AbstractImplementation) and not one_job else 1
-    return _cost.forward_basis(fn.timings_key, shapes, fn.cost, n, one_job, fused_only, workers)
+    hint = _cost.Cost() if fn.cost is None else fn.cost
+    workers = workers if hint.workers is None else hint.workers
+    setup, fwd, bwd, stage, source = _cost.numbers(fn.timings_key, shapes, hint)
+    # (no tangent: the output alone, one job; `jvp`'s separate jobs compute the output each)
+    tangents = [setup + fwd + n * bwd] if one_job or n == 0 else [setup + fwd + bwd] * n
+    return _cost.Estimates(
+        standard=_cost.standard_seconds(setup, fwd, bwd, stage, hint, fused_only),
+        deferred=None,
+        source=source,
+        forward_basis=_cost.at_once(tangents, workers, stage),
+        note=hint.note,
+    )
 
 
 def by_estimate(fn: Any, estimates: _cost.Estimates | None) -> bool:
@@ -74,6 +95,6 @@ def strategy(fn: Any, n: int, estimates: _cost.Estimates | None) -> str:
             return "forward-basis"
         return "standard"  # reverse mode then fails with TOO_MANY_TANGENTS, forward mode works
     if by_estimate(fn, estimates):
-        assert estimates is not None and estimates.forward_basis is not None  # (`_cost.forward_basis`'s)
+        assert estimates is not None and estimates.forward_basis is not None  # (`forward_basis_estimates`')
         return "forward-basis" if estimates.forward_basis < estimates.standard else "standard"
     return "forward-basis" if n <= limit else "standard"

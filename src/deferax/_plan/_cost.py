@@ -211,7 +211,7 @@ def forget_timings() -> None:
 # ----------------------------------------------------------------------------- the estimates
 
 
-def _numbers(key: Hashable, shapes: tuple, hint: Cost, defaults: bool = False) -> tuple:
+def numbers(key: Hashable, shapes: tuple, hint: Cost, defaults: bool = False) -> tuple:
     """`(setup, fwd, bwd, stage, source)` for a site: its hint's numbers, else its timings,
     else the equal-cost defaults (all of them with `defaults`)."""
     measured = _TIMINGS.decided(key, shapes)
@@ -226,140 +226,17 @@ def _numbers(key: Hashable, shapes: tuple, hint: Cost, defaults: bool = False) -
     return numbers["setup"], numbers["fwd"], numbers["bwd"], stage, source
 
 
-def estimate(
-    *,
-    key: Hashable,
-    shapes: tuple,
-    hint: Cost | None,
-    k: int,
-    complex_out: bool,
-    one_job: bool,
-    fused_only: bool,
-    workers: int,
-    fused_jobs: bool | None = None,
-    peers: int = 1,
-) -> Estimates:
-    """The estimates for a site on `k` basis cotangents (`k = 1`: the plain deferred
-    schedule). `one_job`: the forward and the adjoints run in one job (`fused_batch`, or a
-    traced `fused` batched over the cotangents); otherwise they are separate jobs, of which
-    `workers` run at once (unless the hint says how many).
-    `fused_only`: `fused` is the site's only implementation, so each of its jobs computes
-    the forward too, and the standard schedule calls it twice. `fused_jobs`: the separate
-    jobs are `fused` once per cotangent, each computing the forward too (a host site with
-    `fused` but no `adjoint` or no `fwd`, and no `fused_batch`), rather than `fwd` and one
-    `adjoint` a cotangent; default `fused_only`. `peers`: how many sites of the program
-    like this one (itself included) run their deferred jobs at once with it on the
-    `workers`; the estimate is this site's share of their stage."""
-    hint = Cost() if hint is None else hint
-    workers = workers if hint.workers is None else hint.workers
-    setup, fwd, bwd, stage, source = _numbers(key, shapes, hint)
-    m = math.ceil(k / 2) if hint.linear and complex_out else k
+def standard_seconds(setup: float, fwd: float, bwd: float, stage: float, hint: Cost, fused_only: bool) -> float:
+    """A site's standard schedule from its numbers (`numbers`): its forward, then its
+    backward (a second setup unless the hint says it is kept; `fused` twice where it is the
+    only implementation), a stage each."""
     if fused_only:
-        standard = 2 * (setup + fwd + bwd) + 2 * stage
-    else:
-        standard = setup + fwd + (0.0 if hint.keeps_setup else setup) + bwd + 2 * stage
-    if one_job:
-        jobs = [setup + fwd + m * bwd]
-    else:
-        fused_jobs = fused_only if fused_jobs is None else fused_jobs
-        jobs = [setup + fwd + bwd] * m if fused_jobs else [setup + fwd] + [setup + bwd] * m
-    deferred = max(max(jobs), peers * sum(jobs) / workers) / peers + stage
-    return Estimates(standard=standard, deferred=deferred, source=source, note=hint.note)
+        return 2 * (setup + fwd + bwd) + 2 * stage
+    return setup + fwd + (0.0 if hint.keeps_setup else setup) + bwd + 2 * stage
 
 
-def forward_basis(
-    key: Hashable, shapes: tuple, hint: Cost | None, n: int, one_job: bool, fused_only: bool, workers: int
-) -> Estimates:
-    """The estimates of the standard schedule and of the forward-basis strategy (the output
-    and `n` unit tangents on the forward pass, one stage; `ct_x = J^T ct_y` after) for a
-    site with `jvp` or `jvp_batch`, from the same numbers as `estimate`'s:
-
-        forward-basis   = one job:  setup + fwd + n * tangent + stage
-                          (`jvp_batch`, or a traced `jvp` batched with `vmap`)
-                          or n jobs:  max(one job, all jobs / workers) + stage
-                          (`dx.host`'s `jvp` without `jvp_batch`: setup + fwd + tangent each)
-
-    A tangent costs what an adjoint does (`bwd`'s number): a tangent solve and an adjoint
-    solve share the forward's factorisation alike. These are the deferred-basis estimates
-    with `k = n` tangents in place of cotangents (`fused_only`'s separate jobs for `jvp`'s,
-    which compute the output each), so they are `estimate`'s. `deferred` is None.
-    With the equal-cost defaults the fixed rule decides, not this estimate
-    (`ExpensiveFn.strategy`): `n` unit tangents estimated as `n` adjoints would never
-    be chosen, yet a tangent solve beside the forward is often nearly free."""
-    one_job = one_job or n == 0  # (no tangent: the output alone)
-    common = {"key": key, "shapes": shapes, "hint": hint, "complex_out": False, "workers": workers}
-    standard = estimate(**common, k=1, one_job=True, fused_only=fused_only)
-    tangents = estimate(**common, k=n, one_job=one_job, fused_only=not one_job)
-    return Estimates(
-        standard=standard.standard,
-        deferred=None,
-        source=standard.source,
-        forward_basis=tangents.deferred,
-        note=standard.note,
-    )
-
-
-class TogetherEstimates(eqx.Module):
-    """The estimates of standard sites that may run their jobs at once (`together`).
-
-    **Fields:**
-
-    - `in_turn`: each site's forward, then each one's backward, one after another (the sum
-      of their standard estimates).
-    - `at_once`: the forward jobs at once, then the backward jobs at once.
-    - `workers`: the jobs that run at once (the fewest of the sites').
-    - `source`: as [`deferax.Estimates`][]'s.
-    - `stage`: one stage's overhead in these numbers.
-    """
-
-    in_turn: float
-    at_once: float
-    workers: int
-    source: str
-    stage: float = 0.0
-
-    @property
-    def faster(self) -> bool:
-        """Whether the jobs at once are estimated faster, on more than one worker (on one,
-        what they save is a host round trip: within what the estimate can tell)."""
-        return self.workers > 1 and self.at_once < self.in_turn
-
-    def text(self) -> str:
-        """`"estimated X s at once against Y s in turn"`."""
-        unit = "" if self.source == "defaults" else " s"
-        return f"estimated {self.at_once:.4g}{unit} at once against {self.in_turn:.4g}{unit} in turn"
-
-
-def together(sites: list[tuple[Hashable, tuple, Cost | None, int]], still: int = 0) -> TogetherEstimates:
-    """The estimates of standard sites (`(key, shapes, hint, workers)` each, as for `estimate`)
-    whose forward jobs run at once in one stage and whose backward jobs run at once in the
-    next, from the same numbers as `estimate`'s (the last `still` sites have no backward
-    job: nothing differentiates them):
-
-        in turn    = sum of each site's standard estimate
-                     = sum (setup + fwd + (setup, unless kept) + bwd + 2 * stage)
-        at once    = max(longest forward job, all forward jobs / workers)
-                     + max(longest backward job, all backward jobs / workers) + 3 * stage
-
-    (two stages of jobs, and one more for the backward program evaluated ahead of the
-    value, with the real outputs). `workers`: the fewest of the sites' (a hint's first).
-    A site whose numbers are seconds beside one on the equal-cost defaults puts every site
-    on the defaults (seconds are not mixed with their units)."""
-    hints = [Cost() if hint is None else hint for _, _, hint, _ in sites]
-    numbers = [_numbers(key, shapes, hint) for (key, shapes, _, _), hint in zip(sites, hints, strict=True)]
-    if len({n[4] == "defaults" for n in numbers}) > 1:
-        numbers = [_numbers(key, shapes, hint, True) for (key, shapes, _, _), hint in zip(sites, hints, strict=True)]
-    workers = min(w if hint.workers is None else hint.workers for (_, _, _, w), hint in zip(sites, hints, strict=True))
-    forward, backward, in_turn = [], [], 0.0
-    for i, ((setup, fwd, bwd, stage, _), hint) in enumerate(zip(numbers, hints, strict=True)):
-        forward.append(setup + fwd)
-        in_turn += setup + fwd + stage
-        if i < len(sites) - still:
-            again = 0.0 if hint.keeps_setup else setup
-            backward.append(again + bwd)
-            in_turn += again + bwd + stage
-    stage = max(n[3] for n in numbers)
-    at_once = sum(max(max(jobs), sum(jobs) / workers) for jobs in (forward, backward) if jobs) + 3 * stage
-    sources = {n[4] for n in numbers}
-    source = "measured" if "measured" in sources else "hint" if "hint" in sources else "defaults"
-    return TogetherEstimates(in_turn=in_turn, at_once=at_once, workers=workers, source=source, stage=stage)
+def at_once(jobs: list[float], workers: int, stage: float, peers: int = 1) -> float:
+    """Jobs of these seconds run at once on `workers` in one stage, with `peers` sites'
+    alike sharing them (each site's share): the longest job, or all jobs' seconds shared
+    among the workers, whichever is longer, plus the stage."""
+    return max(max(jobs), peers * sum(jobs) / workers) / peers + stage

@@ -38,7 +38,7 @@ def peers(spec: _site.Spec, others: Sequence[_site.Spec]) -> int:
     """How many of `others` (the program's sites that may run ahead of the value, `spec`
     among them) are like `spec`: the same timed host functions (`timings_key`: for
     `dx.sparse_solve`, the same pattern and solver) on inputs of the same shapes. Their
-    deferred jobs run at once in one stage (`_cost.estimate`'s `peers`)."""
+    deferred jobs run at once in one stage (`estimate`'s `peers`)."""
     key = spec.static.timings_key
     if key is None:
         return 1
@@ -48,9 +48,12 @@ def peers(spec: _site.Spec, others: Sequence[_site.Spec]) -> int:
 
 
 def estimate(spec: _site.Spec, k: int, peers: int = 1, per_example: bool = False) -> _cost.Estimates:
-    """The estimates for site `spec` on `k` cotangents: one job when its forward and
-    adjoints share one call (`fused_batch`, or a traced `fused` batched over them), with
-    `peers` sites like it running their jobs at once (see `peers`).
+    """The estimates for site `spec` on `k` cotangents (`k = 1`: the plain deferred
+    schedule): its standard schedule (`_cost.standard_seconds`) and its deferred jobs
+    (`jobs`) at once (`_cost.at_once`): one job when its forward and adjoints share one call
+    (`fused_batch`, or a traced `fused` batched over them), else separate jobs of which the
+    executor runs `workers` at once (unless the hint says how many), with `peers` sites like
+    it running their jobs at once in one stage (see `peers`), the estimate this site's share.
 
     Under `vmap`, each example's job gets all `k`, of which those of the other examples
     are zero there when the frontier is batched like the output (a loss of each example's
@@ -72,18 +75,48 @@ def estimate(spec: _site.Spec, k: int, peers: int = 1, per_example: bool = False
     shapes = tuple(s.shape for s in spec.x_structs)
     fused_only = static.fwd is None and static.bwd is None and static.adjoint is None
     fused_jobs = fused_only or (isinstance(fused, AbstractImplementation) and fused.batch_jobs_are_fused)
-    return _cost.estimate(
-        key=static.timings_key,
-        shapes=shapes,
-        hint=static.cost,
-        k=k,
-        complex_out=complex_out,
-        one_job=one_job,
-        fused_only=fused_only,
-        workers=workers,
-        fused_jobs=fused_jobs,
-        peers=peers,
+    hint = _cost.Cost() if static.cost is None else static.cost
+    workers = workers if hint.workers is None else hint.workers
+    setup, fwd, bwd, stage, source = _cost.numbers(static.timings_key, shapes, hint)
+    return _cost.Estimates(
+        standard=_cost.standard_seconds(setup, fwd, bwd, stage, hint, fused_only),
+        deferred=_cost.at_once(
+            jobs(setup, fwd, bwd, k, hint, complex_out=complex_out, one_job=one_job, fused_jobs=fused_jobs),
+            workers,
+            stage,
+            peers,
+        ),
+        source=source,
+        note=hint.note,
     )
+
+
+def jobs(
+    setup: float,
+    fwd: float,
+    bwd: float,
+    k: int,
+    hint: _cost.Cost,
+    *,
+    complex_out: bool,
+    one_job: bool,
+    fused_jobs: bool,
+) -> list[float]:
+    """The seconds of the jobs of a deferred site on `k` cotangents (`k = 1`: the plain
+    deferred schedule), from its numbers (`_cost.numbers`):
+
+        one job:        setup + fwd + m * bwd          (`fused_batch`, or a traced `fused`
+                                                        batched over the cotangents)
+        separate jobs:  setup + fwd, and m of setup + bwd   (`fwd` and an `adjoint` each)
+                        or m of setup + fwd + bwd      (`fused` once a cotangent, each
+                                                        computing the forward too)
+
+    where `m = k`, or `ceil(k / 2)` for a complex output whose adjoint is linear (`m` and
+    `1j m` one solve: the hint's `linear`)."""
+    m = math.ceil(k / 2) if hint.linear and complex_out else k
+    if one_job:
+        return [setup + fwd + m * bwd]
+    return [setup + fwd + bwd] * m if fused_jobs else [setup + fwd] + [setup + bwd] * m
 
 
 def fused_is_derived(spec: Spec) -> bool:

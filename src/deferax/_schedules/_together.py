@@ -10,16 +10,18 @@ nested in `lax.scan` or the like). Then the sites' `bwd` jobs run at once, eager
 site pool, under `jit` from one callback when all of them leave the program. Stage 3
 replays the outputs and the input cotangents, as for a deferred site: no `bwd` runs there.
 Each site's `fwd` and `bwd` run once a step, as on the standard schedule; only their
-order changes. The cost model chooses it (`_cost.together`)."""
+order changes. The cost model chooses it, from the estimates here (`together`)."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any, ClassVar
 
 import equinox as eqx
 
 from .. import _site
 from .._implementation._abstract import AbstractImplementation
+from .._plan import _cost
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule
 from .._site import Spec
@@ -100,3 +102,74 @@ class BackwardJob(eqx.Module):
         y, ct_y = cts
         fn_leaves, x_leaves = operands[: spec.n_fn], operands[spec.n_fn :]
         return _site.cotangents(spec, fn_leaves, x_leaves, y, ct_y), None
+
+
+# ----------------------------------------------------------------------------- the estimates
+
+
+class TogetherEstimates(eqx.Module):
+    """The estimates of standard sites that may run their jobs at once (`together`).
+
+    **Fields:**
+
+    - `in_turn`: each site's forward, then each one's backward, one after another (the sum
+      of their standard estimates).
+    - `at_once`: the forward jobs at once, then the backward jobs at once.
+    - `workers`: the jobs that run at once (the fewest of the sites').
+    - `source`: as [`deferax.Estimates`][]'s.
+    - `stage`: one stage's overhead in these numbers.
+    """
+
+    in_turn: float
+    at_once: float
+    workers: int
+    source: str
+    stage: float = 0.0
+
+    @property
+    def faster(self) -> bool:
+        """Whether the jobs at once are estimated faster, on more than one worker (on one,
+        what they save is a host round trip: within what the estimate can tell)."""
+        return self.workers > 1 and self.at_once < self.in_turn
+
+    def text(self) -> str:
+        """`"estimated X s at once against Y s in turn"`."""
+        unit = "" if self.source == "defaults" else " s"
+        return f"estimated {self.at_once:.4g}{unit} at once against {self.in_turn:.4g}{unit} in turn"
+
+
+def together(sites: list[tuple[Hashable, tuple, _cost.Cost | None, int]], still: int = 0) -> TogetherEstimates:
+    """The estimates of standard sites (`(key, shapes, hint, workers)` each, as for `_deferred.estimate`)
+    whose forward jobs run at once in one stage and whose backward jobs run at once in the
+    next, from the same numbers (`_cost.numbers`) (the last `still` sites have no backward
+    job: nothing differentiates them):
+
+        in turn    = sum of each site's standard estimate
+                     = sum (setup + fwd + (setup, unless kept) + bwd + 2 * stage)
+        at once    = max(longest forward job, all forward jobs / workers)
+                     + max(longest backward job, all backward jobs / workers) + 3 * stage
+
+    (two stages of jobs, and one more for the backward program evaluated ahead of the
+    value, with the real outputs). `workers`: the fewest of the sites' (a hint's first).
+    A site whose numbers are seconds beside one on the equal-cost defaults puts every site
+    on the defaults (seconds are not mixed with their units)."""
+    hints = [_cost.Cost() if hint is None else hint for _, _, hint, _ in sites]
+    numbers = [_cost.numbers(key, shapes, hint) for (key, shapes, _, _), hint in zip(sites, hints, strict=True)]
+    if len({n[4] == "defaults" for n in numbers}) > 1:
+        numbers = [
+            _cost.numbers(key, shapes, hint, True) for (key, shapes, _, _), hint in zip(sites, hints, strict=True)
+        ]
+    workers = min(w if hint.workers is None else hint.workers for (_, _, _, w), hint in zip(sites, hints, strict=True))
+    forward, backward, in_turn = [], [], 0.0
+    for i, ((setup, fwd, bwd, stage, _), hint) in enumerate(zip(numbers, hints, strict=True)):
+        forward.append(setup + fwd)
+        in_turn += setup + fwd + stage
+        if i < len(sites) - still:
+            again = 0.0 if hint.keeps_setup else setup
+            backward.append(again + bwd)
+            in_turn += again + bwd + stage
+    stage = max(n[3] for n in numbers)
+    at_once = sum(max(max(jobs), sum(jobs) / workers) for jobs in (forward, backward) if jobs) + 3 * stage
+    sources = {n[4] for n in numbers}
+    source = "measured" if "measured" in sources else "hint" if "hint" in sources else "defaults"
+    return TogetherEstimates(in_turn=in_turn, at_once=at_once, workers=workers, source=source, stage=stage)
