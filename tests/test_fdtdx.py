@@ -147,8 +147,8 @@ def test_fdtdx_time_reversal_gradient_without_a_site():
     [call] = plan.recognised
     assert (call.call, call.site) == ("custom_vjp `reversible_fdtd_primal`", None)
     assert re.match(
-        r"its backward's work \(about .* ms\) needs the residuals `res\[0\]\[1\]` \(float64\[3,20,20,1\]\), "
-        r"`res\[0\]\[2\]` \(float64\[3,20,20,1\]\)",
+        r"its backward's work \(about .* ms\) needs the residuals `res\[0\]\[1\]` \(float64\[3, 20, 20, 1\]\), "
+        r"`res\[0\]\[2\]` \(float64\[3, 20, 20, 1\]\)",
         call.reason,
     ), call.reason
     assert "so it cannot start before the forward ends: left as is (the standard schedule)" in call.reason
