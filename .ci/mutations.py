@@ -1,7 +1,7 @@
 """Mutation check: plant known bugs in a copy of deferax and make sure the tests catch each.
 
 Each mutation names where its bug goes by the qualified name of a function, method or class
-(`_Check._decide`, `outputs.one` for a function nested in `outputs`), looked up in every
+(`_Choice._decide`, `outputs.one` for a function nested in `outputs`), looked up in every
 module of the package, so that moving code to another place or file keeps it working; and
 what to change there by an old and a new snippet. The old snippet is matched within that
 definition's source only, ignoring whitespace (indentation, line breaks, a trailing comma
@@ -49,7 +49,7 @@ PACKAGE = ROOT / "src" / "deferax"
 MUTATIONS = [
     (
         "a nonlinear site deferred",
-        [("_Check._decide", "if not sources:", "if True:")],
+        [("_Choice._decide", "if not sources:", "if True:")],
         ["tests/test_deferred.py::test_nonlinear_downstream_is_standard_with_line", "tests/test_deferred.py"],
     ),
     (
@@ -204,7 +204,7 @@ MUTATIONS = [
         "an io_callback ahead of the expensive calls run twice (value and gradient from two draws)",
         [
             (
-                "_Check.run",
+                "_Choice.run",
                 "Standard(spec=self.specs[p], position=p, reason=reason) if reason else",
                 "Standard(spec=self.specs[p], position=p, reason=reason) if False else",
             )

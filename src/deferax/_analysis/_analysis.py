@@ -102,8 +102,8 @@ def analyse(
     )
     specs = [_site.spec_of(jaxpr.eqns[i]) for i in sites]
     bwds = bwd_decisions(program) if bwds is None else bwds
-    check = _Check(program, n_consts, sites, nested, specs, schedule, max_basis, where, bwds)
-    return check.run()
+    choice = _Choice(program, n_consts, sites, nested, specs, schedule, max_basis, where, bwds)
+    return choice.run()
 
 
 _CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sites cannot be deferred:
@@ -112,7 +112,10 @@ Use schedule='auto' to defer what can be and keep the rest standard, or restruct
 cotangent reaching each expensive output does not depend on an expensive output (see "How the deferred VJP works")."""
 
 
-class _Check:
+class _Choice:
+    """The choice of each site's schedule over one traced program: the static check (what
+    may be deferred, and why not), then the estimates among what may be (`run`)."""
+
     def __init__(self, program, n_consts, sites, nested, specs, schedule, max_basis, where, bwds):
         self.program, self.n_consts, self.sites, self.nested, self.specs = program, n_consts, sites, nested, specs
         self.schedule, self.max_basis, self.where, self.bwds = schedule, max_basis, where, bwds

@@ -1,6 +1,6 @@
 """Whether standard sites' backward jobs run at once (`Together`, `_schedules/_together.py`):
 the conditions, the estimates that choose it (`_schedules._together.together`), and the texts that say
-with which sites, or why not. `check` is the analysis's `_Check` of the program."""
+with which sites, or why not. `choice` is the analysis's `_Choice` of the program's schedules."""
 
 from __future__ import annotations
 
@@ -16,48 +16,48 @@ from .._schedules._standard import Standard
 from .._schedules._together import Together, both_leave_program, together
 
 
-def jobs_leave_program(check, p: int) -> bool:
+def jobs_leave_program(choice, p: int) -> bool:
     """Whether site `p`'s standard jobs could run at once with others': host functions, not
     differentiated by JAX."""
-    spec = check.specs[p]
+    spec = choice.specs[p]
     return both_leave_program(spec) and not spec.static.autodiff
 
 
-def may_run_together(check, ready) -> bool:
+def may_run_together(choice, ready) -> bool:
     """Whether standard sites' backward jobs may run at once (`Together`), or the plan says
     why not: two sites or more, of which one at least has host functions, every site's
     operands need no expensive output (so every output is known in stage 2), none is
     called inside `lax.scan` or the like, and the schedule is chosen (`"auto"`)."""
-    n = len(check.sites)
+    n = len(choice.sites)
     return (
-        check.schedule == "auto"
-        and check.fallback is None
-        and not check.nested
+        choice.schedule == "auto"
+        and choice.fallback is None
+        and not choice.nested
         and n >= 2
         and len(ready) == n
-        and any(jobs_leave_program(check, p) for p in range(n))
+        and any(jobs_leave_program(choice, p) for p in range(n))
     )
 
 
-def in_turn(check, schedules, upstream) -> None:
+def in_turn(choice, schedules, upstream) -> None:
     """Why the standard host sites' backward jobs run in turn where `may_run_together`
     found a site that takes an expensive output, or one called inside `lax.scan` or the
     like, added to their reasons."""
-    n = len(check.sites)
-    if check.schedule != "auto" or check.fallback is not None or n + len(check.nested) < 2:
+    n = len(choice.sites)
+    if choice.schedule != "auto" or choice.fallback is not None or n + len(choice.nested) < 2:
         return
     eligible = [
         p
         for p, s in schedules.items()
-        if isinstance(s, Standard | Early) and s.differentiated and jobs_leave_program(check, p)
+        if isinstance(s, Standard | Early) and s.differentiated and jobs_leave_program(choice, p)
     ]
     why = [
-        f"the input of site #{p} `{check.specs[p].name}` depends on an expensive output"
+        f"the input of site #{p} `{choice.specs[p].name}` depends on an expensive output"
         for p in range(n)
         if upstream[p]
     ]
-    if check.nested:
-        kinds = ", ".join(sorted({_jaxpr.kind_of(check.program.jaxpr.eqns[i]) for i in check.nested}))
+    if choice.nested:
+        kinds = ", ".join(sorted({_jaxpr.kind_of(choice.program.jaxpr.eqns[i]) for i in choice.nested}))
         why.append(f"the expensive call inside {kinds} runs on the program's own passes")
     if not eligible or not why:
         return
@@ -65,20 +65,20 @@ def in_turn(check, schedules, upstream) -> None:
         schedules[p] = _with_reason(schedules[p], "; backward jobs in turn: " + "; ".join(why))
 
 
-def choose(check, schedules, once) -> None:
+def choose(choice, schedules, once) -> None:
     """The standard sites whose backward jobs run at once, where every other site runs in
     stage 2 and the estimates say it is faster (`_schedules._together.together`); the reasons say
     with which sites, or why not. A site that nothing differentiates has no backward job:
     its forward job runs in stage 2 beside theirs (`Early`)."""
-    n = len(check.sites)
+    n = len(choice.sites)
     group, blocking, still = [], [], []
     for p in range(n):
-        s, spec = schedules[p], check.specs[p]
+        s, spec = schedules[p], choice.specs[p]
         if s.defers:
             continue
         if _still(s) and not spec.static.autodiff and not once.get(p):
             still.append(p)  # (no backward job: its `fwd` runs in stage 2 beside the others')
-        elif isinstance(s, Standard | Early) and jobs_leave_program(check, p) and not once.get(p):
+        elif isinstance(s, Standard | Early) and jobs_leave_program(choice, p) and not once.get(p):
             group.append(p)
         elif isinstance(s, ForwardBasis):
             blocking.append(f"site #{p} `{spec.name}` is on the forward-basis strategy")
@@ -95,7 +95,7 @@ def choose(check, schedules, once) -> None:
         for p in group:
             schedules[p] = _with_reason(schedules[p], why)
         return
-    estimates = together([_cost_of(check, p) for p in [*group, *still]], still=len(still))
+    estimates = together([_cost_of(choice, p) for p in [*group, *still]], still=len(still))
     members = ", ".join(f"#{p}" for p in sorted([*group, *still]))
     jobs = "jobs" if still else "backward jobs"  # (those that nothing differentiates have a forward job only)
     if estimates.faster:
@@ -113,7 +113,7 @@ def choose(check, schedules, once) -> None:
         schedules[p] = _with_reason(schedules[p], why)
 
 
-def against_basis(check, schedules, candidates, stays_standard) -> None:
+def against_basis(choice, schedules, candidates, stays_standard) -> None:
     """Sites put on the deferred-basis schedule by their estimates (no `max_basis`) go back
     to the standard schedule where the standard sites' jobs at once are estimated faster than
     those sites deferred on their basis beside the others in turn or at once: the bend's two
@@ -122,26 +122,26 @@ def against_basis(check, schedules, candidates, stays_standard) -> None:
     Every site must then be able to run at once with the others (else nothing changes), and
     stay on the standard strategy (`stays_standard` of its `Standard` schedule: not moved to
     the forward-basis one, which runs in turn)."""
-    n = len(check.sites)
+    n = len(choice.sites)
     basis = [
         p
         for p in candidates
-        if isinstance(schedules[p], DeferredBasis) and _limit(check, p) is None and jobs_leave_program(check, p)
+        if isinstance(schedules[p], DeferredBasis) and _limit(choice, p) is None and jobs_leave_program(choice, p)
     ]
     if not basis:
         return
     # (a site that nothing differentiates has no backward job to run at once)
     standard = [p for p in range(n) if p not in basis and not schedules[p].defers and not _still(schedules[p])]
-    if any(not (isinstance(schedules[p], Standard) and jobs_leave_program(check, p)) for p in standard):
+    if any(not (isinstance(schedules[p], Standard) and jobs_leave_program(choice, p)) for p in standard):
         return  # (a site that cannot run at once: `choose` would keep the group in turn)
-    jointly = together([_cost_of(check, p) for p in sorted([*basis, *standard])])
+    jointly = together([_cost_of(choice, p) for p in sorted([*basis, *standard])])
     estimates = [schedules[p].estimates for p in basis]
     if not jointly.faster or any(e is None or e.deferred is None or e.source != jointly.source for e in estimates):
         return  # (no gain; or estimates in other units than the jobs at once: not compared)
     # each basis site's estimate is its share of the stage they all run in, plus that stage
     deferred = sum(e.deferred for e in estimates) - (len(basis) - 1) * jointly.stage  # pyright: ignore[reportOptionalOperand, reportOptionalMemberAccess]  (checked above)
     if len(standard) > 1:
-        now = together([_cost_of(check, p) for p in standard])
+        now = together([_cost_of(choice, p) for p in standard])
         deferred += now.at_once if now.faster else now.in_turn
     elif standard:
         deferred += sum(schedules[p].estimates.standard for p in standard if schedules[p].estimates is not None)
@@ -155,7 +155,7 @@ def against_basis(check, schedules, candidates, stays_standard) -> None:
             f"; deferring its k={s.k} fixed cotangents is estimated slower than the standard sites' jobs at "
             f"once ({deferred:.4g}{unit} against {jointly.at_once:.4g}{unit})"
         )
-        reason = check.why_not_deferred[p] + why
+        reason = choice.why_not_deferred[p] + why
         switched[p] = Standard(
             spec=s.spec, position=p, reason=reason, location=s.location, k=s.k, estimates=s.estimates
         )
@@ -168,17 +168,17 @@ def _still(schedule: Any) -> bool:
     return isinstance(schedule, Standard | Early) and not schedule.differentiated
 
 
-def _limit(check, p: int) -> int | None:
+def _limit(choice, p: int) -> int | None:
     """The `max_basis` that decides site `p`'s basis schedule (None: its estimates do)."""
-    limit = check.specs[p].static.max_basis
-    return limit if limit is not None else check.max_basis
+    limit = choice.specs[p].static.max_basis
+    return limit if limit is not None else choice.max_basis
 
 
-def _cost_of(check, p: int) -> tuple:
+def _cost_of(choice, p: int) -> tuple:
     """`(key, shapes, hint, workers)` of site `p`, for `together`."""
-    static = check.specs[p].static
+    static = choice.specs[p].static
     workers = [i.jobs_at_once for i in (static.fwd, static.bwd) if isinstance(i, AbstractImplementation)]
-    shapes = tuple(s.shape for s in check.specs[p].x_structs)
+    shapes = tuple(s.shape for s in choice.specs[p].x_structs)
     return static.timings_key, shapes, static.cost, min(workers, default=1)
 
 
