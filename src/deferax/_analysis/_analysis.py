@@ -140,6 +140,13 @@ class _Choice:
                     entries.append((None, _site.spec_of(inner), _jaxpr.kind_of(eqn)))
         return entries
 
+    def facts(self) -> _together.Facts:
+        """What the choice of backward jobs at once reads of the program."""
+        nested = tuple(_jaxpr.kind_of(self.program.jaxpr.eqns[i]) for i in self.nested)
+        return _together.Facts(
+            tuple(self.specs), self.schedule, self.fallback, nested, self.max_basis, self.why_not_deferred
+        )
+
     def run(self) -> Analysis:
         n = len(self.sites)
         marks = _jaxpr.input_marks(self.program, [None] * self.n_in, self.eqn_labels)
@@ -166,7 +173,7 @@ class _Choice:
         backward, backward_out = None, ()
         ready = [p for p in range(n) if not upstream[p]]  # operands computable in stage 1
         # (standard sites whose backward jobs may run at once: their cotangents are traced too)
-        jointly = _together.may_run_together(self, ready)
+        jointly = _together.may_run_together(self.facts(), ready)
         if candidates or jointly:
             backward, backward_out, ct_deps, labels = self._backward(list(range(n)) if jointly else candidates, ready)
             self._candidates = candidates
@@ -180,7 +187,9 @@ class _Choice:
                     else self._decide(p, ct_deps[p], backward, labels)
                 )
         if jointly:
-            _together.against_basis(self, schedules, candidates, lambda s: isinstance(_with_forward_basis(s), Standard))
+            schedules = _together.against_basis(
+                self.facts(), schedules, candidates, lambda s: isinstance(_with_forward_basis(s), Standard)
+            )
         for p in range(n):
             schedule = schedules[p]
             if isinstance(schedule, Standard) and schedule.differentiated:
@@ -197,9 +206,10 @@ class _Choice:
             ):
                 schedules[p] = Early.of(schedule)
         if jointly:
-            _together.choose(self, schedules, {p: self._ahead_once(backward, backward_out, p) for p in range(n)})
+            alone = {p: self._ahead_once(backward, backward_out, p) for p in range(n)}
+            schedules = _together.choose(self.facts(), schedules, alone)
         else:
-            _together.in_turn(self, schedules, upstream)
+            schedules = _together.in_turn(self.facts(), schedules, upstream)
         ordered = tuple(schedules[p] for p in range(n))
         ahead = tuple(s for s in ordered if isinstance(s, AbstractAhead) and s.defers)
         ahead += tuple(s for s in ordered if isinstance(s, AbstractAhead) and not s.defers)

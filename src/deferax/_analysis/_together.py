@@ -1,84 +1,100 @@
 """Whether standard sites' backward jobs run at once (`Together`, `_schedules/_together.py`):
 the conditions, the estimates that choose it (`_schedules._together.together`), and the texts that say
-with which sites, or why not. `choice` is the analysis's `_Choice` of the program's schedules."""
+with which sites, or why not: functions of what they read of the program (`Facts`, which the
+analysis gives) and of the schedules chosen so far, returning the schedules they choose."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from .. import _jaxpr
 from .._implementation._abstract import AbstractImplementation
 from .._schedules._deferred_basis import DeferredBasis
 from .._schedules._early import Early, standard_fields
 from .._schedules._forward_basis import ForwardBasis
 from .._schedules._standard import Standard
 from .._schedules._together import Together, both_leave_program, together
+from .._site import Spec
 
 
-def jobs_leave_program(choice, p: int) -> bool:
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What the facts of backward jobs at once reads of the program."""
+
+    specs: tuple[Spec, ...]  # each top-level site's, by position
+    schedule: str  # the schedule requested: "auto", "standard" or "deferred"
+    fallback: str | None  # why the program runs as Equinox would, if it does
+    nested: tuple[str, ...]  # for each site called inside `lax.scan` or the like: what it is inside
+    max_basis: int | None  # the transform's `max_basis`
+    why_not_deferred: dict[int, str]  # each basis site's reason to stay standard, by position
+
+
+def jobs_leave_program(facts: Facts, p: int) -> bool:
     """Whether site `p`'s standard jobs could run at once with others': host functions, not
     differentiated by JAX."""
-    spec = choice.specs[p]
+    spec = facts.specs[p]
     return both_leave_program(spec) and not spec.static.autodiff
 
 
-def may_run_together(choice, ready) -> bool:
+def may_run_together(facts: Facts, ready) -> bool:
     """Whether standard sites' backward jobs may run at once (`Together`), or the plan says
     why not: two sites or more, of which one at least has host functions, every site's
     operands need no expensive output (so every output is known in stage 2), none is
     called inside `lax.scan` or the like, and the schedule is chosen (`"auto"`)."""
-    n = len(choice.sites)
+    n = len(facts.specs)
     return (
-        choice.schedule == "auto"
-        and choice.fallback is None
-        and not choice.nested
+        facts.schedule == "auto"
+        and facts.fallback is None
+        and not facts.nested
         and n >= 2
         and len(ready) == n
-        and any(jobs_leave_program(choice, p) for p in range(n))
+        and any(jobs_leave_program(facts, p) for p in range(n))
     )
 
 
-def in_turn(choice, schedules, upstream) -> None:
+def in_turn(facts: Facts, schedules: dict, upstream) -> dict:
     """Why the standard host sites' backward jobs run in turn where `may_run_together`
     found a site that takes an expensive output, or one called inside `lax.scan` or the
     like, added to their reasons."""
-    n = len(choice.sites)
-    if choice.schedule != "auto" or choice.fallback is not None or n + len(choice.nested) < 2:
-        return
+    schedules = dict(schedules)  # (the caller's are left as they are)
+    n = len(facts.specs)
+    if facts.schedule != "auto" or facts.fallback is not None or n + len(facts.nested) < 2:
+        return schedules
     eligible = [
         p
         for p, s in schedules.items()
-        if isinstance(s, Standard | Early) and s.differentiated and jobs_leave_program(choice, p)
+        if isinstance(s, Standard | Early) and s.differentiated and jobs_leave_program(facts, p)
     ]
     why = [
-        f"the input of site #{p} `{choice.specs[p].name}` depends on an expensive output"
+        f"the input of site #{p} `{facts.specs[p].name}` depends on an expensive output"
         for p in range(n)
         if upstream[p]
     ]
-    if choice.nested:
-        kinds = ", ".join(sorted({_jaxpr.kind_of(choice.program.jaxpr.eqns[i]) for i in choice.nested}))
+    if facts.nested:
+        kinds = ", ".join(sorted(set(facts.nested)))
         why.append(f"the expensive call inside {kinds} runs on the program's own passes")
     if not eligible or not why:
-        return
+        return schedules
     for p in eligible:
         schedules[p] = _with_reason(schedules[p], "; backward jobs in turn: " + "; ".join(why))
+    return schedules
 
 
-def choose(choice, schedules, once) -> None:
+def choose(facts: Facts, schedules: dict, once) -> dict:
     """The standard sites whose backward jobs run at once, where every other site runs in
     stage 2 and the estimates say it is faster (`_schedules._together.together`); the reasons say
     with which sites, or why not. A site that nothing differentiates has no backward job:
     its forward job runs in stage 2 beside theirs (`Early`)."""
-    n = len(choice.sites)
+    schedules = dict(schedules)  # (the caller's are left as they are)
+    n = len(facts.specs)
     group, blocking, still = [], [], []
     for p in range(n):
-        s, spec = schedules[p], choice.specs[p]
+        s, spec = schedules[p], facts.specs[p]
         if s.defers:
             continue
         if _still(s) and not spec.static.autodiff and not once.get(p):
             still.append(p)  # (no backward job: its `fwd` runs in stage 2 beside the others')
-        elif isinstance(s, Standard | Early) and jobs_leave_program(choice, p) and not once.get(p):
+        elif isinstance(s, Standard | Early) and jobs_leave_program(facts, p) and not once.get(p):
             group.append(p)
         elif isinstance(s, ForwardBasis):
             blocking.append(f"site #{p} `{spec.name}` is on the forward-basis strategy")
@@ -89,13 +105,13 @@ def choose(choice, schedules, once) -> None:
         else:
             blocking.append(f"site #{p} `{spec.name}` runs inside the program, where XLA runs its jobs in turn")
     if not group or (len(group) + len(still) < 2 and not blocking):
-        return
+        return schedules
     if blocking:
         why = "; backward jobs in turn: " + "; ".join(blocking)
         for p in group:
             schedules[p] = _with_reason(schedules[p], why)
-        return
-    estimates = together([_cost_of(choice, p) for p in [*group, *still]], still=len(still))
+        return schedules
+    estimates = together([_cost_of(facts, p) for p in [*group, *still]], still=len(still))
     members = ", ".join(f"#{p}" for p in sorted([*group, *still]))
     jobs = "jobs" if still else "backward jobs"  # (those that nothing differentiates have a forward job only)
     if estimates.faster:
@@ -104,16 +120,17 @@ def choose(choice, schedules, once) -> None:
         for p in still:  # (in stage 2, at once with the others' forward jobs: every output is known in stage 2b)
             why = f"; its forward job at once with {members}: {estimates.text()}"
             schedules[p] = Early(**standard_fields(schedules[p], why))
-        return
+        return schedules
     if estimates.workers == 1:
         why = f"; {jobs} in turn: one worker runs one job at a time ({estimates.text()})"
     else:
         why = f"; {jobs} in turn: {estimates.text()} with {members}"
     for p in group:
         schedules[p] = _with_reason(schedules[p], why)
+    return schedules
 
 
-def against_basis(choice, schedules, candidates, stays_standard) -> None:
+def against_basis(facts: Facts, schedules: dict, candidates, stays_standard) -> dict:
     """Sites put on the deferred-basis schedule by their estimates (no `max_basis`) go back
     to the standard schedule where the standard sites' jobs at once are estimated faster than
     those sites deferred on their basis beside the others in turn or at once: the bend's two
@@ -122,31 +139,32 @@ def against_basis(choice, schedules, candidates, stays_standard) -> None:
     Every site must then be able to run at once with the others (else nothing changes), and
     stay on the standard strategy (`stays_standard` of its `Standard` schedule: not moved to
     the forward-basis one, which runs in turn)."""
-    n = len(choice.sites)
+    schedules = dict(schedules)  # (the caller's are left as they are)
+    n = len(facts.specs)
     basis = [
         p
         for p in candidates
-        if isinstance(schedules[p], DeferredBasis) and _limit(choice, p) is None and jobs_leave_program(choice, p)
+        if isinstance(schedules[p], DeferredBasis) and _limit(facts, p) is None and jobs_leave_program(facts, p)
     ]
     if not basis:
-        return
+        return schedules
     # (a site that nothing differentiates has no backward job to run at once)
     standard = [p for p in range(n) if p not in basis and not schedules[p].defers and not _still(schedules[p])]
-    if any(not (isinstance(schedules[p], Standard) and jobs_leave_program(choice, p)) for p in standard):
-        return  # (a site that cannot run at once: `choose` would keep the group in turn)
-    jointly = together([_cost_of(choice, p) for p in sorted([*basis, *standard])])
+    if any(not (isinstance(schedules[p], Standard) and jobs_leave_program(facts, p)) for p in standard):
+        return schedules  # (a site that cannot run at once: `choose` would keep the group in turn)
+    jointly = together([_cost_of(facts, p) for p in sorted([*basis, *standard])])
     estimates = [schedules[p].estimates for p in basis]
     if not jointly.faster or any(e is None or e.deferred is None or e.source != jointly.source for e in estimates):
-        return  # (no gain; or estimates in other units than the jobs at once: not compared)
+        return schedules  # (no gain; or estimates in other units than the jobs at once: not compared)
     # each basis site's estimate is its share of the stage they all run in, plus that stage
     deferred = sum(e.deferred for e in estimates) - (len(basis) - 1) * jointly.stage  # pyright: ignore[reportOptionalOperand, reportOptionalMemberAccess]  (checked above)
     if len(standard) > 1:
-        now = together([_cost_of(choice, p) for p in standard])
+        now = together([_cost_of(facts, p) for p in standard])
         deferred += now.at_once if now.faster else now.in_turn
     elif standard:
         deferred += sum(schedules[p].estimates.standard for p in standard if schedules[p].estimates is not None)
     if jointly.at_once >= deferred:
-        return
+        return schedules
     unit = "" if jointly.source == "defaults" else " s"
     switched = {}
     for p in basis:
@@ -155,12 +173,13 @@ def against_basis(choice, schedules, candidates, stays_standard) -> None:
             f"; deferring its k={s.k} fixed cotangents is estimated slower than the standard sites' jobs at "
             f"once ({deferred:.4g}{unit} against {jointly.at_once:.4g}{unit})"
         )
-        reason = choice.why_not_deferred[p] + why
+        reason = facts.why_not_deferred[p] + why
         switched[p] = Standard(
             spec=s.spec, position=p, reason=reason, location=s.location, k=s.k, estimates=s.estimates
         )
     if all(stays_standard(s) for s in switched.values()):
         schedules.update(switched)
+    return schedules
 
 
 def _still(schedule: Any) -> bool:
@@ -168,17 +187,17 @@ def _still(schedule: Any) -> bool:
     return isinstance(schedule, Standard | Early) and not schedule.differentiated
 
 
-def _limit(choice, p: int) -> int | None:
+def _limit(facts: Facts, p: int) -> int | None:
     """The `max_basis` that decides site `p`'s basis schedule (None: its estimates do)."""
-    limit = choice.specs[p].static.max_basis
-    return limit if limit is not None else choice.max_basis
+    limit = facts.specs[p].static.max_basis
+    return limit if limit is not None else facts.max_basis
 
 
-def _cost_of(choice, p: int) -> tuple:
+def _cost_of(facts: Facts, p: int) -> tuple:
     """`(key, shapes, hint, workers)` of site `p`, for `together`."""
-    static = choice.specs[p].static
+    static = facts.specs[p].static
     workers = [i.jobs_at_once for i in (static.fwd, static.bwd) if isinstance(i, AbstractImplementation)]
-    shapes = tuple(s.shape for s in choice.specs[p].x_structs)
+    shapes = tuple(s.shape for s in facts.specs[p].x_structs)
     return static.timings_key, shapes, static.cost, min(workers, default=1)
 
 
