@@ -190,21 +190,18 @@ class _Choice:
             schedules = _together.against_basis(
                 self.facts(), schedules, candidates, lambda s: isinstance(_with_forward_basis(s), Standard)
             )
-        for p in range(n):
-            schedule = schedules[p]
-            if isinstance(schedule, Standard) and schedule.differentiated:
-                schedules[p] = _with_forward_basis(schedule)
-        defers = any(schedules[p].defers for p in range(n))
-        for p in range(n):
-            schedule = schedules[p]
-            if (
-                defers
-                and isinstance(schedule, Standard)
-                and not schedule.spec.static.autodiff
-                and not upstream[p]
-                and not once.get(p)
-            ):
-                schedules[p] = Early.of(schedule)
+        schedules = {
+            p: _with_forward_basis(s) if isinstance(s, Standard) and s.differentiated else s
+            for p, s in schedules.items()
+        }
+        if any(s.defers for s in schedules.values()):
+            # (a standard host site whose operands are known in stage 1 runs its `fwd` there too)
+            schedules = {
+                p: Early.of(s)
+                if isinstance(s, Standard) and not s.spec.static.autodiff and not upstream[p] and not once.get(p)
+                else s
+                for p, s in schedules.items()
+            }
         if jointly:
             alone = {p: self._ahead_once(backward, backward_out, p) for p in range(n)}
             schedules = _together.choose(self.facts(), schedules, alone)
