@@ -1,5 +1,6 @@
 """The walk of one gradient, counted: README's example (one deferred site), and the deferax
-files and cross-file calls it enters on a first eager call, a repeat and a first `jit` trace.
+files and cross-file calls it enters on a first eager call, a repeat and a first `jit` trace,
+on the calling thread (what deferax's pools run for it, the `fused` call, is not counted).
 
 docs/design.md ("The walk of one gradient") quotes these figures; rerun them after a change:
 
@@ -21,8 +22,8 @@ PACKAGE = str(pathlib.Path(dx.__file__).resolve().parent)
 
 
 def walked(fn, *args) -> tuple[collections.Counter, int]:
-    """The deferax files `fn(*args)` enters (calls into each) and its calls from one deferax
-    file into another."""
+    """The deferax files `fn(*args)` enters on this thread (calls into each) and its calls from
+    one deferax file into another."""
     files: collections.Counter = collections.Counter()
     crossing = 0
 

@@ -173,7 +173,8 @@ class _Choice:
         backward, backward_out = None, ()
         ready = [p for p in range(n) if not upstream[p]]  # operands computable in stage 1
         # (standard sites whose backward jobs may run at once: their cotangents are traced too)
-        jointly = _together.may_run_together(self.facts(), ready)
+        facts = self.facts()  # (its `why_not_deferred` is filled as the candidates are decided)
+        jointly = _together.may_run_together(facts, ready)
         if candidates or jointly:
             backward, backward_out, ct_deps, labels = self._backward(list(range(n)) if jointly else candidates, ready)
             self._candidates = candidates
@@ -188,7 +189,7 @@ class _Choice:
                 )
         if jointly:
             schedules = _together.against_basis(
-                self.facts(), schedules, candidates, lambda s: isinstance(_with_forward_basis(s), Standard)
+                facts, schedules, candidates, lambda s: isinstance(_with_forward_basis(s), Standard)
             )
         schedules = {
             p: _with_forward_basis(s) if isinstance(s, Standard) and s.differentiated else s
@@ -204,9 +205,9 @@ class _Choice:
             }
         if jointly:
             alone = {p: self._ahead_once(backward, backward_out, p) for p in range(n)}
-            schedules = _together.choose(self.facts(), schedules, alone)
+            schedules = _together.choose(facts, schedules, alone)
         else:
-            schedules = _together.in_turn(self.facts(), schedules, upstream)
+            schedules = _together.in_turn(facts, schedules, upstream)
         ordered = tuple(schedules[p] for p in range(n))
         ahead = tuple(s for s in ordered if isinstance(s, AbstractAhead) and s.defers)
         ahead += tuple(s for s in ordered if isinstance(s, AbstractAhead) and not s.defers)

@@ -1,7 +1,8 @@
 """Whether standard sites' backward jobs run at once (`Together`, `_schedules/_together.py`):
-the conditions, the estimates that choose it (`_schedules._together.together`), and the texts that say
-with which sites, or why not: functions of what they read of the program (`Facts`, which the
-analysis gives) and of the schedules chosen so far, returning the schedules they choose."""
+the conditions, the estimates that choose it (`_schedules._together.together`), and the
+texts that say with which sites, or why not: functions of what they read of the program
+(`Facts`, which the analysis gives) and of the schedules chosen so far, returning the
+schedules they choose."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .._site import Spec
 
 @dataclasses.dataclass(frozen=True)
 class Facts:
-    """What the facts of backward jobs at once reads of the program."""
+    """What the choice of backward jobs at once reads of the program."""
 
     specs: tuple[Spec, ...]  # each top-level site's, by position
     schedule: str  # the schedule requested: "auto", "standard" or "deferred"

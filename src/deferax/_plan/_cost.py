@@ -52,6 +52,7 @@ where it runs (`_runner`), so its `fwd` and `bwd` include any setup of their own
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Hashable
 from typing import Any
@@ -187,7 +188,7 @@ def observe(key: Hashable, shapes: tuple, **seconds: float) -> None:
     _TIMINGS.observe(key, shapes, seconds)
 
 
-def gathering():
+def gathering() -> contextlib.AbstractContextManager[dict]:
     """Inside, the timings that `observe` gets on this thread are gathered, the least of each
     kind for each site, into the dict yielded (for a host function that times its own
     parts, several solves in one job: the job's runner feeds them to `observe` as one
