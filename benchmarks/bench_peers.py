@@ -15,7 +15,9 @@ convection-diffusion operator (n = 22,500), (c) a complex Helmholtz operator (n 
 each with three losses (`linear`: `Re w.x`; `overlap`: `|w.x|^2`; `power`: `sum |x|^2`); then
 at n = 3,600 `jax.jacrev` of 200 entries of `x` and `jax.vmap` of the solve over 200
 right-hand sides (JAX's `spsolve` has no batching rule there), and one value and gradient at
-n = 900 (a small system). Each side's value
+n = 900 (a small system). deferax solves a small real system inside the compiled program (sparsax's KLU: the
+jacrev, vmap and small cases here) and any other on the host; "deferax on the host"
+(`where="host"`) times the host's solve beside it. Each side's value
 and gradient are checked against deferax's (and deferax's against a dense solve on the small
 system); deferax's factorisations, solve calls and host jobs are counted, and those of the
 hand-written sides (the peers factor inside XLA, where nothing can count them). Each timed
@@ -51,6 +53,7 @@ from _common import describe, interleaved, load, machine, median, parser  # noqa
 from jax.experimental.sparse.linalg import spsolve  # noqa: E402
 
 import deferax as dx  # noqa: E402
+from deferax._host import _sparse_program  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -168,6 +171,9 @@ def peers(pattern: dx.SparsePattern, spd: bool, complex_: bool) -> dict:
     rows, cols = jnp.asarray(pattern.rows), jnp.asarray(pattern.cols)
     dtype = np.complex128 if complex_ else np.float64
     out = {"deferax": lambda v, b: dx.sparse_solve(v, pattern, b)}
+    if _sparse_program.refusal(pattern, np.dtype(dtype), by_cost=True) is None:
+        # (where the default chooses the program, the host's time beside it)
+        out["deferax on the host"] = lambda v, b: dx.sparse_solve(v, pattern, b, where="host")
     if installed("sparsax"):
         import sparsax
 
@@ -244,12 +250,14 @@ def race(title: str, sides: dict, args: tuple, repeats: int, warmup: int, summar
     for name, ts in times.items():
         print(f"  {name:24s}: {describe(ts)}")
     meds = {name: median(ts) for name, ts in times.items()}
-    peers_ = {n: t for n, t in meds.items() if n != "deferax" and "by hand" not in n}
+    peers_ = {n: t for n, t in meds.items() if not n.startswith("deferax") and "by hand" not in n}
     hand = {n: t for n, t in meds.items() if "by hand" in n}
     best = min(peers_, key=peers_.__getitem__) if peers_ else None
     line = f"{title}: deferax {1e3 * meds['deferax']:.1f} ms"
     if best is not None:
         line += f", fastest peer {best} {1e3 * peers_[best]:.1f} ms, ratio {meds['deferax'] / peers_[best]:.2f}"
+    if "deferax on the host" in meds:
+        line += f" (on the host {1e3 * meds['deferax on the host']:.1f} ms)"
     if hand:
         h = min(hand, key=hand.__getitem__)
         line += f"; {h} {1e3 * hand[h]:.1f} ms, ratio {meds['deferax'] / hand[h]:.2f}"
@@ -275,7 +283,7 @@ def value_and_grad(name: str, loss):
     """The jitted value and gradient of `loss(theta, b)` with respect to both: deferax's
     `filter_value_and_grad` for deferax (of the pair, as Equinox differentiates its first
     argument), JAX's for the peers."""
-    if name == "deferax":
+    if name.startswith("deferax"):
         step = jax.jit(dx.filter_value_and_grad(lambda pair: loss(*pair)))
         return lambda theta, b: step((theta, b))
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))

@@ -220,7 +220,7 @@ def test_the_choice_is_the_fastest_in_the_program_and_a_slow_candidate_is_droppe
 
     monkeypatch.setattr(_auto, "_factor", slow)
     for i in range(12):
-        x = dx.sparse_solve(values * (1.0 + i), pattern, b)  # (the default solver)
+        x = dx.sparse_solve(values * (1.0 + i), pattern, b, where="host")  # (the default solver, on the host)
         np.testing.assert_allclose((1.0 + i) * pattern._csc(np.asarray(values)) @ np.asarray(x), b, atol=1e-12)
     assert used[:6] == ["KLU", "SuperLU MMD_AT_PLUS_A", "SuperLU COLAMD"] * 2
     assert used.count("SuperLU MMD_AT_PLUS_A") == 2  # (50 ms against 5-6: not a third time)

@@ -177,19 +177,19 @@ def test_nan_or_inf_in_values_is_named_not_called_singular(bad):
         f"entries of 5 (the first: `values[2] = {bad}`, at row 1, column 0), so the matrix cannot be factored."
     )
     with pytest.raises(dx.HostError, match=re.escape(msg.format(impl="fwd"))) as info:
-        dx.sparse_solve(values, pattern, b, name="fe")
+        dx.sparse_solve(values, pattern, b, name="fe", where="host")
     assert "singular" not in str(info.value)
     with pytest.raises(dx.HostError, match=re.escape(msg.format(impl="fused"))):
-        dx.filter_grad(lambda v: jnp.sum(dx.sparse_solve(v, pattern, b, name="fe")))(values)
+        dx.filter_grad(lambda v: jnp.sum(dx.sparse_solve(v, pattern, b, name="fe", where="host")))(values)
     with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(msg.format(impl="fwd"))):  # (JAX wraps it)
-        jax.jit(lambda v: dx.sparse_solve(v, pattern, b, name="fe"))(values).block_until_ready()
+        jax.jit(lambda v: dx.sparse_solve(v, pattern, b, name="fe", where="host"))(values).block_until_ready()
     assert len(_factorisations.FACTORISATIONS) == 0
 
 
 def test_a_zero_pivot_is_still_singular():
     pattern = dx.SparsePattern(np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1]), 2)
     with pytest.raises(dx.HostError, match=re.escape("the matrix is singular: SuperLU found a zero pivot")):
-        dx.sparse_solve(jnp.array([1.0, 2.0, 2.0, 4.0]), pattern, jnp.array([1.0, 0.0]))
+        dx.sparse_solve(jnp.array([1.0, 2.0, 2.0, 4.0]), pattern, jnp.array([1.0, 0.0]), where="host")
 
 
 # ----------------------------------------------------------------------------- extreme scales
@@ -237,7 +237,7 @@ def test_basis_cotangents_at_extreme_scales_match_plain_jax(scale, loss_kind, si
     """`log|w . x|` with `w` scaled by 1e-170 (its squares underflow) or 1e+150 (their
     products overflow): the gradient does not depend on the scale, and must not vanish."""
     w = jnp.asarray(W.real if loss_kind == "real" else W) * scale
-    solve = (lambda v: dx.sparse_solve(v, PATTERN, B)) if site == "sparse_solve" else host_solver()
+    solve = (lambda v: dx.sparse_solve(v, PATTERN, B, where="host")) if site == "sparse_solve" else host_solver()
 
     def loss(v, solve):
         return jnp.log(jnp.abs(jnp.dot(w, solve(v).astype(w.dtype))))

@@ -26,7 +26,7 @@ from .. import _runtime
 from .._checks._messages import tree_text
 from .._implementation._expensive import ExpensiveFn
 from .._plan._cost import Cost
-from . import _affinity, _executor, _factorisations
+from . import _affinity, _executor, _factorisations, _sparse_program
 from ._host import host, on_executor, timing_its_own
 from ._solvers._auto import AutoSparseSolver
 from ._sparse_host import TREATMENTS, _Solve
@@ -108,6 +108,7 @@ def sparse_solve(
     nonfinite: str = "raise",
     singular: str = "raise",
     symmetric: Any = False,
+    where: str = "auto",
 ) -> Inexact[Array, " n"]:
     """Solve `A x = b` for a sparse matrix `A`, real or complex, whose entries are a JAX
     array on a static pattern: `A[pattern.rows[k], pattern.cols[k]] += values[k]`.
@@ -191,6 +192,21 @@ lam = ct_x` with the forward's factorisation |
       The reverse-mode derivatives are then right for a symmetric matrix only; for one
       that is not, they are what such a library gives (a recognised call of it keeps that
       answer). Forward mode is unchanged. Default `False`: the plain transpose.
+    - `where`: `"auto"` (the default) solves a small real system inside the compiled program
+      and any other on the host; `"host"` or `"program"` says which. Inside the program the
+      solve is sparsax's KLU through XLA FFI (installed with `pip install deferax[sparse]`, on
+      Linux and Windows): no host round trip, one factorisation per value and gradient
+      (sparsax keeps the factorisation of the values it saw last, which the transposed and
+      tangent solves find), the right-hand sides of `jax.jacrev` or a `vmap` over `b` solved as
+      columns of one solve, in float64 (float32 inputs promoted, the results rounded back).
+      `"auto"` takes it there when a trial factorisation of the pattern (on the first call)
+      takes at most 8 ms, so that a host site's two round trips (about 1 ms each) would cost
+      more than the host's solvers and its overlap with other sites can save, and only with
+      what the program can do: real inputs, `jax_enable_x64` on, the default `solver`,
+      `executor` and `cost`, `precision` in float64, `nonfinite` `"raise"` (the program stops with
+      a `jax.errors.JaxRuntimeError` that holds deferax's message) or `"nan"`, and `singular="raise"`
+      (there sparsax's own error, `klu_factor failed`, stops the program). Such a solve is not
+      a site: [`deferax.explain`][] does not list it, and [`deferax.record`][] sees no job.
     - `cost`: a [`deferax.Cost`][] with what a factorisation (`setup`) and one solve (`fwd`,
       `bwd`) take; default: as timed in earlier calls (in this process), else equal. The
       rest is known here: a factorisation serves every right-hand side of a job, the
@@ -218,6 +234,7 @@ lam = ct_x` with the forward's factorisation |
         raise ImportError(_NO_SCIPY.format(name=name))
     if not isinstance(pattern, SparsePattern):
         raise TypeError(_NOT_PATTERN.format(name=name, found=tree_text(pattern)))
+    chosen = solver
     solver = AutoSparseSolver() if solver is None else solver
     if not isinstance(solver, AbstractSparseSolver):
         raise TypeError(
@@ -242,6 +259,14 @@ lam = ct_x` with the forward's factorisation |
             raise ValueError(_BAD_TREATMENT.format(name=name, what=what, found=treatment))
     if not isinstance(symmetric, bool):
         raise TypeError(f"`dx.sparse_solve(name={name!r})`: `symmetric` must be True or False, but got {symmetric!r}.")
+    if where not in ("auto", "host", "program"):
+        raise ValueError(_BAD_WHERE.format(name=name, found=where))
+    if where != "host":
+        why_not = in_program(pattern, dtype, chosen, executor, cost, precision, nonfinite, singular, where)
+        if why_not is None:
+            return _sparse_program.solve(values, b, pattern, name, nonfinite, symmetric)
+        if where == "program":
+            raise ValueError(_NOT_IN_PROGRAM.format(name=name, why=why_not))
     executor = _affinity.pinned(executor)
     if executor is None or (isinstance(executor, cf.Executor) and _executor.in_this_process(executor)):
         kept = "here"
@@ -253,6 +278,39 @@ lam = ct_x` with the forward's factorisation |
     site = _solve_site(solve, timeout, name, max_basis, cost, _factorisations.not_kept(solve, executor))
     fn = on_executor(site, executor)
     return fn((values, b))
+
+
+def in_program(
+    pattern: SparsePattern,
+    dtype: np.dtype,
+    solver: Any,
+    executor: Any,
+    cost: Any,
+    precision: str,
+    nonfinite: str,
+    singular: str,
+    where: str,
+) -> str | None:
+    """Why a solve with these arguments runs on the host; None where it runs inside the
+    program (`_sparse_program`): with the default solver, executor and cost, the default
+    `singular`, `nonfinite` other than "warn", precision in float64, and a small real matrix."""
+    for what, given in (("solver", solver), ("executor", executor), ("cost", cost)):
+        if given is not None:
+            return f"a `{what}` was given, which the host's solve uses"
+    if precision == "input" and dtype != np.float64:
+        return '`precision="input"` factors in single precision, which sparsax does not'
+    if nonfinite == "warn" or singular != "raise":
+        return f'`nonfinite={nonfinite!r}` and `singular={singular!r}` are kept on the host (inside the program: \
+`nonfinite` "raise" or "nan", `singular` "raise")'
+    return _sparse_program.refusal(pattern, dtype, by_cost=where == "auto")
+
+
+_BAD_WHERE = """`dx.sparse_solve(name={name!r})`: `where` must be "auto", "host" or "program", but got {found!r}.
+"auto" (the default) solves a small real system inside the program and any other on the host."""
+
+_NOT_IN_PROGRAM = """`dx.sparse_solve(name={name!r})`: `where="program"`, but this solve cannot run inside the \
+program: {why}.
+`where="auto"` (the default) runs it on the host."""
 
 
 _BAD_PRECISION = """`dx.sparse_solve(name={name!r})`: `precision` must be "double" or "input", but got {found!r}.

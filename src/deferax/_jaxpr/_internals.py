@@ -27,6 +27,7 @@ from typing import Any
 
 from jax._src import config as config
 from jax._src import core as _core
+from jax._src import custom_batching as _custom_batching
 from jax._src import custom_derivatives as _custom_derivatives
 from jax._src import effects as _effects
 from jax._src import source_info_util as _source_info_util
@@ -112,6 +113,13 @@ def close(jaxpr, consts: Sequence[Any]):
 def is_jaxpr(p) -> bool:
     """Whether `p` is a program, open or closed (as a parameter of an equation)."""
     return isinstance(p, _core.Jaxpr | _CLOSED)
+
+
+def custom_vmap_rule(p) -> Any:
+    """The batching rule a `jax.custom_batching.custom_vmap` call's `rule` parameter wraps (the
+    function given to `def_vmap`, the same in every trace), or None for any other parameter:
+    the wrapper itself is made anew by every trace."""
+    return p.rule if isinstance(p, _custom_batching.ClosedRule) else None
 
 
 def open_and_consts(p) -> tuple[Any, list]:

@@ -175,6 +175,9 @@ def _param_key(p):
         return ("dict", tuple(sorted((k, _param_key(v)) for k, v in p.items())))
     if isinstance(p, bool | int | float | complex | np.generic | np.ndarray):
         return _value_key(p)
+    rule = _core.custom_vmap_rule(p)
+    if rule is not None:  # (a `custom_vmap`'s rule, by the function it wraps: `dx.sparse_solve` inside the program)
+        return ("custom_vmap rule", _param_key(rule))
     if isinstance(p, _core.Tracer | _core.WrappedFun):
         # (a wrapped function, a `custom_vjp`'s backward rule, is made anew by every trace:
         # keyed by identity, it would never match again and only fill the cache)

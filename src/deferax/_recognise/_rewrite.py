@@ -78,6 +78,7 @@ def recognise(closed, mode) -> tuple:
                     nonfinite=answer.nonfinite,
                     singular=answer.singular,
                     symmetric=answer.symmetric,
+                    where="host",  # (a site: what `explain` lists, on the host's schedules)
                 )
 
         calls.append(RegisteredCall(name, where, site, None))

@@ -1,0 +1,167 @@
+"""The sparse solve inside the compiled program: sparsax's KLU through XLA FFI, for a real
+matrix so small that a host site's two round trips would cost more than they save.
+
+`sparse_solve` runs a small real system here, and any other on the host (`_sparse_host`).
+Here the matrix is factored once a value and gradient: sparsax keeps the factorisation of the
+values it saw last (keyed by the values, a bounded cache of its own), and the transposed and
+tangent solves find it. `jax.lax.custom_linear_solve` gives every derivative as another solve
+(reverse and forward mode, `vmap`, `jax.jacrev`); right-hand sides batched over one matrix
+(`jax.jacrev`'s rows, `vmap` over `b`) are one multi-column solve.
+
+The choice, where it is made (`refusal`): a trial factorisation of the pattern on the host
+(SuperLU, values with a dominant diagonal: the fill of the ordering, not of a pivoting
+accident) that takes at most `_ROUND_TRIPS` host round trips' time. Past it, the host's
+solvers (CHOLMOD on SPD matrices, the fastest of KLU and SuperLU by measurement), its budget of
+kept factorisations and its overlap with other sites are worth the round trips.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _runtime
+from .._plan import _cost
+from ._sparse_pattern import SparsePattern
+
+# The sparsax releases whose FFI solve (`_lu_solve_ffi(Ai, Aj, Ax, b, trans)`, the same in each)
+# is tested here: 0.9 (the last for Python 3.11) to 0.11.
+_VERSIONS = ((0, 9), (0, 12))
+# A pattern whose trial factorisation takes at most this many round trips' time solves here.
+_ROUND_TRIPS = 8
+
+_NOT_FINITE = """`dx.sparse_solve(name={name!r})`: `values` holds a NaN or infinite entry, so the matrix cannot \
+be factored.
+Find where it comes from, for example with `jax.config.update("jax_debug_nans", True)`, or \
+`jnp.isfinite(values).all()` before the solve; `nonfinite="nan"` gives NaN instead."""
+
+
+@_runtime.cached(maxsize=1)
+def _sparsax() -> Any:
+    """sparsax, where a tested release is installed; else None."""
+    if importlib.util.find_spec("sparsax") is None:
+        return None
+    import sparsax
+
+    version = tuple(int(p) for p in sparsax.__version__.split(".")[:2])
+    low, high = _VERSIONS
+    if not (low <= version < high) or not hasattr(sparsax, "_lu_solve_ffi"):
+        return None
+    return sparsax
+
+
+@_runtime.cached(maxsize=256)
+def trial_seconds(pattern: SparsePattern) -> float | None:
+    """One SuperLU factorisation's time for `pattern`, its values random with a dominant
+    diagonal (the least of two to five), or None where it fails (a structurally
+    singular pattern, or one without its diagonal)."""
+    import scipy.sparse
+
+    from ._sparse_solver import SuperLU
+
+    rng = np.random.default_rng(0)
+    values = rng.uniform(1.0, 2.0, pattern.nnz) * rng.choice([-1.0, 1.0], pattern.nnz)
+    diagonal = pattern.rows == pattern.cols
+    if np.unique(pattern.rows[diagonal]).size != pattern.n:
+        return None
+    off = np.bincount(pattern.rows, np.abs(values) * ~diagonal, pattern.n)
+    values = np.where(diagonal, off[pattern.rows] + 1.0, values)
+    matrix = scipy.sparse.csc_matrix((values, (pattern.rows, pattern.cols)), shape=(pattern.n, pattern.n))
+    SuperLU().factor(scipy.sparse.identity(2, format="csc"))  # (imports and warms up the solver)
+    times: list[float] = []
+    while len(times) < 2 or (len(times) < 5 and sum(times) < 0.05):
+        start = time.perf_counter()
+        try:
+            SuperLU().factor(matrix)
+        except RuntimeError:
+            return None
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def refusal(pattern: SparsePattern, dtype: np.dtype, by_cost: bool) -> str | None:
+    """Why a solve of `pattern` in `dtype` (the inputs' result dtype) cannot run inside the
+    program, or (`by_cost`) should not; None where it runs there."""
+    if _sparsax() is None:
+        return "sparsax (a tested release) is not installed"
+    if not np.issubdtype(dtype, np.floating):
+        return "sparsax solves real matrices only"
+    if jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
+        return "sparsax factors in float64, which needs `jax_enable_x64`"
+    if not by_cost:
+        return None
+    t = trial_seconds(pattern)
+    if t is None:
+        return "a trial factorisation of its pattern failed"
+    if t > _ROUND_TRIPS * _cost.STAGE_SECONDS:
+        return f"a factorisation takes about {t * 1e3:.2g} ms here, which pays for a host site's round trips"
+    return None
+
+
+def solve(values: jax.Array, b: jax.Array, pattern: SparsePattern, name: str, nonfinite: str, symmetric: bool):
+    """`x = A^-1 b` inside the program, in float64, rounded to the inputs' result dtype."""
+    dtype = jnp.result_type(values, b)
+    values, b = values.astype(jnp.float64), b.astype(jnp.float64)
+    fixed = jax.lax.stop_gradient(values)  # (the derivatives with respect to `values` come from `matvec`)
+    if nonfinite == "raise":  # ("nan": KLU's solution is NaN where it depends on one)
+        # (a pure callback whose answer `b` depends on, so that it is never left out of the program)
+        finite = jnp.all(jnp.isfinite(fixed))
+        finite = jax.pure_callback(_finite_or_raise(name), finite, finite, vmap_method="expand_dims")
+        b = jnp.where(finite, b, jnp.nan)
+
+    forward, transposed = _solver(pattern, 0), _solver(pattern, 0 if symmetric else 1)
+
+    def matvec(x):
+        return jax.ops.segment_sum(values * x[pattern.cols], pattern.rows, pattern.n)
+
+    x = jax.lax.custom_linear_solve(
+        matvec,
+        b,
+        solve=lambda _, r: forward(fixed, r),
+        transpose_solve=lambda _, r: transposed(fixed, r),
+    )
+    return x.astype(dtype)
+
+
+@_runtime.cached(maxsize=256)
+def _finite_or_raise(name: str):
+    """A host check that raises `_NOT_FINITE` where its argument (whether the values are
+    finite) is not all true, and else returns it. One function a name: the same in every
+    trace, so that the eager cache finds the program again (a new one each trace would never
+    match)."""
+
+    def check(finite):
+        if not np.all(finite):
+            raise ValueError(_NOT_FINITE.format(name=name))
+        return np.asarray(finite)
+
+    return check
+
+
+@_runtime.cached(maxsize=256)
+def _solver(pattern: SparsePattern, trans: int):
+    """`(values, r) -> A^-1 r` (`trans` 0) or `A^-T r` (1), with `r` of shape `(n,)` or `(n, k)`;
+    under `vmap` over `r` alone, one solve of the right-hand sides as columns. One a pattern
+    (the same function in every trace: the eager cache finds its programs again)."""
+    sparsax = _sparsax()
+    rows, cols = np.asarray(pattern.rows, np.int32), np.asarray(pattern.cols, np.int32)
+
+    @jax.custom_batching.custom_vmap
+    def one(v, r):
+        return sparsax._lu_solve_ffi(rows, cols, v, r, trans)
+
+    @one.def_vmap
+    def _batched(axis_size, in_batched, v, r):
+        v_batched, r_batched = in_batched
+        if v_batched:  # (several matrices: one after another, each with its right-hand sides)
+            r = r if r_batched else jnp.broadcast_to(r, (axis_size, *r.shape))
+            return jax.lax.map(lambda vr: one(*vr), (v, r)), True
+        columns = jnp.moveaxis(r, 0, -1).reshape(r.shape[1], -1)
+        return jnp.moveaxis(one(v, columns).reshape(*r.shape[1:], axis_size), -1, 0), True
+
+    return one
