@@ -32,6 +32,7 @@ targets (its Python functions are in vajax) and requires jax < 0.10.
 
     python benchmarks/bench_peers.py            # the sizes above
     python benchmarks/bench_peers.py --small    # tiny sizes (a smoke test)
+    python benchmarks/bench_peers.py --only many    # jacrev, vmap and the small system alone
 """
 
 from __future__ import annotations
@@ -290,7 +291,11 @@ def value_and_grad(name: str, loss):
 
 
 def main():
-    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--only", choices=("matrices", "many"), help="the three matrices alone, or jacrev, vmap and the small system"
+    )
+    args = p.parse_args()
     repeats = args.repeats or (2 if args.small else 7)
     warmup = 2 if args.small else 12  # (past deferax's measurement of the solvers: up to 9 calls)
     print(f"bench_peers: {machine()}")
@@ -299,7 +304,7 @@ def main():
     )
     summary: list[str] = []
     rng = np.random.default_rng(1)
-    for case, make, theta, pattern, spd, complex_ in matrices(args.small):
+    for case, make, theta, pattern, spd, complex_ in matrices(args.small) if args.only != "many" else ():
         dtype = np.complex128 if complex_ else np.float64
         b = jnp.asarray(rng.normal(size=pattern.n)).astype(dtype)
         w = jnp.asarray(rng.normal(size=pattern.n)).astype(dtype)
@@ -312,11 +317,8 @@ def main():
                 sides[name] = value_and_grad(name, loss)
             race(f"{case}, {loss_name}", sides, (theta, b), repeats, warmup, summary)
     # many right-hand sides and a small system, on the real convection-diffusion operator
-    for what, m in (
-        ("jacrev", 6 if args.small else 60),
-        ("vmap", 6 if args.small else 60),
-        ("small", 5 if args.small else 30),
-    ):
+    many = (("jacrev", 6 if args.small else 60), ("vmap", 6 if args.small else 60), ("small", 5 if args.small else 30))
+    for what, m in many if args.only != "matrices" else ():
         values, pattern = bench_backends.convection_diffusion(m)
         values = jnp.asarray(values)
         b = jnp.asarray(rng.normal(size=pattern.n))

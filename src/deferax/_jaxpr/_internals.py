@@ -119,7 +119,8 @@ def custom_vmap_rule(p) -> Any:
     """The batching rule a `jax.custom_batching.custom_vmap` call's `rule` parameter wraps (the
     function given to `def_vmap`, the same in every trace), or None for any other parameter:
     the wrapper itself is made anew by every trace."""
-    return p.rule if isinstance(p, _custom_batching.ClosedRule) else None
+    closed_rule = getattr(_custom_batching, "ClosedRule", None)  # (its name in jax 0.9 to 0.12)
+    return p.rule if closed_rule is not None and isinstance(p, closed_rule) else None
 
 
 def open_and_consts(p) -> tuple[Any, list]:
