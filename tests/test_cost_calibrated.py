@@ -11,6 +11,7 @@ chosen follows the arithmetic worked out here by hand:
 Values and gradients against plain JAX (a dense `jnp.linalg.solve`, `jnp.sin`)."""
 
 import functools as ft
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -212,7 +212,7 @@ def test_by_default_a_small_net_is_left_in_place_by_cost_and_a_large_one_is_rewr
 
     loss, params = problem(cable_net())
     for seconds, rewritten in ((1e-5, False), (0.05, True)):
-        monkeypatch.setattr(recognise_cost, "factor_seconds", lambda pattern, complex_, s=seconds: s)
+        monkeypatch.setattr(recognise_cost, "trial_seconds", lambda pattern, complex_, s=seconds: s)
         plan = dx.explain(loss, params)
         ((site, reason),) = [(r.site, r.reason) for r in plan.recognised]
         assert (site is not None, len(plan.sites)) == (rewritten, int(rewritten))

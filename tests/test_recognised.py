@@ -291,8 +291,8 @@ def test_a_small_system_is_left_in_place_by_cost(monkeypatch):
     factorisation time is measured, tens of microseconds on a quiet machine; on a loaded
     one a measurement past two round trips (2 ms) would rightly flip the decision, so the
     decision is checked on a fixed time, and the measurement separately.)"""
-    measured = _recognise_cost.factor_seconds
-    monkeypatch.setattr(_recognise_cost, "factor_seconds", lambda pattern, complex_: 3e-5)
+    measured = _recognise_cost.trial_seconds
+    monkeypatch.setattr(_recognise_cost, "trial_seconds", lambda pattern, complex_: 3e-5)
     n = 100
     rows = np.concatenate([np.arange(n), np.arange(1, n), np.arange(n - 1)])
     cols = np.concatenate([np.arange(n), np.arange(n - 1), np.arange(1, n)])

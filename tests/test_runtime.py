@@ -146,7 +146,7 @@ def _fill_everything():
     _affinity._WORKERS[_Shaped] = "workers"
     _typed._field_hints(_Shaped)
     _typed._signature(_Shaped.__call__)
-    _recognise_cost.factor_seconds(dx.SparsePattern(np.array([0, 1]), np.array([0, 1]), 2), False)
+    _recognise_cost.trial_seconds(dx.SparsePattern(np.array([0, 1]), np.array([0, 1]), 2), False)
     _factorisations.FACTORISATIONS.acquire("matrix", lambda: "its factorisation")  # (one user: kept)
     dx.set_factorisation_budget(12345)
     for var in _runtime.CONTEXT_VARS:

@@ -205,10 +205,12 @@ def test_the_trial_factorisation_measures_the_pattern_once():
     _, pattern = operator(7)
     t = _sparse_program.trial_seconds(pattern)
     assert 0 < t < 1 and _sparse_program.trial_seconds(pattern) == t
-    no_diagonal = dx.SparsePattern(np.array([0, 1]), np.array([1, 0]), 2)
-    assert _sparse_program.trial_seconds(no_diagonal) is None
-    assert _sparse_program.refusal(no_diagonal, np.dtype(np.float64), by_cost=True) == (
-        "a trial factorisation of its pattern failed"
+    permutation = dx.SparsePattern(np.array([0, 1]), np.array([1, 0]), 2)  # (no diagonal: random values)
+    assert 0 < _sparse_program.trial_seconds(permutation) < 1
+    empty_column = dx.SparsePattern(np.array([0, 1]), np.array([0, 0]), 2)
+    assert _sparse_program.trial_seconds(empty_column) is None
+    assert _sparse_program.refusal(empty_column, np.dtype(np.float64), by_cost=True) == (
+        "a trial factorisation of its pattern failed (the pattern is structurally singular)"
     )
 
 

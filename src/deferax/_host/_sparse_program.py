@@ -9,8 +9,7 @@ tangent solves find it. `jax.lax.custom_linear_solve` gives every derivative as 
 (`jax.jacrev`'s rows, `vmap` over `b`) are one multi-column solve.
 
 The choice, where it is made (`refusal`): a trial factorisation of the pattern on the host
-(SuperLU, values with a dominant diagonal: the fill of the ordering, not of a pivoting
-accident) that takes at most `_ROUND_TRIPS` host round trips' time. Past it, the host's
+(`_sparse_solver.trial_seconds`) that takes at most `_ROUND_TRIPS` host round trips' time. Past it, the host's
 solvers (CHOLMOD on SPD matrices, the fastest of KLU and SuperLU by measurement), its budget of
 kept factorisations and its overlap with other sites are worth the round trips.
 """
@@ -18,7 +17,6 @@ kept factorisations and its overlap with other sites are worth the round trips.
 from __future__ import annotations
 
 import importlib.util
-import time
 from typing import Any
 
 import jax
@@ -28,6 +26,7 @@ import numpy as np
 from .. import _runtime
 from .._plan import _cost
 from ._sparse_pattern import SparsePattern
+from ._sparse_solver import trial_seconds
 
 # The sparsax releases whose FFI solve (`_lu_solve_ffi(Ai, Aj, Ax, b, trans)`, the same in each)
 # is tested here: 0.9 (the last for Python 3.11) to 0.11.
@@ -55,35 +54,6 @@ def _sparsax() -> Any:
     return sparsax
 
 
-@_runtime.cached(maxsize=256)
-def trial_seconds(pattern: SparsePattern) -> float | None:
-    """One SuperLU factorisation's time for `pattern`, its values random with a dominant
-    diagonal (the least of two to five), or None where it fails (a structurally
-    singular pattern, or one without its diagonal)."""
-    import scipy.sparse
-
-    from ._sparse_solver import SuperLU
-
-    rng = np.random.default_rng(0)
-    values = rng.uniform(1.0, 2.0, pattern.nnz) * rng.choice([-1.0, 1.0], pattern.nnz)
-    diagonal = pattern.rows == pattern.cols
-    if np.unique(pattern.rows[diagonal]).size != pattern.n:
-        return None
-    off = np.bincount(pattern.rows, np.abs(values) * ~diagonal, pattern.n)
-    values = np.where(diagonal, off[pattern.rows] + 1.0, values)
-    matrix = scipy.sparse.csc_matrix((values, (pattern.rows, pattern.cols)), shape=(pattern.n, pattern.n))
-    SuperLU().factor(scipy.sparse.identity(2, format="csc"))  # (imports and warms up the solver)
-    times: list[float] = []
-    while len(times) < 2 or (len(times) < 5 and sum(times) < 0.05):
-        start = time.perf_counter()
-        try:
-            SuperLU().factor(matrix)
-        except RuntimeError:
-            return None
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def refusal(pattern: SparsePattern, dtype: np.dtype, by_cost: bool) -> str | None:
     """Why a solve of `pattern` in `dtype` (the inputs' result dtype) cannot run inside the
     program, or (`by_cost`) should not; None where it runs there."""
@@ -95,9 +65,9 @@ def refusal(pattern: SparsePattern, dtype: np.dtype, by_cost: bool) -> str | Non
         return "sparsax factors in float64, which needs `jax_enable_x64`"
     if not by_cost:
         return None
-    t = trial_seconds(pattern)
+    t = trial_seconds(pattern)  # (`_sparse_solver.trial_seconds`)
     if t is None:
-        return "a trial factorisation of its pattern failed"
+        return "a trial factorisation of its pattern failed (the pattern is structurally singular)"
     if t > _ROUND_TRIPS * _cost.STAGE_SECONDS:
         return f"a factorisation takes about {t * 1e3:.2g} ms here, which pays for a host site's round trips"
     return None
