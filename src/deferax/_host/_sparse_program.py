@@ -9,9 +9,10 @@ tangent solves find it. `jax.lax.custom_linear_solve` gives every derivative as 
 (`jax.jacrev`'s rows, `vmap` over `b`) are one multi-column solve.
 
 The choice, where it is made (`refusal`): a trial factorisation of the pattern on the host
-(`_sparse_solver.trial_seconds`) that takes at most `_ROUND_TRIPS` host round trips' time. Past it, the host's
-solvers (CHOLMOD on SPD matrices, the fastest of KLU and SuperLU by measurement), its budget of
-kept factorisations and its overlap with other sites are worth the round trips.
+(`_sparse_solver.trial_seconds`) that takes at most `_ROUND_TRIPS` host round trips' time.
+Past it, the host's solvers (CHOLMOD on SPD matrices, the fastest of KLU and SuperLU by
+measurement), its budget of kept factorisations and its overlap with other sites are worth
+the round trips.
 """
 
 from __future__ import annotations
