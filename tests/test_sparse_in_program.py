@@ -1,5 +1,5 @@
 """`dx.sparse_solve` inside the compiled program (sparsax's KLU through XLA FFI): a small real
-system runs there by default, with no host job, one factorisation per value and gradient
+system with `nonfinite="nan"` runs there by default, with no host job, one factorisation per value and gradient
 (counted by sparsax), every derivative right against a dense solve in plain JAX; anything else
 runs on the host, and `where=` says where, with errors that name the call."""
 
@@ -75,7 +75,7 @@ def new(v, k=[0]):  # noqa: B006  (each call a matrix never seen: sparsax keeps 
 @pytest.mark.parametrize("spd", [False, True], ids=["unsymmetric", "spd"])
 def test_gradients_match_a_dense_solve_with_one_factorisation_and_no_host_job(spd, loss, how, jit):
     values, pattern = (SPD_VALUES, SPD_PATTERN) if spd else (VALUES, PATTERN)
-    ours = losses(lambda v, b: dx.sparse_solve(v, pattern, b))[loss]
+    ours = losses(lambda v, b: dx.sparse_solve(v, pattern, b, nonfinite="nan"))[loss]
     want_fn = losses(lambda v, b: dense(v, b, pattern))[loss]
     if how == "dx":
         fn = dx.filter_value_and_grad(lambda pair: ours(*pair))
@@ -97,12 +97,12 @@ def test_gradients_match_a_dense_solve_with_one_factorisation_and_no_host_job(sp
 def test_jacrev_and_vmap_factor_once(jit):
     wrap = jax.jit if jit else (lambda f: f)
     idx = jnp.arange(0, N, 3)
-    jacrev = wrap(jax.jacrev(lambda v, b: dx.sparse_solve(v, PATTERN, b)[idx], argnums=(0, 1)))
+    jacrev = wrap(jax.jacrev(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan")[idx], argnums=(0, 1)))
     bs = jnp.asarray(RNG.normal(size=(7, N)))
-    over_b = wrap(jax.vmap(lambda v, b: dx.sparse_solve(v, PATTERN, b), in_axes=(None, 0)))
+    over_b = wrap(jax.vmap(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan"), in_axes=(None, 0)))
     vs = jnp.stack([VALUES, 1.5 * VALUES, 2.0 * VALUES])
-    over_values = wrap(jax.vmap(lambda v, b: dx.sparse_solve(v, PATTERN, b), in_axes=(0, None)))
-    jacfwd = wrap(jax.jacfwd(lambda v: dx.sparse_solve(v, PATTERN, B)))
+    over_values = wrap(jax.vmap(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan"), in_axes=(0, None)))
+    jacfwd = wrap(jax.jacfwd(lambda v: dx.sparse_solve(v, PATTERN, B, nonfinite="nan")))
     for _ in range(2):
         v = new(VALUES)
         with Counted() as counted:
@@ -127,7 +127,7 @@ def test_jacrev_and_vmap_factor_once(jit):
 
 
 def test_a_vmap_of_the_gradient_over_matrices_and_right_hand_sides():
-    loss = losses(lambda v, b: dx.sparse_solve(v, PATTERN, b))["power"]
+    loss = losses(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan"))["power"]
     want = losses(dense)["power"]
     vs = jnp.stack([VALUES, 1.3 * VALUES])
     bs = jnp.stack([B, 2.0 * B])
@@ -137,7 +137,7 @@ def test_a_vmap_of_the_gradient_over_matrices_and_right_hand_sides():
 
 def test_float32_inputs_are_solved_in_float64_and_rounded():
     v32, b32 = VALUES.astype(jnp.float32), B.astype(jnp.float32)
-    loss = losses(lambda v, b: dx.sparse_solve(v, PATTERN, b))["power"]
+    loss = losses(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan"))["power"]
     value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(v32, b32)
     assert value.dtype == jnp.float32 and grads[0].dtype == grads[1].dtype == jnp.float32
     want_value, want_grads = jax.value_and_grad(losses(dense)["power"], argnums=(0, 1))(VALUES, B)
@@ -149,7 +149,7 @@ def test_symmetric_true_solves_the_adjoint_with_the_matrix_itself_as_the_host_do
     b, w = jnp.asarray(RNG.normal(size=(2, pattern.n)))
 
     def loss(v, b, where="auto"):
-        return jnp.dot(w, dx.sparse_solve(v, pattern, b, symmetric=True, where=where)) ** 2
+        return jnp.dot(w, dx.sparse_solve(v, pattern, b, symmetric=True, where=where, nonfinite="nan")) ** 2
 
     with Counted() as counted:
         got = jax.grad(loss, argnums=(0, 1))(values, b)
@@ -168,11 +168,13 @@ def test_what_runs_on_the_host_and_why():
         "sparsax solves real matrices only": dict(b=complex_b),
         "a `solver` was given, which the host's solve uses": dict(solver=dx.SuperLU()),
         "a `cost` was given, which the host's solve uses": dict(cost=dx.Cost(setup=1.0)),
+        "`nonfinite='raise'` and `singular='raise'` are kept on the host": dict(nonfinite="raise"),
         "`nonfinite='warn'` and `singular='raise'` are kept on the host": dict(nonfinite="warn"),
-        "`nonfinite='raise'` and `singular='nan'` are kept on the host": dict(singular="nan"),
+        "`nonfinite='nan'` and `singular='nan'` are kept on the host": dict(singular="nan"),
     }
     for why, options in cases.items():
         b = options.pop("b", B)
+        options.setdefault("nonfinite", "nan")
         with Counted() as counted:
             jax.block_until_ready(dx.sparse_solve(VALUES, PATTERN, b, **options))
         assert counted.jobs == 1 and counted.factorisations == 0, why
@@ -182,7 +184,7 @@ def test_what_runs_on_the_host_and_why():
         with pytest.raises(ValueError, match=re.escape(message)):
             dx.sparse_solve(VALUES, PATTERN, b, name="fe", where="program", **options)
     with Counted() as counted:
-        jax.block_until_ready(dx.sparse_solve(VALUES, PATTERN, B, where="host"))
+        jax.block_until_ready(dx.sparse_solve(VALUES, PATTERN, B, where="host", nonfinite="nan"))
     assert (counted.jobs, counted.factorisations) == (1, 0)
 
 
@@ -193,10 +195,10 @@ def test_a_pattern_whose_factorisation_pays_for_round_trips_runs_on_the_host(mon
     )
     values = new(VALUES)
     with Counted() as counted:
-        x = jax.block_until_ready(dx.sparse_solve(values, PATTERN, B))
+        x = jax.block_until_ready(dx.sparse_solve(values, PATTERN, B, nonfinite="nan"))
     assert (counted.jobs, counted.factorisations) == (1, 0)
     with Counted() as counted:  # (`where="program"` takes it inside whatever it costs)
-        y = jax.block_until_ready(dx.sparse_solve(values, PATTERN, B, where="program"))
+        y = jax.block_until_ready(dx.sparse_solve(values, PATTERN, B, nonfinite="nan", where="program"))
     assert (counted.jobs, counted.factorisations) == (0, 1)
     assert_tree_allclose(x, y)
 
@@ -223,7 +225,7 @@ def test_without_x64_it_runs_on_the_host_in_every_thread():
         with jax.enable_x64(x64):
             v, b = new(VALUES).astype(jnp.float32), B.astype(jnp.float32)
             with Counted() as counted:
-                x = jax.block_until_ready(dx.sparse_solve(v, PATTERN, b))
+                x = jax.block_until_ready(dx.sparse_solve(v, PATTERN, b, nonfinite="nan"))
             seen[key] = (counted.jobs, counted.factorisations, x.dtype)
 
     for x64 in (False, True):  # (one thread after the other: the counts are the process's)
@@ -234,24 +236,48 @@ def test_without_x64_it_runs_on_the_host_in_every_thread():
     with jax.enable_x64(False):
         message = "sparsax factors in float64, which needs `jax_enable_x64`"
         with pytest.raises(ValueError, match=re.escape(message)):
-            dx.sparse_solve(VALUES.astype(jnp.float32), PATTERN, B.astype(jnp.float32), where="program")
+            dx.sparse_solve(
+                VALUES.astype(jnp.float32), PATTERN, B.astype(jnp.float32), nonfinite="nan", where="program"
+            )
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_a_nan_entry_raises_naming_the_call_or_gives_nan(jit):
+def test_a_nan_entry_gives_nan_inside_and_raises_on_the_host(jit):
+    """`nonfinite="nan"` inside the program: the value and every gradient NaN, the next call
+    right; the default ("raise") runs on the host, whose error names the call."""
     values = VALUES.at[3].set(jnp.nan)
     wrap = jax.jit if jit else (lambda f: f)
-    solve = wrap(lambda v: dx.sparse_solve(v, PATTERN, B, name="fe"))
-    message = "`dx.sparse_solve(name='fe')`: `values` holds a NaN or infinite entry, so the matrix cannot be factored."
-    with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(message)):
-        jax.block_until_ready(solve(values))
-    with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(message)):  # (a step of many systems)
-        jax.block_until_ready(jax.jit(jax.vmap(solve))(jnp.stack([VALUES, values])))
-    jax.block_until_ready(jax.jit(jax.vmap(solve))(jnp.stack([VALUES, 2.0 * VALUES])))  # (all finite: no error)
     loss = wrap(jax.value_and_grad(lambda v, b: jnp.sum(dx.sparse_solve(v, PATTERN, b, nonfinite="nan") ** 2), (0, 1)))
-    value, (g_values, g_b) = loss(values.at[5].set(jnp.inf), B)
-    assert np.isnan(value) and np.isnan(g_values).all() and np.isnan(g_b).all()
+    with Counted() as counted:
+        value, (g_values, g_b) = loss(values.at[5].set(jnp.inf), B)
+    assert counted.jobs == 0 and np.isnan(value) and np.isnan(g_values).all() and np.isnan(g_b).all()
     assert_tree_allclose(loss(VALUES, B), jax.value_and_grad(losses(dense)["power"], (0, 1))(VALUES, B))
+    message = "`ExpensiveFn(name='fe')`: the host function `fwd` raised ValueError: `values` holds 1 NaN or infinite"
+    with pytest.raises(jax.errors.JaxRuntimeError if jit else dx.HostError, match=re.escape(message)):
+        jax.block_until_ready(wrap(lambda v: dx.sparse_solve(v, PATTERN, B, name="fe"))(values))
+
+
+@pytest.mark.timeout(120)
+def test_four_threads_solve_at_once_without_a_hang():
+    """Programs with the solve inside, run from four threads at once, each its own matrices,
+    every answer against a dense solve (a host callback in the same program once hung this)."""
+    wrong = []
+
+    def run(seed):
+        values = VALUES * (1.0 + 0.1 * seed)
+        grad = jax.jit(jax.grad(losses(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan"))["power"]))
+        want_fn = jax.grad(losses(dense)["power"])
+        for i in range(40):
+            v = values * (1.0 + 1e-3 * (i % 7))
+            if not np.allclose(grad(v, B), want_fn(v, B), rtol=1e-9, atol=1e-12):
+                wrong.append((seed, i))
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
 
 
 def test_a_singular_matrix_stops_the_program_with_sparsax_s_error():
@@ -259,13 +285,14 @@ def test_a_singular_matrix_stops_the_program_with_sparsax_s_error():
     call); on the host it is deferax's (tests/test_sparse_solve.py)."""
     pattern = dx.SparsePattern(np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1]), 2)
     with pytest.raises(jax.errors.JaxRuntimeError, match="klu_factor failed .*singular"):
-        jax.block_until_ready(dx.sparse_solve(jnp.array([1.0, 2.0, 2.0, 4.0]), pattern, jnp.ones(2)))
+        jax.block_until_ready(dx.sparse_solve(jnp.array([1.0, 2.0, 2.0, 4.0]), pattern, jnp.ones(2), nonfinite="nan"))
 
 
 def test_a_bad_where_names_the_call():
     message = (
         '`dx.sparse_solve(name=\'fe\')`: `where` must be "auto", "host" or "program", but got \'gpu\'.\n'
-        '"auto" (the default) solves a small real system inside the program and any other on the host.'
+        '"auto" (the default) solves a small real system with `nonfinite="nan"` inside the program '
+        "and any other on the host."
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         dx.sparse_solve(VALUES, PATTERN, B, name="fe", where="gpu")

@@ -35,11 +35,6 @@ _VERSIONS = ((0, 9), (0, 12))
 # A pattern whose trial factorisation takes at most this many round trips' time solves here.
 _ROUND_TRIPS = 8
 
-_NOT_FINITE = """`dx.sparse_solve(name={name!r})`: `values` holds a NaN or infinite entry, so the matrix cannot \
-be factored.
-Find where it comes from, for example with `jax.config.update("jax_debug_nans", True)`, or \
-`jnp.isfinite(values).all()` before the solve; `nonfinite="nan"` gives NaN instead."""
-
 
 @_runtime.cached(maxsize=1)
 def _sparsax() -> Any:
@@ -74,16 +69,12 @@ def refusal(pattern: SparsePattern, dtype: np.dtype, by_cost: bool) -> str | Non
     return None
 
 
-def solve(values: jax.Array, b: jax.Array, pattern: SparsePattern, name: str, nonfinite: str, symmetric: bool):
-    """`x = A^-1 b` inside the program, in float64, rounded to the inputs' result dtype."""
+def solve(values: jax.Array, b: jax.Array, pattern: SparsePattern, symmetric: bool):
+    """`x = A^-1 b` inside the program, in float64, rounded to the inputs' result dtype. A NaN
+    or infinite entry gives NaN where the solution depends on it (KLU's answer: `nonfinite="nan"`)."""
     dtype = jnp.result_type(values, b)
     values, b = values.astype(jnp.float64), b.astype(jnp.float64)
     fixed = jax.lax.stop_gradient(values)  # (the derivatives with respect to `values` come from `matvec`)
-    if nonfinite == "raise":  # ("nan": KLU's solution is NaN where it depends on one)
-        # (a pure callback whose answer `b` depends on, so that it is never left out of the program)
-        finite = jnp.all(jnp.isfinite(fixed))
-        finite = jax.pure_callback(_finite_or_raise(name), finite, finite, vmap_method="expand_dims")
-        b = jnp.where(finite, b, jnp.nan)
 
     forward, transposed = _solver(pattern, 0), _solver(pattern, 0 if symmetric else 1)
 
@@ -97,21 +88,6 @@ def solve(values: jax.Array, b: jax.Array, pattern: SparsePattern, name: str, no
         transpose_solve=lambda _, r: transposed(fixed, r),
     )
     return x.astype(dtype)
-
-
-@_runtime.cached(maxsize=256)
-def _finite_or_raise(name: str):
-    """A host check that raises `_NOT_FINITE` where its argument (whether the values are
-    finite) is not all true, and else returns it. One function a name: the same in every
-    trace, so that the eager cache finds the program again (a new one each trace would never
-    match)."""
-
-    def check(finite):
-        if not np.all(finite):
-            raise ValueError(_NOT_FINITE.format(name=name))
-        return np.asarray(finite)
-
-    return check
 
 
 @_runtime.cached(maxsize=256)
