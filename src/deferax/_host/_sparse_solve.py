@@ -193,8 +193,8 @@ lam = ct_x` with the forward's factorisation |
       that is not, they are what such a library gives (a recognised call of it keeps that
       answer). Forward mode is unchanged. Default `False`: the plain transpose.
     - `where`: `"auto"` (the default) solves a small real system with `nonfinite="nan"` inside
-      the compiled program and any other on the host; `"host"` or `"program"` says which. Inside the program the
-      solve is sparsax's KLU through XLA FFI (installed with `pip install deferax[sparse]`, on
+      the compiled program and any other on the host; `"host"` or `"program"` says which.
+      Inside the program the solve is sparsax's KLU through XLA FFI (installed with `pip install deferax[sparse]`, on
       Linux and Windows): no host round trip, one factorisation per value and gradient
       (sparsax keeps the factorisation of the values it saw last, which the transposed and
       tangent solves find), the right-hand sides of `jax.jacrev` or a `vmap` over `b` solved as
@@ -206,8 +206,8 @@ lam = ct_x` with the forward's factorisation |
       `executor` and `cost`, `precision` in float64, `nonfinite="nan"` (a NaN or infinite entry
       gives NaN; raising from inside the program needs a host callback, which beside
       sparsax's solve was seen to hang programs run from several threads at once), and
-      `singular="raise"` (there sparsax's own error, `klu_factor failed`, stops the program). Such a solve is not
-      a site: [`deferax.explain`][] does not list it, and [`deferax.record`][] sees no job.
+      `singular="raise"` (there sparsax's own error, `klu_factor failed`, stops the program).
+      Such a solve is not a site: [`deferax.explain`][] does not list it, and [`deferax.record`][] sees no job.
     - `cost`: a [`deferax.Cost`][] with what a factorisation (`setup`) and one solve (`fwd`,
       `bwd`) take; default: as timed in earlier calls (in this process), else equal. The
       rest is known here: a factorisation serves every right-hand side of a job, the
