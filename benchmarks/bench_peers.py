@@ -7,8 +7,8 @@
 - JAX's `jax.experimental.sparse.linalg.spsolve` (SciPy's `spsolve` in a callback, with JAX's
   own VJP: two factorisations),
 - SciPy by hand (a `jax.custom_vjp` over `pure_callback`s: `splu` once, its factorisation
-  kept for the transposed solve: the best hand-written SciPy code), and cholespy by hand on
-  the SPD matrix (the same, with CHOLMOD).
+  kept for the transposed solve: the best hand-written SciPy code), and cholespy and
+  sparsax's CHOLMOD (its NumPy entry points) by hand on the SPD matrix (the same, with CHOLMOD).
 
 Cases: (a) the 180 x 60 MBB beam's stiffness (SPD, n = 22,020), (b) a real
 convection-diffusion operator (n = 22,500), (c) a complex Helmholtz operator (n = 22,500),
@@ -150,6 +150,25 @@ def cholespy_by_hand(pattern, dtype):
     return by_hand(pattern, dtype, factor, solve, "cholespy")
 
 
+def sparsax_cholmod_by_hand(pattern, dtype):
+    """sparsax's CHOLMOD from NumPy (`solve_np`; `logdet_np` factors and keeps the factors,
+    found again by the values): the factorisation deferax's `dx.Cholmod` makes, by hand."""
+    import sparsax
+
+    def factor(m):
+        upper = scipy.sparse.triu(m).tocoo()
+        rows, cols, values = (
+            np.ascontiguousarray(a) for a in (upper.row.astype(np.int32), upper.col.astype(np.int32), upper.data)
+        )
+        sparsax._cpp.logdet_np(rows, cols, values, m.shape[0])
+        return rows, cols, values
+
+    def solve(made, r, t):
+        return sparsax._cpp.solve_np(*made, np.ascontiguousarray(r, np.float64), 0)
+
+    return by_hand(pattern, dtype, factor, solve, "sparsax CHOLMOD")
+
+
 # ----------------------------------------------------------------------------- the library peers
 
 
@@ -207,6 +226,8 @@ def peers(pattern: dx.SparsePattern, spd: bool, complex_: bool) -> dict:
     out["SciPy by hand"] = scipy_by_hand(pattern, dtype)
     if spd and installed("cholespy"):
         out["cholespy by hand"] = cholespy_by_hand(pattern, dtype)
+    if spd and installed("sparsax"):
+        out["sparsax CHOLMOD by hand"] = sparsax_cholmod_by_hand(pattern, dtype)
     return out
 
 

@@ -1,10 +1,12 @@
-"""The sparse direct solvers beside SuperLU: `dx.Cholmod` (CHOLMOD through cholespy), `dx.KLU`
+"""The sparse direct solvers beside SuperLU: `dx.Cholmod` (CHOLMOD through sparsax and through
+cholespy), `dx.KLU`
 (klujax's handle API) and `dx.AutoSparseSolver`, which measures them on each pattern. Each one's
 value and gradient through `dx.sparse_solve` against a dense `jnp.linalg.solve` in plain JAX
 (real, complex, float32, SPD and not), eagerly and under `jit`; the SPD fallback; the choice
 reported and overridden; one factorisation a gradient; errors; pickling and a process pool."""
 
 import concurrent.futures as cf
+import copy
 import multiprocessing
 import os
 import pickle
@@ -23,6 +25,7 @@ from .helpers import assert_tree_allclose
 
 pytest.importorskip("klujax")
 pytest.importorskip("cholespy")
+sparsax = pytest.importorskip("sparsax")
 
 
 def spd(m=6):
@@ -65,9 +68,15 @@ def indefinite(n=30):
     return jnp.asarray(values), dx.SparsePattern(rows, cols, n), jnp.asarray(np.linspace(-1.0, 1.0, n))
 
 
-SOLVERS = {"Cholmod": dx.Cholmod(), "KLU": dx.KLU(), "Auto": dx.AutoSparseSolver()}
+SOLVERS = {
+    "Cholmod sparsax": dx.Cholmod(library="sparsax"),
+    "Cholmod cholespy": dx.Cholmod(library="cholespy"),
+    "KLU": dx.KLU(),
+    "Auto": dx.AutoSparseSolver(),
+}
+CHOLMODS = ("Cholmod sparsax", "Cholmod cholespy")
 CASES = {
-    "spd": (spd, ("Cholmod", "KLU", "Auto")),
+    "spd": (spd, (*CHOLMODS, "KLU", "Auto")),
     "real": (unsymmetric, ("KLU", "Auto")),
     "complex": (lambda: unsymmetric(complex_=True), ("KLU", "Auto")),
     "indefinite": (indefinite, ("KLU", "Auto")),
@@ -104,9 +113,9 @@ def test_value_and_gradient_against_a_dense_solve(case, name, jit):
                 assert_tree_allclose(run((values, b)), reference, rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("name", ["Cholmod", "KLU", "Auto"])
+@pytest.mark.parametrize("name", [*CHOLMODS, "KLU", "Auto"])
 def test_float32_inputs_are_factored_in_float64(name):
-    values, pattern, b = spd() if name == "Cholmod" else unsymmetric()
+    values, pattern, b = spd() if name in CHOLMODS else unsymmetric()
     v32, b32 = values.astype(jnp.float32), b.astype(jnp.float32)
     solver = SOLVERS[name]
     loss = lambda v, b: jnp.sum(dx.sparse_solve(v, pattern, b, solver=solver) ** 2)  # noqa: E731
@@ -120,7 +129,7 @@ def test_float32_inputs_are_factored_in_float64(name):
     assert_tree_allclose((value, grads), rounded, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", ["Cholmod", "KLU"])
+@pytest.mark.parametrize("name", [*CHOLMODS, "KLU"])
 def test_precision_input_is_factored_in_float64_by_cholmod_and_klu(name):
     # (SuperLU factors in float32 there: on this nearly singular matrix 2e-3 off, see docs/linear-solve.md)
     pattern = dx.SparsePattern(np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1]), 2)
@@ -161,21 +170,29 @@ def test_transpose_is_the_plain_transpose_for_complex_matrices():
         np.testing.assert_allclose(matrix.T @ solver.solve(factors, k, True), k, atol=1e-12)
 
 
-def test_an_indefinite_symmetric_matrix_gets_an_lu_and_the_right_answer(capfd):
+def test_an_indefinite_symmetric_matrix_gets_an_lu_and_the_right_answer(capfd, monkeypatch):
+    from deferax._host._solvers import _auto
+
     values, pattern, b = indefinite()
     matrix = pattern._csc(np.asarray(values))
     assert np.linalg.eigvalsh(matrix.toarray()).min() < 0 and (matrix.diagonal() > 0).all()
-    with pytest.raises(Exception, match="not symmetric positive definite: CHOLMOD found a pivot that is not positive"):
-        dx.Cholmod().factor(matrix)
-    assert "CHOLMOD warning: not positive definite" in "".join(capfd.readouterr())  # (CHOLMOD's own print)
-    # the automatic solver tries CHOLMOD (symmetric entries, a positive diagonal), which fails: an LU
+    for library in ("sparsax", "cholespy"):
+        with pytest.raises(
+            Exception, match="not symmetric positive definite: CHOLMOD found a pivot that is not positive"
+        ):
+            dx.Cholmod(library=library).factor(matrix)
+    assert "CHOLMOD warning: not positive definite" in "".join(capfd.readouterr())  # (cholespy's CHOLMOD prints)
+    # the automatic solver tries a CHOLMOD (symmetric entries, a positive diagonal), which fails: an LU
+    used = []
+    factor = _auto._factor
+    monkeypatch.setattr(_auto, "_factor", lambda name, matrix: used.append(name) or factor(name, matrix))
     x = dx.sparse_solve(values, pattern, b, solver=dx.AutoSparseSolver())
-    assert "CHOLMOD warning: not positive definite" in "".join(capfd.readouterr())
+    assert used[0] == "CHOLMOD sparsax" and not any(u.startswith("CHOLMOD") for u in used[1:])
     np.testing.assert_allclose(matrix @ np.asarray(x), np.asarray(b), atol=1e-12)
-    for i in range(12):  # CHOLMOD not tried again; the LUs measured in turn
+    for i in range(12):  # no CHOLMOD tried again; the LUs measured in turn
         x = dx.sparse_solve(values * (1.5 + i), pattern, b, solver=dx.AutoSparseSolver())
-        assert "CHOLMOD" not in "".join(capfd.readouterr())
         np.testing.assert_allclose((1.5 + i) * matrix @ np.asarray(x), np.asarray(b), atol=1e-12)
+    assert not any(u.startswith("CHOLMOD") for u in used[1:]) and len(used) == 14
     label, seconds = dx.AutoSparseSolver().chosen(pattern)
     assert set(seconds) == {"KLU", "SuperLU COLAMD", "SuperLU MMD_AT_PLUS_A"}
     assert label == min(seconds, key=seconds.__getitem__)
@@ -196,7 +213,7 @@ def test_an_spd_matrix_gets_the_fastest_of_cholmod_and_superlu_one_factorisation
         assert timeline.counts(steps=True) == {"factor": 1, "solve": 2}
         assert_tree_allclose(got, reference(v), rtol=1e-9, atol=1e-12)
     label, seconds = solver.chosen(pattern)
-    assert set(seconds) == {"CHOLMOD", "SuperLU MMD_AT_PLUS_A"}
+    assert set(seconds) == {"CHOLMOD sparsax", "CHOLMOD cholespy", "SuperLU MMD_AT_PLUS_A"}
     assert label == min(seconds, key=seconds.__getitem__)
     assert solver.chosen(pattern, np.complex128) is None  # (kept by dtype too)
 
@@ -239,20 +256,23 @@ def test_the_choice_is_overridden_by_solver():
         dx.sparse_solve(values, pattern, b, solver=dx.Cholmod())
 
 
-@pytest.mark.parametrize("name", ["Cholmod", "KLU", "Auto"])
+@pytest.mark.parametrize("name", [*CHOLMODS, "KLU", "Auto"])
 @pytest.mark.parametrize("jit", [False, True])
 def test_one_factorisation_a_gradient(name, jit):
-    values, pattern, b = spd() if name == "Cholmod" else unsymmetric(complex_=True)
+    values, pattern, b = spd() if name in CHOLMODS else unsymmetric(complex_=True)
     solver = SOLVERS[name]
     grad = jax.grad(lambda v: jnp.sum(jnp.abs(dx.sparse_solve(v, pattern, b, solver=solver)) ** 2))
     grad = jax.jit(grad) if jit else grad
     for i in range(10):  # (the automatic solver's trial too: one candidate a call)
         # (new values each time: on jax 0.12 a reference cycle can keep the previous call's
         # factorisation alive past the call, and equal values would find it)
+        before = sparsax.factorization_count()
         with dx.record() as timeline:
             grad(values * (1.01 + 0.01 * i))
         assert timeline.counts() == {"fwd": 1, "bwd": 1}
         assert timeline.counts(steps=True) == {"factor": 1, "solve": 2}
+        # (sparsax's own count: its solves found the factors it kept)
+        assert sparsax.factorization_count() - before == (name == "Cholmod sparsax")
     if name == "Auto":
         chosen = dx.AutoSparseSolver().chosen(pattern, np.complex128)
         assert chosen is not None and chosen[0] in ("KLU", "SuperLU COLAMD", "SuperLU MMD_AT_PLUS_A")
@@ -262,11 +282,12 @@ def test_nbytes():
     values, pattern, b = spd(m=20)
     matrix = pattern._csc(np.asarray(values))
     lower = int(np.count_nonzero(matrix.tocoo().row >= matrix.tocoo().col))
-    assert dx.Cholmod().nbytes(dx.Cholmod().factor(matrix), np.dtype(np.float64)) == lower * 12  # (a lower bound)
+    for cholmod in (dx.Cholmod(library="sparsax"), dx.Cholmod(library="cholespy")):
+        assert cholmod.nbytes(cholmod.factor(matrix), np.dtype(np.float64)) == lower * 12  # (a lower bound)
     assert dx.KLU().nbytes(dx.KLU().factor(matrix), np.dtype(np.float64)) == matrix.nnz * 12
     auto = dx.AutoSparseSolver()
-    made = [auto.factor(matrix) for _ in range(4)][-1]  # (its trial measures SuperLU's fill: the estimates use it)
-    assert set(auto.chosen(pattern)[1]) == {"CHOLMOD", "SuperLU MMD_AT_PLUS_A"}
+    made = [auto.factor(matrix) for _ in range(6)][-1]  # (its trial measures SuperLU's fill: the estimates use it)
+    assert "SuperLU MMD_AT_PLUS_A" in auto.chosen(pattern)[1]
     fill = dx.SuperLU(permc_spec="MMD_AT_PLUS_A").factor(matrix).nnz
     assert dx.KLU().nbytes(dx.KLU().factor(matrix), np.dtype(np.float64)) == fill * 12
     cholmod = dx.Cholmod().nbytes(dx.Cholmod().factor(matrix), np.dtype(np.float64))
@@ -276,7 +297,7 @@ def test_nbytes():
 
 def test_solvers_pickle_and_run_on_a_process_pool():
     for solver in SOLVERS.values():
-        assert pickle.loads(pickle.dumps(solver)) == solver and hash(solver) == hash(type(solver)())
+        assert pickle.loads(pickle.dumps(solver)) == solver and hash(solver) == hash(copy.deepcopy(solver))
     values, pattern, b = unsymmetric(complex_=True)
     w = jnp.cos(jnp.arange(pattern.n, dtype=jnp.float64))
     dense = losses(lambda v, b: jnp.linalg.solve(pattern.todense(v), b), w)["power"]
@@ -290,12 +311,20 @@ def test_solvers_pickle_and_run_on_a_process_pool():
 def test_errors():
     values, pattern, b = unsymmetric(complex_=True)
     matrix = pattern._csc(np.asarray(values))
-    with pytest.raises(np.linalg.LinAlgError, match=r"not symmetric positive definite: it is complex \(complex128\)"):
-        dx.Cholmod().factor(matrix)
     spd_values, spd_pattern, _ = spd()
     minus = spd_pattern._csc(-np.asarray(spd_values))
-    with pytest.raises(np.linalg.LinAlgError, match="positive definite: a diagonal entry is not positive"):
-        dx.Cholmod().factor(minus)
+    for library in ("auto", "sparsax", "cholespy"):
+        with pytest.raises(
+            np.linalg.LinAlgError, match=r"not symmetric positive definite: it is complex \(complex128\)"
+        ):
+            dx.Cholmod(library=library).factor(matrix)
+        with pytest.raises(np.linalg.LinAlgError, match="positive definite: a diagonal entry is not positive"):
+            dx.Cholmod(library=library).factor(minus)
+    with pytest.raises(
+        ValueError,
+        match=r"`dx.Cholmod\(library=...\)`: expected \"auto\", \"sparsax\" or \"cholespy\", found 'umfpack'",
+    ):
+        dx.Cholmod(library="umfpack")
     singular = scipy.sparse.csc_matrix(np.array([[1.0, 2.0], [2.0, 4.0]]))
     with pytest.raises(np.linalg.LinAlgError, match="the matrix is singular: KLU found a zero pivot"):
         dx.KLU().factor(singular)
@@ -345,3 +374,55 @@ print(errors)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_cholmod_s_library_missing_is_named(monkeypatch):
+    from deferax._host._solvers import _cholmod, _sparsax
+
+    values, pattern, b = spd()
+    matrix = pattern._csc(np.asarray(values))
+    monkeypatch.setattr(_sparsax, "available", lambda: False)
+    with pytest.raises(
+        ImportError, match=r"`dx.Cholmod\(library='sparsax'\)`: no tested sparsax release \(0.9 to 0.11\)"
+    ):
+        dx.Cholmod(library="sparsax").factor(matrix)
+    f = dx.Cholmod().factor(matrix)  # ("auto": cholespy, where sparsax is not)
+    assert not isinstance(f, _cholmod._SparsaxFactor)
+    np.testing.assert_allclose(matrix @ dx.Cholmod().solve(f, np.asarray(b), False), b, atol=1e-12)
+    monkeypatch.setattr(_cholmod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(
+        ImportError, match=r"`dx.Cholmod\(library='cholespy'\)`: cholespy is not installed.*pip install"
+    ):
+        dx.Cholmod().factor(matrix)
+
+
+def test_sparsax_s_dropped_factors_are_factored_again_and_counted():
+    """sparsax keeps the factors of the latest values of a pattern (one set in 0.9, eight in
+    0.11): a factorisation made before nine others of its pattern is factored again by its
+    solve, with the right answer, and the solve says so."""
+    values, pattern, b = spd(m=10)
+    cholmod = dx.Cholmod(library="sparsax")
+    matrices = [pattern._csc(np.asarray(values) * (1.0 + 0.1 * k)) for k in range(10)]
+    made = [cholmod.factor(m) for m in matrices]
+    before = sparsax.factorization_count()
+    x = cholmod.solve(made[0], np.asarray(b), False)
+    np.testing.assert_allclose(matrices[0] @ x, b, atol=1e-12)
+    assert made[0].refactored == 1 == sparsax.factorization_count() - before
+    x = cholmod.solve(made[0], np.stack([b, 2 * b], axis=1), True)  # (its factors are the latest now)
+    np.testing.assert_allclose(matrices[0] @ x, np.stack([b, 2 * b], axis=1), atol=1e-12)
+    assert made[0].refactored == 1 == sparsax.factorization_count() - before
+
+
+def test_sparsax_s_cholmod_on_four_threads_at_once():
+    values, pattern, b = spd(m=20)
+    cholmod = dx.Cholmod(library="sparsax")
+
+    def run(k):
+        out = []
+        for i in range(5):
+            m = pattern._csc(np.asarray(values) * (1.0 + k + 0.01 * i))
+            out.append(float(np.abs(m @ cholmod.solve(cholmod.factor(m), np.asarray(b), False) - b).max()))
+        return max(out)
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        assert max(pool.map(run, range(4))) < 1e-11

@@ -17,43 +17,24 @@ the round trips.
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import _runtime
 from .._plan import _cost
+from ._solvers import _sparsax
 from ._sparse_pattern import SparsePattern
 from ._sparse_solver import trial_seconds
 
-# The sparsax releases whose FFI solve (`_lu_solve_ffi(Ai, Aj, Ax, b, trans)`, the same in each)
-# is tested here: 0.9 (the last for Python 3.11) to 0.11.
-_VERSIONS = ((0, 9), (0, 12))
 # A pattern whose trial factorisation takes at most this many round trips' time solves here.
 _ROUND_TRIPS = 8
-
-
-@_runtime.cached(maxsize=1)
-def _sparsax() -> Any:
-    """sparsax, where a tested release is installed; else None."""
-    if importlib.util.find_spec("sparsax") is None:
-        return None
-    import sparsax
-
-    version = tuple(int(p) for p in sparsax.__version__.split(".")[:2])
-    low, high = _VERSIONS
-    if not (low <= version < high) or not hasattr(sparsax, "_lu_solve_ffi"):
-        return None
-    return sparsax
 
 
 def refusal(pattern: SparsePattern, dtype: np.dtype, by_cost: bool) -> str | None:
     """Why a solve of `pattern` in `dtype` (the inputs' result dtype) cannot run inside the
     program, or (`by_cost`) should not; None where it runs there."""
-    if _sparsax() is None:
+    if _sparsax.module() is None:
         return "sparsax (a tested release) is not installed"
     if not np.issubdtype(dtype, np.floating):
         return "sparsax solves real matrices only"
@@ -95,7 +76,7 @@ def _solver(pattern: SparsePattern, trans: int):
     """`(values, r) -> A^-1 r` (`trans` 0) or `A^-T r` (1), with `r` of shape `(n,)` or `(n, k)`;
     under `vmap` over `r` alone, one solve of the right-hand sides as columns. One a pattern
     (the same function in every trace: the eager cache finds its programs again)."""
-    sparsax = _sparsax()
+    sparsax = _sparsax.module()
     rows, cols = np.asarray(pattern.rows, np.int32), np.asarray(pattern.cols, np.int32)
 
     @jax.custom_batching.custom_vmap

@@ -19,7 +19,8 @@ from ._klu import KLU
 
 # The candidates, by the name `chosen` reports, and whether each can run here.
 _CANDIDATES = (
-    ("CHOLMOD", Cholmod(), _cholmod.available),
+    ("CHOLMOD sparsax", Cholmod(library="sparsax"), lambda: _cholmod.available("sparsax")),
+    ("CHOLMOD cholespy", Cholmod(library="cholespy"), lambda: _cholmod.available("cholespy")),
     ("KLU", KLU(), _klu.available),
     ("SuperLU MMD_AT_PLUS_A", SuperLU(permc_spec="MMD_AT_PLUS_A"), lambda: True),
     ("SuperLU COLAMD", SuperLU(permc_spec="COLAMD"), lambda: True),
@@ -27,8 +28,10 @@ _CANDIDATES = (
 # Which are tried, first preferred, for a symmetric positive definite matrix (as far as its
 # entries and diagonal show: CHOLMOD's factorisation tells), and for any other (real or complex).
 # On SPD matrices KLU and SuperLU with COLAMD took 1.3-3.2 times CHOLMOD's time in every
-# measurement (docs/linear-solve.md, "Which solver"): not tried there.
-_SPD = ("CHOLMOD", "SuperLU MMD_AT_PLUS_A")
+# measurement (docs/linear-solve.md, "Which solver"): not tried there. sparsax's CHOLMOD
+# factors faster than cholespy's, but may factor again where it dropped the factors (`Cholmod`).
+_CHOLMODS = ("CHOLMOD sparsax", "CHOLMOD cholespy")
+_SPD = (*_CHOLMODS, "SuperLU MMD_AT_PLUS_A")
 _GENERAL = ("KLU", "SuperLU MMD_AT_PLUS_A", "SuperLU COLAMD")
 # For a matrix in single precision (`precision="input"`), those that factor in it: SuperLU's.
 _SINGLE = ("SuperLU MMD_AT_PLUS_A", "SuperLU COLAMD")
@@ -102,12 +105,12 @@ class AutoSparseSolver(AbstractSparseSolver):
     solvers installed, measured on each sparsity pattern in the program that uses it.
 
     The candidates, for a matrix that is real, equal to its transpose entry for entry and
-    with a positive diagonal: [`deferax.Cholmod`][] (CHOLMOD's Cholesky) and
-    [`deferax.SuperLU`][] with `"MMD_AT_PLUS_A"`; for any other, and one whose Cholesky
+    with a positive diagonal: [`deferax.Cholmod`][] (CHOLMOD's Cholesky) through sparsax and
+    through cholespy, and [`deferax.SuperLU`][] with `"MMD_AT_PLUS_A"`; for any other, and one whose Cholesky
     factorisation fails: [`deferax.KLU`][] and SuperLU with `"MMD_AT_PLUS_A"` and
     `"COLAMD"`; for a matrix in single precision (`precision="input"`), SuperLU's two alone,
     the others factoring in double precision. Those whose library is not installed
-    (cholespy, klujax: `pip install deferax[sparse]`) are left out.
+    (sparsax, cholespy, klujax: `pip install deferax[sparse]`) are left out.
 
     Each factorisation is made once, by one candidate: a pattern's first factorisations (and
     dtype's) go to the candidates in turn, 3 each, and every one is timed with the solves
@@ -133,7 +136,7 @@ class AutoSparseSolver(AbstractSparseSolver):
         key = (_pattern_key(matrix), np.dtype(matrix.dtype).str)
         with _LOCK:
             trial = _TRIALS.setdefault(key, _Trial())
-            spd_tried = "CHOLMOD" not in trial.failed
+            spd_tried = not trial.failed.intersection(_CHOLMODS)
         if np.dtype(matrix.dtype).itemsize < (8 if np.isrealobj(matrix.data) else 16):
             order = _SINGLE
         else:
@@ -149,9 +152,9 @@ class AutoSparseSolver(AbstractSparseSolver):
             start = time.perf_counter()
             try:
                 factorisation = _factor(name, matrix)
-            except _cholmod.NotPositiveDefinite:
+            except _cholmod.NotPositiveDefinite:  # (not positive definite: for each CHOLMOD alike)
                 with _LOCK:
-                    trial.failed.add(name)
+                    trial.failed.update(_CHOLMODS)
                 continue
             seconds = time.perf_counter() - start
             if isinstance(solver, SuperLU) and measuring:
@@ -183,7 +186,8 @@ class AutoSparseSolver(AbstractSparseSolver):
         dtype factored: float64 or complex128 by default, whatever the inputs'), and each
         candidate's time so far, in seconds: its median factorisation and two median solves;
         None before a counted factorisation (a candidate's second). The solver is one of
-        `"CHOLMOD"`, `"KLU"`, `"SuperLU MMD_AT_PLUS_A"` and `"SuperLU COLAMD"`."""
+        `"CHOLMOD sparsax"`, `"CHOLMOD cholespy"`, `"KLU"`, `"SuperLU MMD_AT_PLUS_A"` and
+        `"SuperLU COLAMD"`."""
         with _LOCK:
             trial = _TRIALS.get((_pattern_key(_structure(pattern)), np.dtype(dtype).str))
             if trial is None:
@@ -206,4 +210,5 @@ def _cholmod_may(matrix: Any) -> bool:
 def _factor(name: str, matrix: Any) -> Any:
     """The candidate `name`'s factorisation of `matrix` (CHOLMOD's without its checks: `factor`
     has made them)."""
-    return _cholmod.cholesky(matrix) if name == "CHOLMOD" else _candidate(name).factor(matrix)
+    solver = _candidate(name)
+    return _cholmod.cholesky(matrix, solver.library) if isinstance(solver, Cholmod) else solver.factor(matrix)

@@ -1,6 +1,6 @@
 """`Cholmod`: SuiteSparse's CHOLMOD Cholesky factorisation `A = L L^T` of a symmetric positive
-definite matrix, through cholespy, on the host; and the checks by which a matrix is taken for
-one (`symmetric`, `positive_diagonal`)."""
+definite matrix, on the host, through sparsax (its NumPy entry points) or cholespy; and the
+checks by which a matrix is taken for one (`symmetric`, `positive_diagonal`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,16 @@ import threading
 import weakref
 from typing import Any
 
+import equinox as eqx
 import numpy as np
 
 from ... import _runtime
 from .._sparse_solver import AbstractSparseSolver, _pattern_key
-from . import _fill
+from . import _fill, _sparsax
 
-_NO_CHOLESPY = """`dx.Cholmod`: cholespy is not installed, and this solver calls it. Install it: `pip install \
-cholespy`, or leave `solver=` out (the default measures the solvers that are installed)."""
+_NOT_INSTALLED = """`dx.Cholmod(library={library!r})`: {missing} installed, and this solver calls it. Install it: \
+`pip install {install}`, or leave `solver=` out (the default measures the solvers that are installed)."""
+_BAD_LIBRARY = """`dx.Cholmod(library=...)`: expected "auto", "sparsax" or "cholespy", found {found!r}."""
 
 _NOT_SPD = """`dx.Cholmod`: the matrix is not symmetric positive definite: {why}, and a Cholesky factorisation \
 needs one.
@@ -31,9 +33,22 @@ class NotPositiveDefinite(np.linalg.LinAlgError):
     may still factor it: `AutoSparseSolver` then does)."""
 
 
-def available() -> bool:
-    """Whether cholespy can be imported."""
-    return importlib.util.find_spec("cholespy") is not None
+def available(library: str = "auto") -> bool:
+    """Whether `library` ("sparsax", "cholespy", or "auto": either) can be imported."""
+    sparsax, cholespy = _sparsax.available(), importlib.util.find_spec("cholespy") is not None
+    return {"sparsax": sparsax, "cholespy": cholespy}.get(library, sparsax or cholespy)
+
+
+def _library(library: str) -> str:
+    """The library `Cholmod(library=library)` factors with: for "auto", sparsax where it is
+    installed, else cholespy; raises `ImportError` where the library is not installed."""
+    if library == "auto":
+        library = "sparsax" if _sparsax.available() else "cholespy"
+    if not available(library):
+        missing = "no tested sparsax release (0.9 to 0.11) is" if library == "sparsax" else "cholespy is not"
+        install = "'sparsax>=0.9,<0.12'" if library == "sparsax" else library
+        raise ImportError(_NOT_INSTALLED.format(library=library, missing=missing, install=install))
+    return library
 
 
 def symmetric(matrix: Any) -> bool:
@@ -83,29 +98,100 @@ def positive_diagonal(matrix: Any) -> bool:
     return bool((matrix.diagonal() > 0).all())
 
 
-def cholesky(matrix: Any) -> Any:
-    """CHOLMOD's factorisation of `matrix`, taken as symmetric (only its lower triangle is
-    read); raises `NotPositiveDefinite` where a pivot is not positive."""
-    cholespy: Any = importlib.import_module("cholespy")  # (its names come from a compiled module)
-
+def cholesky(matrix: Any, library: str = "auto") -> Any:
+    """CHOLMOD's factorisation of `matrix`, taken as symmetric (only one triangle is read),
+    through `library` (as `Cholmod`'s); raises `NotPositiveDefinite` where a pivot is not
+    positive."""
+    library = _library(library)
     if max(matrix.shape[0], matrix.nnz) > np.iinfo(np.int32).max:
-        raise ValueError(f"`dx.Cholmod`: cholespy takes 32-bit indices, and this matrix has {matrix.nnz} entries.")
-    try:
-        solver = cholespy.CholeskySolverD(  # (its float32 solver factors in float64 too)
-            matrix.shape[0],
-            # (cholespy takes writable C arrays only; the pattern's are read-only)
-            np.require(matrix.indptr, np.int32, ("C", "W")),
-            np.require(matrix.indices, np.int32, ("C", "W")),
-            np.require(matrix.data, np.float64, ("C", "W")),
-            cholespy.MatrixType.CSC,
+        raise ValueError(
+            f"`dx.Cholmod`: CHOLMOD is called with 32-bit indices, and this matrix has {matrix.nnz} entries."
         )
-    except ValueError as e:  # (cholespy's "Matrix is not positive definite!")
+    entries = _fill.estimated_entries(matrix, cholesky=True)[0]
+    try:
+        if library == "sparsax":
+            made: Any = _SparsaxFactor(matrix, entries)
+        else:
+            made = _cholespy_factor(matrix, entries)
+    except (
+        ValueError,
+        RuntimeError,
+    ) as e:  # (cholespy's "Matrix is not positive definite!", sparsax's "... not positive definite ...")
         if "positive definite" not in str(e):
             raise
         raise NotPositiveDefinite(_NOT_SPD.format(why=f"CHOLMOD found a pivot that is not positive ({e})")) from None
-    made = _Factor(solver, np.dtype(matrix.dtype), _fill.estimated_entries(matrix, cholesky=True)[0])
+    return made
+
+
+def _cholespy_factor(matrix: Any, entries: int) -> _Factor:
+    cholespy: Any = importlib.import_module("cholespy")  # (its names come from a compiled module)
+    solver = cholespy.CholeskySolverD(  # (its float32 solver factors in float64 too)
+        matrix.shape[0],
+        # (cholespy takes writable C arrays only; the pattern's are read-only)
+        np.require(matrix.indptr, np.int32, ("C", "W")),
+        np.require(matrix.indices, np.int32, ("C", "W")),
+        np.require(matrix.data, np.float64, ("C", "W")),
+        cholespy.MatrixType.CSC,
+    )
+    made = _Factor(solver, np.dtype(matrix.dtype), entries)
     _MADE.add(made)
     return made
+
+
+class _SparsaxFactor:
+    """A Cholesky factorisation kept by sparsax, which keeps the factors of the values it
+    factored last on each pattern (sparsax 0.9: one set of values a pattern; 0.11: eight):
+    the upper triangle's coordinates and values, in float64, that find it; the matrix's dtype;
+    the entries `L` is estimated to hold; and how many of its solves found the factors dropped
+    and factored again (`refactored`).
+
+    sparsax's calls hold Python's GIL, so they are made one at a time (`_SPARSAX_LOCK`): around
+    each, sparsax's count of its factorisations says whether it factored."""
+
+    def __init__(self, matrix: Any, entries: int):
+        self.rows, self.cols, upper = _upper(matrix)
+        self.dtype, self.entries = np.dtype(matrix.dtype), entries
+        self.values = np.ascontiguousarray(matrix.data[upper], np.float64)
+        self.values.flags.writeable = False
+        self.refactored = 0
+        cpp = _sparsax.module()._cpp
+        with _SPARSAX_LOCK:
+            cpp.logdet_np(self.rows, self.cols, self.values, matrix.shape[0])  # (factors, and keeps the factors)
+
+    def solve(self, rhs: np.ndarray) -> np.ndarray:
+        cpp = _sparsax.module()._cpp
+        rhs = np.ascontiguousarray(rhs, np.float64)
+        with _SPARSAX_LOCK:
+            before = cpp.factorization_count()
+            out = cpp.solve_np(self.rows, self.cols, self.values, rhs, 0)
+            self.refactored += cpp.factorization_count() - before
+        return out
+
+
+def _upper(matrix: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(rows, cols, mask)`: the int32 coordinates of the CSC `matrix`'s entries on or above
+    the diagonal (read-only), and the mask that picks them from its stored entries; kept per
+    pattern (the latest `_MIRRORS_KEPT`)."""
+    key = _pattern_key(matrix)
+    with _MIRRORS_LOCK:
+        if key in _UPPER:
+            _UPPER.move_to_end(key)
+            return _UPPER[key]
+    cols = np.repeat(np.arange(matrix.shape[0], dtype=np.int32), np.diff(matrix.indptr))
+    mask = matrix.indices <= cols
+    found = (np.ascontiguousarray(matrix.indices[mask], np.int32), np.ascontiguousarray(cols[mask]), mask)
+    for a in found:
+        a.flags.writeable = False
+    with _MIRRORS_LOCK:
+        _UPPER[key] = found
+        while len(_UPPER) > _MIRRORS_KEPT:
+            _UPPER.popitem(last=False)
+    return found
+
+
+# by pattern (`_pattern_key`): `_upper`'s answer, the latest `_MIRRORS_KEPT` patterns
+_UPPER: collections.OrderedDict[tuple, tuple] = _runtime.store(collections.OrderedDict())
+_SPARSAX_LOCK = threading.Lock()
 
 
 class _Factor:
@@ -129,47 +215,68 @@ def _free_at_exit() -> None:
 
 class Cholmod(AbstractSparseSolver):
     """SuiteSparse's CHOLMOD (a supernodal Cholesky factorisation `A = L L^T`, with its
-    fill-reducing ordering) through [cholespy](https://github.com/rgl-epfl/cholespy), on the
-    host, for real symmetric positive definite matrices: finite-element stiffnesses,
-    Laplacians, normal equations. It factors in about half the time an LU takes (the 180 x 60
-    MBB beam's stiffness: see [Sparse linear solves](../linear-solve.md#which-solver)), and
-    `A^T = A`, so the transposed solve is the same solve.
+    fill-reducing ordering) on the host, for real symmetric positive definite matrices:
+    finite-element stiffnesses, Laplacians, normal equations. It factors in about a quarter
+    to half the time an LU takes (the 180 x 60 MBB beam's stiffness: see
+    [Sparse linear solves](../linear-solve.md#which-solver)), and `A^T = A`, so the
+    transposed solve is the same solve.
+
+    **Arguments:**
+
+    - `library`: which wheel's CHOLMOD: `"sparsax"` ([sparsax](https://pypi.org/project/sparsax/)'s
+      NumPy entry points, 0.9 to 0.11, with the fast BLAS its wheel ships: the 180 x 60 beam
+      factored and solved in 46 ms against cholespy's 105), `"cholespy"`
+      ([cholespy](https://github.com/rgl-epfl/cholespy)), or `"auto"` (the default):
+      sparsax where it is installed, else cholespy.
 
     `factor` checks that the matrix is symmetric (exactly, entry for entry) with a positive
     diagonal, then factors; it raises `numpy.linalg.LinAlgError` if the matrix is not symmetric
-    positive definite (CHOLMOD's own check, on a pivot; CHOLMOD also prints a warning then).
-    It factors in float64, also a float32 matrix (`precision="input"`: cholespy's
-    single-precision solver factors in float64 too), and solves in float64, the solution
-    returned in the matrix's dtype; complex matrices are refused.
+    positive definite (CHOLMOD's own check, on a pivot). It factors in float64, also a float32
+    matrix (`precision="input"`), and solves in float64, the solution returned in the
+    matrix's dtype; complex matrices are refused.
 
-    Needs cholespy (`pip install cholespy`). cholespy holds Python's GIL while it factors, so
-    two systems factor one after the other on deferax's threads (a process pool or Dask
-    factors them at once). Its `nbytes` is an estimate, as cholespy does not say how many
-    entries `L` holds: half those of SuperLU's `L + U` on the same pattern where
-    [`deferax.AutoSparseSolver`][] or [`deferax.SuperLU`][] measured them in this process, else
-    the matrix's lower triangle (a lower bound); an 8-byte entry and a 4-byte index each.
+    sparsax keeps the factors itself, found again by the matrix's values: those it factored
+    last on each pattern (one set of values a pattern in sparsax 0.9, the Python 3.11 release;
+    eight in 0.11). A factorisation whose factors were dropped since (another matrix of the
+    same pattern factored in between, as under `vmap` over the matrices) is factored again by
+    the solve that needs it, with the right answer: [`deferax.AutoSparseSolver`][] times
+    such solves, so measures the cost, and prefers cholespy or SuperLU where it is higher.
+
+    Both hold Python's GIL while they factor, so two systems factor one after the other on
+    deferax's threads (a process pool or Dask factors them at once). Its `nbytes` is an
+    estimate, as neither says how many entries `L` holds: half those of SuperLU's `L + U` on
+    the same pattern where [`deferax.AutoSparseSolver`][] or [`deferax.SuperLU`][] measured
+    them in this process, else the matrix's lower triangle (a lower bound); an 8-byte entry
+    and a 4-byte index each.
     """
 
+    library: str = eqx.field(default="auto", static=True)
+
+    def __check_init__(self):
+        if self.library not in ("auto", "sparsax", "cholespy"):
+            raise ValueError(_BAD_LIBRARY.format(found=self.library))
+
     def factor(self, matrix: Any) -> Any:
-        if not available():
-            raise ImportError(_NO_CHOLESPY)
+        _library(self.library)  # (not installed: raised before the checks)
         if not np.isrealobj(matrix.data):
             raise NotPositiveDefinite(_NOT_SPD.format(why=f"it is complex ({matrix.dtype})"))
         if not symmetric(matrix):
             raise NotPositiveDefinite(_NOT_SPD.format(why="it is not equal to its transpose"))
         if not positive_diagonal(matrix):
             raise NotPositiveDefinite(_NOT_SPD.format(why="a diagonal entry is not positive"))
-        return cholesky(matrix)
+        return cholesky(matrix, self.library)
 
     def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
         f = factorisation  # (`A^T = A`: `transpose` changes nothing)
+        if isinstance(f, _SparsaxFactor):
+            return f.solve(rhs).astype(f.dtype, copy=False)
         rhs = np.require(rhs, np.float64, ("C", "W"))  # (cholespy takes writable C arrays only)
         out = np.empty_like(rhs)
         f.solver.solve(rhs, out)
         return out.astype(f.dtype, copy=False)
 
     def nbytes(self, factorisation: Any, dtype: np.dtype) -> int:
-        """An estimate (cholespy does not report it): half the entries of SuperLU's factors on
+        """An estimate (neither library reports it): half the entries of SuperLU's factors on
         the same pattern where they were measured, else the matrix's lower triangle (a lower
         bound), an 8-byte entry and a 4-byte index each."""
         f = factorisation
