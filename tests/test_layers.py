@@ -115,3 +115,13 @@ def test_no_import_circle():
                 seen.add(module)
                 todo.extend(graph[module])
     assert circles == []
+
+
+def test_the_together_group_lives_in_its_own_file():
+    """The together sites are one group (`_schedules/_together.py`): the public transform and
+    stage 2's runner name none of it, and stage 2 runs declared jobs (`AbstractJob`)."""
+    for path in ("_transform.py", "_stages/_stage2.py", "_stages/_stage1.py", "_stages/_stage3.py"):
+        code = (PACKAGE / path).read_text()
+        found = [w for w in ("Together", "BackwardJob", "JointBackward", "_together") if w in code]
+        assert found == [], f"{path} names {found}: the together group's code belongs in _schedules/_together.py"
+    assert "AbstractJob" in (PACKAGE / "_stages" / "_stage2.py").read_text()

@@ -195,7 +195,6 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, re
     if analysis.plan.fallback is not None:
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
     outside = [s.spec.name for s in analysis.deferring if s.leaves_program] if differentiated else []
-    assert not (differentiated and analysis.together)  # (the standard schedule was requested: none)
     if outside:
         sites = ", ".join(f"`{name}`" for name in outside)
         raise ValueError(_DEFERRED_UNDER_DIFFERENTIATION.format(where=_WHERE, sites=sites))

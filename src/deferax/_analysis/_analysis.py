@@ -40,7 +40,7 @@ from .._schedules._deferred_basis import Basis, DeferredBasis
 from .._schedules._early import Early
 from .._schedules._forward_basis import ForwardBasis
 from .._schedules._standard import Standard
-from .._schedules._together import Together
+from .._schedules._together import JointBackward, Together
 from . import _together
 from ._bwd import bwd_decisions
 
@@ -60,20 +60,13 @@ class Analysis:
     # the reverse-mode strategy planned for each site not deferred ("standard" or "forward-basis"), by `Spec`:
     # stage 3 differentiates them so (`_site.planned`), whatever timings came in since
     strategies: dict = dataclasses.field(default_factory=dict)
-    # G, pruned to the cotangents of the together sites, which stage 2b evaluates with the
-    # real outputs: (consts, leaves, ys, seed) -> cts; and ("ct", position, leaf) for each output
-    together_backward: Any = None
-    together_out: tuple = ()
+    # the standard sites whose backward jobs run at once in stage 2b, as one group (None: none)
+    together: JointBackward | None = None
 
     @property
     def deferring(self) -> tuple[AbstractAhead, ...]:
         """The sites whose cotangent stage 2 computes (deferred and deferred-basis)."""
         return tuple(s for s in self.ahead if s.defers)
-
-    @property
-    def together(self) -> tuple[Together, ...]:
-        """The standard sites whose backward jobs run at once in stage 2b."""
-        return tuple(s for s in self.ahead if isinstance(s, Together))
 
     @property
     def live(self) -> bool:
@@ -211,13 +204,19 @@ class _Choice:
         ordered = tuple(schedules[p] for p in range(n))
         ahead = tuple(s for s in ordered if isinstance(s, AbstractAhead) and s.defers)
         ahead += tuple(s for s in ordered if isinstance(s, AbstractAhead) and not s.defers)
-        together_backward, together_out = None, ()
+        together = None
         if backward is not None:
-            jointly_at = {s.position for s in ahead if isinstance(s, Together)}
-            if jointly_at:
+            members = tuple(s for s in ahead if isinstance(s, Together))
+            if members:
+                jointly_at = {s.position for s in members}
                 wanted = [kind == "ct" and p in jointly_at for kind, p, _ in backward_out]
-                together_backward = _jaxpr.prune(backward, wanted)
-                together_out = tuple(o for o, u in zip(backward_out, wanted, strict=True) if u)
+                together = JointBackward(
+                    members=members,
+                    program=_jaxpr.prune(backward, wanted),
+                    outs=tuple(o for o, u in zip(backward_out, wanted, strict=True) if u),
+                    order=tuple(range(n)),
+                    seed=self.program.jaxpr.outvars[0].aval.dtype,
+                )
             keep = [kind in ordered[p].from_backward for kind, p, _ in backward_out]
             backward = _jaxpr.prune(backward, keep)
             backward_out = tuple(o for o, u in zip(backward_out, keep, strict=True) if u)
@@ -237,8 +236,7 @@ class _Choice:
             backward,
             backward_out,
             strategies,
-            together_backward,
-            together_out,
+            together,
         )
 
     def _structural(self, k, upstream, feeds) -> str | None:

@@ -76,10 +76,40 @@ class AbstractSchedule(eqx.Module):
         value), on the forward pass, and on the backward pass (None where it has none)."""
 
 
-class AbstractAhead(AbstractSchedule):
+class AbstractJob(eqx.Module):
+    """A call that stage 2 (or stage 2b) runs for one top-level site, at once with the
+    others: a schedule's call ahead of the value (`AbstractAhead`), or a together site's
+    backward job (`_together.BackwardJob`). A job says what it runs and where; its schedule
+    says how the site's derivative is obtained."""
+
+    spec: eqx.AbstractVar[Spec]  # (the site, as its equation knows it)
+    position: eqx.AbstractVar[int]  # (its place among the top-level sites of the program)
+    label: eqx.AbstractVar[str]  # (its schedule's name in the plan, for the timeline)
+
+    @property
+    @abc.abstractmethod
+    def impl(self) -> Callable[..., Any] | None:
+        """The implementation its call runs (None for a `fused` made there)."""
+
+    @property
+    @abc.abstractmethod
+    def leaves_program(self) -> bool:
+        """Whether its call runs outside the XLA program anyway: on the host (`dx.host`), or
+        as two compiled halves on threads (`dx.fuse`, or a `fused` made from `fwd` and
+        `adjoint`/`bwd`). Such work leaves through a callback, which JAX cannot
+        differentiate."""
+
+    @abc.abstractmethod
+    def call(self, operands: list, cts: Any) -> tuple:
+        """Its call: `(y, ct_x)`, output leaves and, for a deferred site, the cotangents of
+        the differentiable leaves of its input (None otherwise); a backward job's is
+        `(ct_x, None)`."""
+
+
+class AbstractAhead(AbstractSchedule, AbstractJob):
     """A schedule that runs the site's expensive call in stage 2, ahead of the value:
     concurrently with the other such sites, from what stage 1 computed for it (always a
-    site at the top level of the program, with a position)."""
+    site at the top level of the program, with a position). It is its own stage-2 job."""
 
     position: eqx.AbstractVar[int]  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractVar, frozen: a narrower type is sound)
 
@@ -88,24 +118,6 @@ class AbstractAhead(AbstractSchedule):
         """The cotangents stage 2 gives the site: `traced`, what stage 1 read off the
         backward program for it (None when it takes none), with `ins` the program's inputs
         and `ys` zeros for every site's output."""
-
-    @property
-    @abc.abstractmethod
-    def impl(self) -> Callable[..., Any] | None:
-        """The implementation its stage-2 call runs (None for a `fused` made there)."""
-
-    @property
-    @abc.abstractmethod
-    def leaves_program(self) -> bool:
-        """Whether its stage-2 call runs outside the XLA program anyway: on the host
-        (`dx.host`), or as two compiled halves on threads (`dx.fuse`, or a `fused` made from
-        `fwd` and `adjoint`/`bwd`). Such work leaves through a callback, which JAX cannot
-        differentiate."""
-
-    @abc.abstractmethod
-    def call(self, operands: list, cts: Any) -> tuple:
-        """Its stage-2 call: `(y, ct_x)`, output leaves and, for a deferred site, the
-        cotangents of the differentiable leaves of its input (None otherwise)."""
 
     @abc.abstractmethod
     def stage3(self, y: list, ct_x: Any) -> tuple[Callable[..., Any], dict]:

@@ -2,7 +2,9 @@
 standard sites of which none needs an expensive output, each `fwd` runs in stage 2 (as
 `Early`'s), and each `bwd` in stage 2b, all at once.
 
-Stage 2b evaluates the backward program the analysis traced, `G(ins, ys, seed)`, with the
+The sites of one program that run so are one group, `JointBackward`: its members, the
+backward program that gives their outputs' cotangents, and its jobs. Stage 2b evaluates that
+program (the backward program the analysis traced, `G(ins, ys, seed)`, pruned) with the
 real outputs from stage 2: the cotangent of each site's output, exactly (`G` is the VJP of
 the program with respect to the sites' outputs, evaluated at the real outputs; every
 expensive output is known there, since every top-level site runs in stage 2 and none is
@@ -14,17 +16,20 @@ order changes. The cost model chooses it, from the estimates here (`together`)."
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 
-from .. import _site
+from .. import _jaxpr, _site
 from .._implementation._abstract import AbstractImplementation
 from .._plan import _cost
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule
 from .._site import Spec
+from ._abstract import AbstractJob
 from ._deferred import replay
 from ._early import AbstractForwardAhead, standard_fields
 
@@ -62,32 +67,22 @@ class Together(AbstractForwardAhead):
     # (its stage rows are `Early`'s: the analysis puts its backward row in the stage of the
     # backward jobs at once)
 
-    def backward(self) -> BackwardJob:
-        """Its job in stage 2b."""
-        return BackwardJob(schedule=self)
-
     def stage3(self, y: list, ct_x: Any) -> tuple:
         spec = self.spec
         return (lambda eqn, ops: replay(ops, y, _site.operand_cotangents(spec, ops, ct_x))), {}
 
 
-class BackwardJob(eqx.Module):
+class BackwardJob(AbstractJob):
     """A together site's `bwd` in stage 2b, as stage 2 runs a site's call: `call(operands,
     (y, ct_y))` gives `(ct_x, None)`, the cotangents of the differentiable leaves of `x`."""
 
-    schedule: Together
+    spec: Spec
+    position: int
+    label: str
 
-    @property
-    def spec(self) -> Spec:
-        return self.schedule.spec
-
-    @property
-    def position(self) -> int:
-        return self.schedule.position
-
-    @property
-    def label(self) -> str:
-        return self.schedule.label
+    @staticmethod
+    def of(schedule: Together) -> BackwardJob:
+        return BackwardJob(spec=schedule.spec, position=schedule.position, label=schedule.label)
 
     @property
     def impl(self) -> Any:
@@ -102,6 +97,51 @@ class BackwardJob(eqx.Module):
         y, ct_y = cts
         fn_leaves, x_leaves = operands[: spec.n_fn], operands[spec.n_fn :]
         return _site.cotangents(spec, fn_leaves, x_leaves, y, ct_y), None
+
+
+class JointBackward(eqx.Module):
+    """The together sites of one program, as one group: their `bwd` jobs run at once in
+    stage 2b, from their outputs' cotangents, which its backward program gives from the real
+    outputs of every site.
+
+    **Fields:**
+
+    - `members`: the together sites, in program order.
+    - `program`: the backward program, pruned to the members' cotangents:
+      `(consts, leaves, ys, seed) -> cts`, with `ys` every top-level site's output leaves.
+    - `outs`: for each output of `program`, `("ct", position, leaf)`.
+    - `order`: the positions of every top-level site, in program order (`ys`'s order).
+    - `seed`: the dtype of the loss's value (the seed's: the cotangent of the value).
+    """
+
+    members: tuple[Together, ...]
+    program: Any
+    outs: tuple
+    order: tuple[int, ...]
+    seed: Any
+
+    def cotangents(self, ins: list, ys: dict) -> dict:
+        """The cotangents of the members' outputs, by position: `program` evaluated with the
+        real outputs of every site (`ys`, by position, from stage 2)."""
+        seed = jnp.ones((), self.seed)
+        leaves = [y for p in self.order for y in ys[p]]
+        outs = _jaxpr.interpret(self.program, [*ins, *leaves, seed])
+        cts: dict = {}
+        for (_, p, j), value in zip(self.outs, outs, strict=True):
+            y = ys[p][j]
+            if value.dtype == jax.dtypes.float0:  # (an integer output's: its implementations get zeros)
+                value = jnp.zeros(jnp.shape(y), jnp.result_type(y))
+            cts.setdefault(p, []).append(value)
+        return cts
+
+    def run(self, operands: dict, ys: dict, cts: dict, stage2: Callable[..., list]) -> dict:
+        """The members' `bwd` jobs, at once, run by `stage2(jobs, operands, given)` (stage 2's
+        runner) from their outputs `ys` and the cotangents `cts` of them (`cotangents`): the
+        cotangents of the differentiable leaves of each one's input, by position."""
+        jobs = tuple(BackwardJob.of(s) for s in self.members)
+        given = {j.position: (ys[j.position], cts[j.position]) for j in jobs}
+        results = stage2(jobs, operands, given)
+        return {j.position: r[0] for j, r in zip(jobs, results, strict=True)}
 
 
 # ----------------------------------------------------------------------------- the estimates

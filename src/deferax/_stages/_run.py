@@ -16,6 +16,7 @@ from .. import _jaxpr, _record, _runtime
 from .._analysis._analysis import Analysis, analyse
 from .._analysis._bwd import bwd_decisions
 from .._plan import _cost
+from .._schedules._together import JointBackward
 from .._site._spec import PRIMITIVES, spec_of
 from . import _stage1, _stage2, _stage3
 
@@ -27,9 +28,8 @@ class Compiled:
     def __init__(self, analysis: Analysis, has_diff: list[bool]):
         self.analysis = analysis
         self.stage1 = jax.jit(ft.partial(_stage1.stage1, analysis))
-        self.backward_cotangents = (
-            jax.jit(ft.partial(_stage2.backward_cotangents, analysis)) if analysis.together else None
-        )
+        together = analysis.together
+        self.backward_cotangents = None if together is None else jax.jit(ft.partial(JointBackward.cotangents, together))
         # With standard sites left, stage 3 runs their implementations: it runs uncompiled,
         # as in Equinox, so that they run eagerly (and read what they read afresh).
         self.stage3 = None if analysis.live else jax.jit(ft.partial(_stage3.stage3, analysis, has_diff))
@@ -94,11 +94,12 @@ def run(analysis: Analysis, compiled: Compiled | None, has_diff: list[bool], ins
             operands, cts = (compiled.stage1 if compiled is not None else ft.partial(_stage1.stage1, analysis))(ins)
         with _stage("deferax stage 2: expensive calls"):
             ys, diff_cts = _stage2.by_position(analysis.ahead, _stage2.stage2(analysis.ahead, operands, cts, eager))
-        if analysis.together:
+        together = analysis.together
+        if together is not None:
             with _stage("deferax stage 2b: backward jobs at once"):
                 backward = compiled.backward_cotangents if compiled is not None else None
-                backward = backward or ft.partial(_stage2.backward_cotangents, analysis)
-                diff_cts |= _stage2.stage2b(analysis, operands, ys, backward(ins, ys), eager=eager)
+                cts_y = (backward or together.cotangents)(ins, ys)
+                diff_cts |= together.run(operands, ys, cts_y, ft.partial(_stage2.stage2, eager=eager))
         results = (cts, ys, diff_cts)
     with _stage("deferax stage 3: value and gradients"):
         if compiled is not None and compiled.stage3 is not None:

@@ -1,11 +1,8 @@
 """Stage 2 of a deferred schedule: the expensive calls. One `fused` per deferred site
 (batched over its `vmap` levels, or over its basis cotangents and its levels), and the
-`fwd` of the standard sites that need no expensive output, concurrently: each site's
-schedule makes its call (`AbstractAhead.call`), here on the site's `Placement`.
-
-Stage 2b, for the together sites (`_schedules/_together.py`): the cotangents of their
-outputs from the backward program evaluated with the real outputs, then their `bwd` jobs,
-concurrently, as stage 2 runs its calls."""
+`fwd` of the standard sites that need no expensive output, concurrently: each is a job
+(`AbstractJob`: a schedule's call ahead of the value, or in stage 2b a backward job of the
+together group), run here on the site's `Placement`."""
 
 from __future__ import annotations
 
@@ -14,22 +11,17 @@ import functools as ft
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
 from .. import _jaxpr, _record, _runtime
-from .._analysis._analysis import Analysis
 from .._concurrency._placement import Placement, placed
 from .._concurrency._serial import one_at_a_time
 from .._implementation._abstract import AbstractImplementation
-from .._schedules._abstract import AbstractAhead
-from .._schedules._together import BackwardJob
-
-_Job = AbstractAhead | BackwardJob  # (what stage 2 runs: a site's call, or a together site's `bwd`)
+from .._schedules._abstract import AbstractAhead, AbstractJob
 
 
-def _on_host(schedule: _Job) -> bool:
+def _on_host(schedule: AbstractJob) -> bool:
     """Whether a site's stage-2 work is host functions (`dx.host`), whose callback takes a
     batch from `vmap` whole."""
     impl = schedule.impl
@@ -40,7 +32,7 @@ class _Stage2:
     """The stage-2 work of one trace of the step: each site's call on its placement (`run`),
     and all of them together (`run_all`), eagerly or from one callback (`from_callback`)."""
 
-    def __init__(self, sites: tuple[_Job, ...]):
+    def __init__(self, sites: tuple[AbstractJob, ...]):
         self.sites = sites
         # the i-th site's halves on the i-th pair of devices
         self.placements = tuple(Placement(i, not s.spec.static.thread_safe) for i, s in enumerate(self.sites))
@@ -130,33 +122,8 @@ def by_position(sites: tuple[AbstractAhead, ...], results: list) -> tuple[dict, 
     return ys, diff_cts
 
 
-def backward_cotangents(analysis: Analysis, ins: list, ys: dict) -> dict:
-    """The cotangents of the together sites' outputs, by position: the backward program
-    evaluated with the real outputs of every site (`ys`, by position, from stage 2)."""
-    seed = jnp.ones((), analysis.program.jaxpr.outvars[0].aval.dtype)
-    leaves = [y for s in analysis.schedules for y in ys[s.position]]
-    outs = _jaxpr.interpret(analysis.together_backward, [*ins, *leaves, seed])
-    cts: dict = {}
-    for (_, p, j), value in zip(analysis.together_out, outs, strict=True):
-        y = ys[p][j]
-        if value.dtype == jax.dtypes.float0:  # (an integer output's: its implementations get zeros)
-            value = jnp.zeros(jnp.shape(y), jnp.result_type(y))
-        cts.setdefault(p, []).append(value)
-    return cts
-
-
-def stage2b(analysis: Analysis, operands: dict, ys: dict, cts: dict, eager: bool) -> dict:
-    """The together sites' `bwd` jobs, concurrently, from their outputs `ys` and the
-    cotangents `cts` of them (`backward_cotangents`): the cotangents of the differentiable
-    leaves of each one's input, by position."""
-    jobs = tuple(s.backward() for s in analysis.together)
-    given = {j.position: (ys[j.position], cts[j.position]) for j in jobs}
-    results = stage2(jobs, operands, given, eager)
-    return {j.position: r[0] for j, r in zip(jobs, results, strict=True)}
-
-
-def stage2(sites: tuple[_Job, ...], operands: dict, cts: dict, eager: bool) -> list:
-    """The calls of `sites` (`analysis.ahead`, or stage 2b's `bwd` jobs), concurrently: a
+def stage2(sites: tuple[AbstractJob, ...], operands: dict, cts: dict, eager: bool) -> list:
+    """The calls of the jobs `sites` (`analysis.ahead`, or stage 2b's `bwd` jobs), concurrently: a
     result each, `(y, ct_x)` (see `by_position`).
 
     Eagerly, the calls run concurrently on threads. Traced (under `jit` or `vmap`), each is
