@@ -8,13 +8,14 @@ import atexit
 import collections
 import importlib.util
 import threading
+import time
 import weakref
 from typing import Any
 
 import equinox as eqx
 import numpy as np
 
-from ... import _runtime
+from ... import _record, _runtime
 from .._sparse_solver import AbstractSparseSolver, _pattern_key
 from . import _fill, _sparsax
 
@@ -108,15 +109,13 @@ def cholesky(matrix: Any, library: str = "auto") -> Any:
             f"`dx.Cholmod`: CHOLMOD is called with 32-bit indices, and this matrix has {matrix.nnz} entries."
         )
     entries = _fill.estimated_entries(matrix, cholesky=True)[0]
+    # (cholespy raises ValueError "Matrix is not positive definite!", sparsax RuntimeError "... not positive definite")
     try:
         if library == "sparsax":
             made: Any = _SparsaxFactor(matrix, entries)
         else:
             made = _cholespy_factor(matrix, entries)
-    except (
-        ValueError,
-        RuntimeError,
-    ) as e:  # (cholespy's "Matrix is not positive definite!", sparsax's "... not positive definite ...")
+    except (ValueError, RuntimeError) as e:
         if "positive definite" not in str(e):
             raise
         raise NotPositiveDefinite(_NOT_SPD.format(why=f"CHOLMOD found a pivot that is not positive ({e})")) from None
@@ -143,10 +142,11 @@ class _SparsaxFactor:
     factored last on each pattern (sparsax 0.9: one set of values a pattern; 0.11: eight):
     the upper triangle's coordinates and values, in float64, that find it; the matrix's dtype;
     the entries `L` is estimated to hold; and how many of its solves found the factors dropped
-    and factored again (`refactored`).
+    and factored again (`refactored`; each is also a "factor" step of the timeline, `dx.record`).
 
-    sparsax's calls hold Python's GIL, so they are made one at a time (`_SPARSAX_LOCK`): around
-    each, sparsax's count of its factorisations says whether it factored."""
+    sparsax's calls were seen to hold Python's GIL, so they are made one at a time
+    (`_SPARSAX_LOCK`): around each, sparsax's count of its factorisations says whether it
+    factored."""
 
     def __init__(self, matrix: Any, entries: int):
         self.rows, self.cols, upper = _upper(matrix)
@@ -163,8 +163,12 @@ class _SparsaxFactor:
         rhs = np.ascontiguousarray(rhs, np.float64)
         with _SPARSAX_LOCK:
             before = cpp.factorization_count()
+            start = time.perf_counter()
             out = cpp.solve_np(self.rows, self.cols, self.values, rhs, 0)
-            self.refactored += cpp.factorization_count() - before
+            again = cpp.factorization_count() - before
+        if again:  # (the factors were dropped: this solve factored again, as the timeline shows)
+            self.refactored += again
+            _record.step("factor", start, time.perf_counter())
         return out
 
 
