@@ -258,7 +258,7 @@ MUTATIONS = [
         "a together site's fwd run again in stage 3 (twice a step)",
         [
             (
-                "Together.stage3",
+                "ForwardJob.stage3",
                 "return (lambda eqn, ops: replay(",
                 "return (lambda eqn, ops: _site.outputs(spec, *ops) and replay(",
             )

@@ -1,4 +1,4 @@
-"""The backward jobs of independent standard sites at once (`Together`): two or more host sites
+"""The backward jobs of independent standard sites at once (`runs="together"`): two or more host sites
 whose operands need no expensive output, on the standard schedule (their `bwd` reads `y`,
 the loss is nonlinear in each output), run their `fwd` jobs at once in stage 2 and their
 `bwd` jobs at once in stage 2b, eagerly and under `jax.jit`, when the cost model says so.

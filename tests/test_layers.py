@@ -122,6 +122,51 @@ def test_the_together_group_lives_in_its_own_file():
     stage 2's runner name none of it, and stage 2 runs declared jobs (`AbstractJob`)."""
     for path in ("_transform.py", "_stages/_stage2.py", "_stages/_stage1.py", "_stages/_stage3.py"):
         code = (PACKAGE / path).read_text()
-        found = [w for w in ("Together", "BackwardJob", "JointBackward", "_together") if w in code]
+        found = [w for w in ('"together"', "BackwardJob", "JointBackward", "_together", ".together") if w in code]
         assert found == [], f"{path} names {found}: the together group's code belongs in _schedules/_together.py"
     assert "AbstractJob" in (PACKAGE / "_stages" / "_stage2.py").read_text()
+
+
+def test_no_isinstance_test_of_a_schedule_or_job_class_outside_the_schedules():
+    """What a site's schedule is (how its derivative is obtained) and where its jobs run are
+    asked of the schedule and its jobs, not found by testing their classes: no `isinstance`
+    of a class of `_schedules/` anywhere else in the package."""
+    classes = {
+        node.name
+        for path in (PACKAGE / "_schedules").glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    assert {"Standard", "Deferred", "DeferredBasis", "ForwardBasis", "ForwardJob", "BackwardJob"} <= classes
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent.name == "_schedules":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                named |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+                if named & classes:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert found == [], f"isinstance tests of schedule or job classes at {found}"
+
+
+def test_the_schedules_are_the_four_ways_to_a_derivative():
+    """`AbstractSchedule`'s final classes are the plan's four labels, one each; a standard
+    site run ahead of the value is `Standard` with its `runs`, and its jobs are jobs."""
+    import typing
+
+    from deferax._plan._plan import Schedule
+    from deferax._schedules import _deferred, _deferred_basis, _forward_basis, _jobs, _standard
+    from deferax._schedules._abstract import AbstractAhead, AbstractJob, AbstractSchedule
+
+    del _deferred, _deferred_basis, _forward_basis, _standard  # (imported: their classes defined)
+
+    def finals(cls):
+        subs = cls.__subclasses__()
+        return {c for s in subs for c in finals(s)} | {s for s in subs if not s.__subclasses__()}
+
+    labels = sorted(c.label for c in finals(AbstractSchedule))
+    assert labels == sorted(typing.get_args(Schedule))
+    assert not issubclass(_jobs.ForwardJob, AbstractSchedule) and issubclass(_jobs.ForwardJob, AbstractAhead)
+    assert not issubclass(_jobs.BackwardJob, AbstractSchedule) and issubclass(_jobs.BackwardJob, AbstractJob)

@@ -452,7 +452,7 @@ def bad(values, case):
 
 
 def two_calls(solve):
-    """Two recognised calls, each standard, whose backward jobs run at once (`Together`)."""
+    """Two recognised calls, each standard, whose backward jobs run at once (`runs="together"`)."""
     return lambda vb: jnp.sum(solve(*vb) ** 4) + jnp.sum(solve(2 * vb[0], vb[1]) ** 4)
 
 

@@ -80,8 +80,9 @@ def test_one_schedule_object_per_site(monkeypatch):
     plain JAX gives."""
     from deferax._schedules._deferred import Deferred
     from deferax._schedules._deferred_basis import DeferredBasis
-    from deferax._schedules._early import Early
     from deferax._schedules._forward_basis import ForwardBasis
+    from deferax._schedules._jobs import ForwardJob
+    from deferax._schedules._standard import Standard
 
     def fused(x, ct):
         return jnp.sin(x), ct * jnp.cos(x)
@@ -101,9 +102,10 @@ def test_one_schedule_object_per_site(monkeypatch):
 
     analysis, value, grad = _analysed(monkeypatch, loss, X)
     kinds = [type(s) for s in analysis.schedules]
-    assert kinds == [Deferred, DeferredBasis, Early, ForwardBasis]
+    assert kinds == [Deferred, DeferredBasis, Standard, ForwardBasis]  # (a schedule: how its derivative is had)
+    assert analysis.schedules[2].runs == "ahead"  # (where its jobs run: its `fwd` in stage 2)
     assert [s.position for s in analysis.schedules] == [0, 1, 2, 3]
-    assert [type(s) for s in analysis.ahead] == [Deferred, DeferredBasis, Early]  # (the deferred first)
+    assert [type(s) for s in analysis.ahead] == [Deferred, DeferredBasis, ForwardJob]  # (the deferred first)
     assert [s.label for s in analysis.schedules] == [s.schedule for s in analysis.plan.sites]
     assert analysis.plan.sites[1].k == 1
     assert jnp.allclose(value, plain(X))

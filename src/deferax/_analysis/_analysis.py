@@ -37,10 +37,9 @@ from .._schedules import _per_example
 from .._schedules._abstract import AbstractAhead, AbstractSchedule
 from .._schedules._deferred import Deferred, peers
 from .._schedules._deferred_basis import Basis, DeferredBasis
-from .._schedules._early import Early
 from .._schedules._forward_basis import ForwardBasis
-from .._schedules._standard import Standard
-from .._schedules._together import JointBackward, Together
+from .._schedules._standard import Standard, standard
+from .._schedules._together import JointBackward
 from . import _together
 from ._bwd import bwd_decisions
 
@@ -54,7 +53,7 @@ class Analysis:
     sites: tuple[int, ...]  # equation indices of the top-level sites, in program order
     nested: tuple[int, ...]  # equation indices of equations holding expensive calls inside
     schedules: tuple[AbstractSchedule, ...]  # one a top-level site, in program order
-    ahead: tuple[AbstractAhead, ...]  # those run in stage 2: the deferred sites first, then the early ones
+    ahead: tuple[AbstractAhead, ...]  # the jobs of stage 2: the deferred sites first, then the standard sites run ahead
     backward: Any  # G, pruned to what stage 1 needs: (consts, leaves, ys, seed) -> (cts, operands)
     backward_out: tuple  # for each output of `backward`: ("ct", position, leaf) or ("op", position, leaf)
     # the reverse-mode strategy planned for each site not deferred ("standard" or "forward-basis"), by `Spec`:
@@ -72,10 +71,7 @@ class Analysis:
     def live(self) -> bool:
         """Whether stage 3 still runs expensive implementations (standard sites, but for those
         run in stage 2 whose `bwd` runs there too, or that nothing differentiates)."""
-        return bool(self.nested) or not all(
-            s.defers or isinstance(s, Together) or (isinstance(s, Early) and not s.differentiated)
-            for s in self.schedules
-        )
+        return bool(self.nested) or any(s.stage3_runs for s in self.schedules)
 
 
 def analyse(
@@ -182,17 +178,17 @@ class _Choice:
                 )
         if jointly:
             schedules = _together.against_basis(
-                facts, schedules, candidates, lambda s: isinstance(_with_forward_basis(s), Standard)
+                facts, schedules, candidates, lambda s: standard(_with_forward_basis(s)) is not None
             )
-        schedules = {
-            p: _with_forward_basis(s) if isinstance(s, Standard) and s.differentiated else s
-            for p, s in schedules.items()
-        }
+        schedules = {p: _forward_basis_where_chosen(s) for p, s in schedules.items()}
         if any(s.defers for s in schedules.values()):
             # (a standard host site whose operands are known in stage 1 runs its `fwd` there too)
             schedules = {
-                p: Early.of(s)
-                if isinstance(s, Standard) and not s.spec.static.autodiff and not upstream[p] and not once.get(p)
+                p: dataclasses.replace(st, runs="ahead")
+                if (st := standard(s)) is not None
+                and not s.spec.static.autodiff
+                and not upstream[p]
+                and not once.get(p)
                 else s
                 for p, s in schedules.items()
             }
@@ -202,11 +198,11 @@ class _Choice:
         else:
             schedules = _together.in_turn(facts, schedules, upstream)
         ordered = tuple(schedules[p] for p in range(n))
-        ahead = tuple(s for s in ordered if isinstance(s, AbstractAhead) and s.defers)
-        ahead += tuple(s for s in ordered if isinstance(s, AbstractAhead) and not s.defers)
+        jobs = [job for s in ordered if (job := s.ahead_job()) is not None]
+        ahead = tuple(j for j in jobs if j.defers) + tuple(j for j in jobs if not j.defers)
         together = None
         if backward is not None:
-            members = tuple(s for s in ahead if isinstance(s, Together))
+            members = tuple(j for j in ahead if j.together)
             if members:
                 jointly_at = {s.position for s in members}
                 wanted = [kind == "ct" and p in jointly_at for kind, p, _ in backward_out]
@@ -450,17 +446,18 @@ def _stages(every, ahead) -> tuple[tuple[str, ...], ...]:
     `bwd`, all at once; then the other sites' forward pass in program order; then every
     other standard site's `bwd`, in reverse."""
     rows = [schedule.stage_rows() for schedule in every]
+    together = [(st := standard(s)) is not None and st.runs == "together" for s in every]
     stages: list[tuple[str, ...]] = []
     if ahead:
-        stages.append(tuple(s.stage_rows()[0] for s in ahead))  # pyright: ignore[reportArgumentType]  (every one runs in stage 2)
-    jointly = tuple(s.stage_rows()[2] for s in ahead if isinstance(s, Together))
+        stages.append(tuple(job.stage2_row() for job in ahead))
+    jointly = tuple(backward for (_, _, backward), t in zip(rows, together, strict=True) if t)
     if jointly:
         stages.append(jointly)  # pyright: ignore[reportArgumentType]  (each has a backward row)
     stages.extend((forward,) for _, forward, _ in rows if forward is not None)
     stages.extend(
         (backward,)
-        for s, (_, _, backward) in reversed(list(zip(every, rows, strict=True)))
-        if backward is not None and not isinstance(s, Together)
+        for t, (_, _, backward) in reversed(list(zip(together, rows, strict=True)))
+        if backward is not None and not t
     )
     return tuple(stages)
 
@@ -490,31 +487,36 @@ def _nested_schedule(spec: _site.Spec, kind: str) -> AbstractSchedule:
     )
 
 
-def _with_forward_basis(standard: Standard) -> Standard | ForwardBasis:
+def _forward_basis_where_chosen(schedule: AbstractSchedule) -> AbstractSchedule:
+    """A differentiated standard site on the forward-basis strategy where it is chosen
+    (`_with_forward_basis`); any other schedule as it is."""
+    st = standard(schedule)
+    return _with_forward_basis(st) if st is not None and st.differentiated else schedule
+
+
+def _with_forward_basis(site: Standard) -> Standard | ForwardBasis:
     """A standard site, on the forward-basis strategy where `strategy` chooses it. Where the
     estimates choose (`by_estimate`), the forward-basis estimate is put beside the others
     and the reason says which was estimated faster."""
-    spec = standard.spec
+    spec = site.spec
     n = spec.n_tangents
     estimates = ForwardBasis.estimate(spec)
     decided = spec.static.by_estimate(estimates)
-    if decided and standard.estimates is not None:  # (the standard estimate is the same)
+    if decided and site.estimates is not None:  # (the standard estimate is the same)
         assert estimates is not None  # (`by_estimate` decides only with estimates)
         estimates = _cost.Estimates(
-            estimates.standard, standard.estimates.deferred, estimates.source, estimates.forward_basis, estimates.note
+            estimates.standard, site.estimates.deferred, estimates.source, estimates.forward_basis, estimates.note
         )
-    shown = estimates if decided else standard.estimates
+    shown = estimates if decided else site.estimates
     if spec.static.strategy(n, estimates) == "forward-basis":
-        reason = standard.reason + _forward_basis_why(spec, decided)
+        reason = site.reason + _forward_basis_why(spec, decided)
         return ForwardBasis(
-            spec=spec, position=standard.position, reason=reason, location=standard.location, n=n, estimates=shown
+            spec=spec, position=site.position, reason=reason, location=site.location, n=n, estimates=shown
         )
     if not decided:
-        return standard
-    reason = standard.reason + f"; the forward-basis strategy with its n={n} tangents is estimated slower: {estimates}"
-    return Standard(
-        spec=spec, position=standard.position, reason=reason, location=standard.location, k=standard.k, estimates=shown
-    )
+        return site
+    reason = site.reason + f"; the forward-basis strategy with its n={n} tangents is estimated slower: {estimates}"
+    return Standard(spec=spec, position=site.position, reason=reason, location=site.location, k=site.k, estimates=shown)
 
 
 def _forward_basis_why(spec, decided: bool) -> str:

@@ -1,4 +1,4 @@
-"""Whether standard sites' backward jobs run at once (`Together`, `_schedules/_together.py`):
+"""Whether standard sites' backward jobs run at once (`runs="together"`, `_schedules/_together.py`):
 the conditions, the estimates that choose it (`_schedules._together.together`), and the
 texts that say with which sites, or why not: functions of what they read of the program
 (`Facts`, which the analysis gives) and of the schedules chosen so far, returning the
@@ -10,11 +10,8 @@ import dataclasses
 from typing import Any
 
 from .._implementation._abstract import AbstractImplementation
-from .._schedules._deferred_basis import DeferredBasis
-from .._schedules._early import Early, standard_fields
-from .._schedules._forward_basis import ForwardBasis
-from .._schedules._standard import Standard
-from .._schedules._together import Together, both_leave_program, together
+from .._schedules._standard import Standard, standard
+from .._schedules._together import both_leave_program, together
 from .._site import Spec
 
 
@@ -38,7 +35,7 @@ def jobs_leave_program(facts: Facts, p: int) -> bool:
 
 
 def may_run_together(facts: Facts, ready) -> bool:
-    """Whether standard sites' backward jobs may run at once (`Together`), or the plan says
+    """Whether standard sites' backward jobs may run at once (`runs="together"`), or the plan says
     why not: two sites or more, of which one at least has host functions, every site's
     operands need no expensive output (so every output is known in stage 2), none is
     called inside `lax.scan` or the like, and the schedule is chosen (`"auto"`)."""
@@ -64,7 +61,7 @@ def in_turn(facts: Facts, schedules: dict, upstream) -> dict:
     eligible = [
         p
         for p, s in schedules.items()
-        if isinstance(s, Standard | Early) and s.differentiated and jobs_leave_program(facts, p)
+        if (st := standard(s)) is not None and st.differentiated and jobs_leave_program(facts, p)
     ]
     why = [
         f"the input of site #{p} `{facts.specs[p].name}` depends on an expensive output"
@@ -85,7 +82,7 @@ def choose(facts: Facts, schedules: dict, once) -> dict:
     """The standard sites whose backward jobs run at once, where every other site runs in
     stage 2 and the estimates say it is faster (`_schedules._together.together`); the reasons say
     with which sites, or why not. A site that nothing differentiates has no backward job:
-    its forward job runs in stage 2 beside theirs (`Early`)."""
+    its forward job runs in stage 2 beside theirs (`runs="ahead"`)."""
     schedules = dict(schedules)  # (the caller's are left as they are)
     n = len(facts.specs)
     group, blocking, still = [], [], []
@@ -95,9 +92,9 @@ def choose(facts: Facts, schedules: dict, once) -> dict:
             continue
         if _still(s) and not spec.static.autodiff and not once.get(p):
             still.append(p)  # (no backward job: its `fwd` runs in stage 2 beside the others')
-        elif isinstance(s, Standard | Early) and jobs_leave_program(facts, p) and not once.get(p):
+        elif standard(s) is not None and jobs_leave_program(facts, p) and not once.get(p):
             group.append(p)
-        elif isinstance(s, ForwardBasis):
+        elif s.label == "forward-basis":
             blocking.append(f"site #{p} `{spec.name}` is on the forward-basis strategy")
         elif spec.static.autodiff:
             blocking.append(f"site #{p} `{spec.name}` is differentiated by JAX")
@@ -117,10 +114,11 @@ def choose(facts: Facts, schedules: dict, once) -> dict:
     jobs = "jobs" if still else "backward jobs"  # (those that nothing differentiates have a forward job only)
     if estimates.faster:
         for p in group:
-            schedules[p] = Together.of(schedules[p], f"; {jobs} at once with {members}: {estimates.text()}")
+            why = f"; {jobs} at once with {members}: {estimates.text()}"
+            schedules[p] = _with_reason(schedules[p], why, runs="together")
         for p in still:  # (in stage 2, at once with the others' forward jobs: every output is known in stage 2b)
             why = f"; its forward job at once with {members}: {estimates.text()}"
-            schedules[p] = Early(**standard_fields(schedules[p], why))
+            schedules[p] = _with_reason(schedules[p], why, runs="ahead")
         return schedules
     if estimates.workers == 1:
         why = f"; {jobs} in turn: one worker runs one job at a time ({estimates.text()})"
@@ -145,25 +143,25 @@ def against_basis(facts: Facts, schedules: dict, candidates, stays_standard) -> 
     basis = [
         p
         for p in candidates
-        if isinstance(schedules[p], DeferredBasis) and _limit(facts, p) is None and jobs_leave_program(facts, p)
+        if schedules[p].label == "deferred-basis" and _limit(facts, p) is None and jobs_leave_program(facts, p)
     ]
     if not basis:
         return schedules
     # (a site that nothing differentiates has no backward job to run at once)
-    standard = [p for p in range(n) if p not in basis and not schedules[p].defers and not _still(schedules[p])]
-    if any(not (isinstance(schedules[p], Standard) and jobs_leave_program(facts, p)) for p in standard):
+    in_turn_sites = [p for p in range(n) if p not in basis and not schedules[p].defers and not _still(schedules[p])]
+    if any(not (standard(schedules[p]) is not None and jobs_leave_program(facts, p)) for p in in_turn_sites):
         return schedules  # (a site that cannot run at once: `choose` would keep the group in turn)
-    jointly = together([_cost_of(facts, p) for p in sorted([*basis, *standard])])
+    jointly = together([_cost_of(facts, p) for p in sorted([*basis, *in_turn_sites])])
     estimates = [schedules[p].estimates for p in basis]
     if not jointly.faster or any(e is None or e.deferred is None or e.source != jointly.source for e in estimates):
         return schedules  # (no gain; or estimates in other units than the jobs at once: not compared)
     # each basis site's estimate is its share of the stage they all run in, plus that stage
     deferred = sum(e.deferred for e in estimates) - (len(basis) - 1) * jointly.stage  # pyright: ignore[reportOptionalOperand, reportOptionalMemberAccess]  (checked above)
-    if len(standard) > 1:
-        now = together([_cost_of(facts, p) for p in standard])
+    if len(in_turn_sites) > 1:
+        now = together([_cost_of(facts, p) for p in in_turn_sites])
         deferred += now.at_once if now.faster else now.in_turn
-    elif standard:
-        deferred += sum(schedules[p].estimates.standard for p in standard if schedules[p].estimates is not None)
+    elif in_turn_sites:
+        deferred += sum(schedules[p].estimates.standard for p in in_turn_sites if schedules[p].estimates is not None)
     if jointly.at_once >= deferred:
         return schedules
     unit = "" if jointly.source == "defaults" else " s"
@@ -185,7 +183,8 @@ def against_basis(facts: Facts, schedules: dict, candidates, stays_standard) -> 
 
 def _still(schedule: Any) -> bool:
     """Whether a site's schedule says that nothing differentiates it."""
-    return isinstance(schedule, Standard | Early) and not schedule.differentiated
+    st = standard(schedule)
+    return st is not None and not st.differentiated
 
 
 def _limit(facts: Facts, p: int) -> int | None:
@@ -202,6 +201,6 @@ def _cost_of(facts: Facts, p: int) -> tuple:
     return static.timings_key, shapes, static.cost, min(workers, default=1)
 
 
-def _with_reason(schedule: Any, why: str) -> Any:
-    """A `Standard` or `Early` site with `why` added to its reason."""
-    return dataclasses.replace(schedule, reason=schedule.reason + why)
+def _with_reason(schedule: Any, why: str, **changes: Any) -> Any:
+    """A standard site with `why` added to its reason (and `changes`: where its jobs run)."""
+    return dataclasses.replace(schedule, reason=schedule.reason + why, **changes)

@@ -1,5 +1,6 @@
-"""The interface every schedule implements: what the plan shows of a site, and, for the
-schedules that run a site ahead of the value (stage 2), what each stage does for it."""
+"""The interface every schedule implements (how a site's derivative is obtained: what the
+plan shows of it), and the interface of a job (what stage 2 runs for a site, and where); for
+the jobs ahead of the value, what each stage does for their site."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def stage_label(spec: Spec, impl: str) -> str:
 
 
 class AbstractSchedule(eqx.Module):
-    """The schedule of one call site, and why it was chosen.
+    """The schedule of one call site, how its derivative is obtained (one of the four labels of
+    the plan: `Standard`, `Deferred`, `DeferredBasis`, `ForwardBasis`), and why it was chosen.
+    When and where its calls run is its jobs' part (`ahead_job`).
 
     **Fields:**
 
@@ -38,8 +41,6 @@ class AbstractSchedule(eqx.Module):
     - `reason`, `location`, `k`, `n`, `estimates`: as [`deferax.Site`][]'s.
     - `label`: its name in the plan (`deferax.Site.schedule`).
     - `defers`: whether stage 2 computes its cotangent (no `bwd` after the value).
-    - `from_backward`: what stage 1 takes for it from the backward program (`"ct"`: its
-      cotangent, `"op"`: its operands).
     """
 
     spec: eqx.AbstractVar[Spec]
@@ -51,7 +52,12 @@ class AbstractSchedule(eqx.Module):
     estimates: eqx.AbstractVar[Estimates | None]
     label: eqx.AbstractClassVar[Schedule]
     defers: eqx.AbstractClassVar[bool]
-    from_backward: eqx.AbstractClassVar[tuple[str, ...]]
+
+    @property
+    @abc.abstractmethod
+    def from_backward(self) -> tuple[str, ...]:
+        """What stage 1 takes for it from the backward program (`"ct"`: its cotangent, `"op"`:
+        its operands): nothing but for a site with a job ahead of the value."""
 
     def row(self, index: int) -> Site:
         """The site's row of the plan, as call number `index` in program order."""
@@ -75,11 +81,21 @@ class AbstractSchedule(eqx.Module):
         """What the plan's stages show of the site: its call in stage 2 (ahead of the
         value), on the forward pass, and on the backward pass (None where it has none)."""
 
+    @property
+    @abc.abstractmethod
+    def stage3_runs(self) -> bool:
+        """Whether stage 3 (the program's own passes) runs an expensive implementation of the
+        site: its `fwd`, its `bwd`, or its forward-basis call."""
+
+    def ahead_job(self) -> AbstractAhead | None:
+        """Its job in stage 2, ahead of the value (None where it has none)."""
+        return None
+
 
 class AbstractJob(eqx.Module):
     """A call that stage 2 (or stage 2b) runs for one top-level site, at once with the
     others: a schedule's call ahead of the value (`AbstractAhead`), or a together site's
-    backward job (`_together.BackwardJob`). A job says what it runs and where; its schedule
+    backward job (`_jobs.py`). A job says what it runs and where; its schedule
     says how the site's derivative is obtained."""
 
     spec: eqx.AbstractVar[Spec]  # (the site, as its equation knows it)
@@ -106,12 +122,22 @@ class AbstractJob(eqx.Module):
         `(ct_x, None)`."""
 
 
-class AbstractAhead(AbstractSchedule, AbstractJob):
-    """A schedule that runs the site's expensive call in stage 2, ahead of the value:
-    concurrently with the other such sites, from what stage 1 computed for it (always a
-    site at the top level of the program, with a position). It is its own stage-2 job."""
+class AbstractAhead(AbstractJob):
+    """A job in stage 2, ahead of the value, for a site at the top level of the program:
+    concurrently with the other such jobs, from what stage 1 computed for it. A deferred
+    schedule is its own job; a standard site run ahead has its forward job (`_jobs.py`).
 
-    position: eqx.AbstractVar[int]  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractVar, frozen: a narrower type is sound)
+    - `defers`: whether it computes the site's cotangent (no `bwd` after the value).
+    - `together`: whether the site's backward job runs in stage 2b, at once with the other
+      together sites' (`_together.JointBackward`).
+    """
+
+    defers: eqx.AbstractClassVar[bool]
+    together: eqx.AbstractVar[bool]
+
+    @abc.abstractmethod
+    def stage2_row(self) -> str:
+        """What the plan's stages show of its call in stage 2."""
 
     @abc.abstractmethod
     def stage1_cotangents(self, ins: list, ys: list, traced: list | None) -> Any:

@@ -34,5 +34,9 @@ class ForwardBasis(AbstractSchedule):
         site without `jvp` or `jvp_batch`, or whose costs are unknown)."""
         return spec.static.forward_basis_estimates(spec.x_shapes, spec.n_tangents)
 
+    @property
+    def stage3_runs(self) -> bool:
+        return True
+
     def stage_rows(self) -> tuple[str | None, str | None, str | None]:
         return None, stage_label(self.spec, "jvp") + f" ({self.n} tangents)", None

@@ -1,6 +1,7 @@
 """The standard schedule with the jobs of independent sites at once: for two or more
-standard sites of which none needs an expensive output, each `fwd` runs in stage 2 (as
-`Early`'s), and each `bwd` in stage 2b, all at once.
+standard sites of which none needs an expensive output (`Standard` with `runs="together"`),
+each `fwd` runs in stage 2 (its `_jobs.ForwardJob`), and each `bwd` in stage 2b, all at once
+(its `_jobs.BackwardJob`).
 
 The sites of one program that run so are one group, `JointBackward`: its members, the
 backward program that gives their outputs' cotangents, and its jobs. Stage 2b evaluates that
@@ -17,21 +18,18 @@ order changes. The cost model chooses it, from the estimates here (`together`)."
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .. import _jaxpr, _site
+from .. import _jaxpr
 from .._implementation._abstract import AbstractImplementation
 from .._plan import _cost
-from .._plan._cost import Estimates
-from .._plan._plan import Schedule
 from .._site import Spec
-from ._abstract import AbstractJob
-from ._deferred import replay
-from ._early import AbstractForwardAhead, standard_fields
+from ._abstract import AbstractAhead
+from ._jobs import BackwardJob
 
 
 def both_leave_program(spec: Spec) -> bool:
@@ -41,64 +39,6 @@ def both_leave_program(spec: Spec) -> bool:
     return isinstance(static.fwd, AbstractImplementation) and isinstance(static.bwd, AbstractImplementation)
 
 
-class Together(AbstractForwardAhead):
-    """A standard site whose `fwd` runs in stage 2 and whose `bwd` runs in stage 2b, at once
-    with the other such sites' (its fields as `Standard`'s; `reason` also says with which
-    sites, and the estimates that chose it)."""
-
-    spec: Spec
-    position: int
-    reason: str
-    location: str | None = None
-    k: int | None = None
-    n: None = None
-    estimates: Estimates | None = None
-    differentiated: bool = True  # (always: a site with no backward pass has no backward job)
-    label: ClassVar[Schedule] = "standard"  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
-    defers: ClassVar[bool] = False  # pyright: ignore[reportIncompatibleVariableOverride]
-    from_backward: ClassVar[tuple[str, ...]] = ("op",)  # pyright: ignore[reportIncompatibleVariableOverride]
-
-    @staticmethod
-    def of(standard: Any, why: str) -> Together:
-        """`standard` (a `Standard` or `Early` site), its backward job run at once with
-        others, `why` added to its reason."""
-        return Together(**standard_fields(standard, why))
-
-    # (its stage rows are `Early`'s: the analysis puts its backward row in the stage of the
-    # backward jobs at once)
-
-    def stage3(self, y: list, ct_x: Any) -> tuple:
-        spec = self.spec
-        return (lambda eqn, ops: replay(ops, y, _site.operand_cotangents(spec, ops, ct_x))), {}
-
-
-class BackwardJob(AbstractJob):
-    """A together site's `bwd` in stage 2b, as stage 2 runs a site's call: `call(operands,
-    (y, ct_y))` gives `(ct_x, None)`, the cotangents of the differentiable leaves of `x`."""
-
-    spec: Spec
-    position: int
-    label: str
-
-    @staticmethod
-    def of(schedule: Together) -> BackwardJob:
-        return BackwardJob(spec=schedule.spec, position=schedule.position, label=schedule.label)
-
-    @property
-    def impl(self) -> Any:
-        return self.spec.static.bwd
-
-    @property
-    def leaves_program(self) -> bool:
-        return isinstance(self.impl, AbstractImplementation)
-
-    def call(self, operands: list, cts: Any) -> tuple:
-        spec = self.spec
-        y, ct_y = cts
-        fn_leaves, x_leaves = operands[: spec.n_fn], operands[spec.n_fn :]
-        return _site.cotangents(spec, fn_leaves, x_leaves, y, ct_y), None
-
-
 class JointBackward(eqx.Module):
     """The together sites of one program, as one group: their `bwd` jobs run at once in
     stage 2b, from their outputs' cotangents, which its backward program gives from the real
@@ -106,7 +46,7 @@ class JointBackward(eqx.Module):
 
     **Fields:**
 
-    - `members`: the together sites, in program order.
+    - `members`: the together sites' forward jobs (`_jobs.ForwardJob`), in program order.
     - `program`: the backward program, pruned to the members' cotangents:
       `(consts, leaves, ys, seed) -> cts`, with `ys` every top-level site's output leaves.
     - `outs`: for each output of `program`, `("ct", position, leaf)`.
@@ -114,7 +54,7 @@ class JointBackward(eqx.Module):
     - `seed`: the dtype of the loss's value (the seed's: the cotangent of the value).
     """
 
-    members: tuple[Together, ...]
+    members: tuple[AbstractAhead, ...]
     program: Any
     outs: tuple
     order: tuple[int, ...]
@@ -138,7 +78,7 @@ class JointBackward(eqx.Module):
         """The members' `bwd` jobs, at once, run by `stage2(jobs, operands, given)` (stage 2's
         runner) from their outputs `ys` and the cotangents `cts` of them (`cotangents`): the
         cotangents of the differentiable leaves of each one's input, by position."""
-        jobs = tuple(BackwardJob.of(s) for s in self.members)
+        jobs = tuple(BackwardJob(spec=s.spec, position=s.position, label=s.label) for s in self.members)
         given = {j.position: (ys[j.position], cts[j.position]) for j in jobs}
         results = stage2(jobs, operands, given)
         return {j.position: r[0] for j, r in zip(jobs, results, strict=True)}
