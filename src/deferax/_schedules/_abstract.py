@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 
@@ -150,3 +150,22 @@ class AbstractAhead(AbstractJob):
         """`(handler, wraps)`: what stage 3 runs in place of the site's equation (as
         `handler(eqn, operands)`), given stage 2's results, and the wrappers of variables
         of the program it needs (a basis site's frontier variables)."""
+
+
+class AbstractDeferring(AbstractSchedule, AbstractAhead):
+    """A schedule on which stage 2 computes the site's cotangent (`Deferred`,
+    `DeferredBasis`): its own job ahead of the value (its `fused` call), with nothing of the
+    site left for stage 3."""
+
+    defers: ClassVar[bool] = True  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
+    together: ClassVar[bool] = False  # pyright: ignore[reportIncompatibleVariableOverride]
+
+    @property
+    def stage3_runs(self) -> bool:
+        return False
+
+    def ahead_job(self) -> AbstractAhead:
+        return self
+
+    def stage2_row(self) -> str:
+        return self.stage_rows()[0]  # pyright: ignore[reportReturnType]  (its call is in stage 2)

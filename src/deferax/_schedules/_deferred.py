@@ -19,7 +19,7 @@ from .._plan import _cost
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule
 from .._site import Spec
-from ._abstract import AbstractAhead, AbstractSchedule, stage_label
+from ._abstract import AbstractDeferring, stage_label
 from ._returning import returning
 
 
@@ -134,7 +134,7 @@ def fused_label(spec: Spec) -> str:
     return stage_label(spec, "fused")
 
 
-class Deferred(AbstractSchedule, AbstractAhead):
+class Deferred(AbstractDeferring):
     """A site on the deferred schedule."""
 
     spec: Spec
@@ -145,8 +145,6 @@ class Deferred(AbstractSchedule, AbstractAhead):
     n: None = None
     estimates: Estimates = eqx.field(kw_only=True)
     label: ClassVar[Schedule] = "deferred"  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
-    defers: ClassVar[bool] = True  # pyright: ignore[reportIncompatibleVariableOverride]
-    together: ClassVar[bool] = False  # pyright: ignore[reportIncompatibleVariableOverride]
     from_backward: ClassVar[tuple[str, ...]] = ("ct", "op")  # pyright: ignore[reportIncompatibleVariableOverride]
 
     @staticmethod
@@ -154,16 +152,6 @@ class Deferred(AbstractSchedule, AbstractAhead):
         """The estimates of the standard and the deferred schedule, with `peers` sites like
         it deferred at once."""
         return estimate(spec, 1, peers)
-
-    @property
-    def stage3_runs(self) -> bool:
-        return False
-
-    def ahead_job(self) -> AbstractAhead:
-        return self  # (its own job: its `fused` call)
-
-    def stage2_row(self) -> str:
-        return self.stage_rows()[0]  # pyright: ignore[reportReturnType]  (a deferred site's call is in stage 2)
 
     def stage_rows(self) -> tuple[str | None, str | None, str | None]:
         return fused_label(self.spec), None, None

@@ -20,7 +20,7 @@ from .._plan._cost import Estimates
 from .._plan._plan import Schedule
 from .._site import Spec
 from . import _per_example
-from ._abstract import AbstractAhead, AbstractSchedule
+from ._abstract import AbstractDeferring
 from ._deferred import estimate, fused_is_derived, fused_label
 from ._returning import returning
 
@@ -108,7 +108,7 @@ def frontier_cotangent(spec: Spec, rows: slice, axis: int | None = None):
     return returning(0, ft.partial(_frontier_cotangents, spec, rows, axis))
 
 
-class DeferredBasis(AbstractSchedule, AbstractAhead):
+class DeferredBasis(AbstractDeferring):
     """A site on the deferred-basis schedule: its frontier (`basis`), and the operation and
     user line that make its cotangent depend on an output (`location`)."""
 
@@ -121,8 +121,6 @@ class DeferredBasis(AbstractSchedule, AbstractAhead):
     estimates: Estimates = eqx.field(kw_only=True)
     basis: Basis = eqx.field(kw_only=True)
     label: ClassVar[Schedule] = "deferred-basis"  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractClassVar: pyright#4965)
-    defers: ClassVar[bool] = True  # pyright: ignore[reportIncompatibleVariableOverride]
-    together: ClassVar[bool] = False  # pyright: ignore[reportIncompatibleVariableOverride]
     from_backward: ClassVar[tuple[str, ...]] = ("op",)  # pyright: ignore[reportIncompatibleVariableOverride]
 
     @staticmethod
@@ -131,16 +129,6 @@ class DeferredBasis(AbstractSchedule, AbstractAhead):
         with `peers` sites like it deferred at once (`per_example`: `k` counted per example
         already)."""
         return estimate(spec, k, peers, per_example=per_example)
-
-    @property
-    def stage3_runs(self) -> bool:
-        return False
-
-    def ahead_job(self) -> AbstractAhead:
-        return self  # (its own job: its `fused` call)
-
-    def stage2_row(self) -> str:
-        return self.stage_rows()[0]  # pyright: ignore[reportReturnType]  (a deferred site's call is in stage 2)
 
     def stage_rows(self) -> tuple[str | None, str | None, str | None]:
         return fused_label(self.spec) + f" ({_per_example.text(self.k, self.basis.example_axes)})", None, None
