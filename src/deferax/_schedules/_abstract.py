@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 
 from .._checks import _messages
+from .._implementation._abstract import AbstractImplementation
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule, Site
 from .._site import Spec
@@ -108,12 +109,12 @@ class AbstractJob(eqx.Module):
         """The implementation its call runs (None for a `fused` made there)."""
 
     @property
-    @abc.abstractmethod
     def leaves_program(self) -> bool:
         """Whether its call runs outside the XLA program anyway: on the host (`dx.host`), or
         as two compiled halves on threads (`dx.fuse`, or a `fused` made from `fwd` and
         `adjoint`/`bwd`). Such work leaves through a callback, which JAX cannot
-        differentiate."""
+        differentiate. By default, whether `impl` is an implementation deferax made."""
+        return isinstance(self.impl, AbstractImplementation)
 
     @abc.abstractmethod
     def call(self, operands: list, cts: Any) -> tuple:

@@ -11,7 +11,6 @@ from typing import Any, ClassVar
 import jax.tree_util as jtu
 
 from .. import _site
-from .._implementation._abstract import AbstractImplementation
 from .._misc import zero_like
 from .._site import Spec
 from ._abstract import AbstractAhead, AbstractJob, stage_label
@@ -56,10 +55,6 @@ class ForwardJob(AbstractAhead):
     def impl(self) -> Any:
         return self.spec.static.fwd
 
-    @property
-    def leaves_program(self) -> bool:
-        return isinstance(self.impl, AbstractImplementation)
-
     def call(self, operands: list, cts: Any) -> tuple:
         # (its forward keeps what its backward pass uses, where one follows)
         return _site.outputs(dataclasses.replace(self.spec, backward=self.differentiated), *operands), None
@@ -82,10 +77,6 @@ class BackwardJob(AbstractJob):
     @property
     def impl(self) -> Any:
         return self.spec.static.bwd
-
-    @property
-    def leaves_program(self) -> bool:
-        return isinstance(self.impl, AbstractImplementation)
 
     def call(self, operands: list, cts: Any) -> tuple:
         spec = self.spec

@@ -42,7 +42,7 @@ class Standard(AbstractSchedule):
         assert self.runs in RUNS and (self.runs == "in turn" or self.position is not None)
 
     @property
-    def from_backward(self) -> tuple[str, ...]:  # pyright: ignore[reportIncompatibleVariableOverride]  (an eqx.AbstractVar)
+    def from_backward(self) -> tuple[str, ...]:
         return () if self.runs == "in turn" else ("op",)
 
     @property

@@ -261,14 +261,14 @@ class Cholmod(AbstractSparseSolver):
             raise ValueError(_BAD_LIBRARY.format(found=self.library))
 
     def factor(self, matrix: Any) -> Any:
-        _library(self.library)  # (not installed: raised before the checks)
+        library = _library(self.library)  # (not installed: raised before the checks)
         if not np.isrealobj(matrix.data):
             raise NotPositiveDefinite(_NOT_SPD.format(why=f"it is complex ({matrix.dtype})"))
         if not symmetric(matrix):
             raise NotPositiveDefinite(_NOT_SPD.format(why="it is not equal to its transpose"))
         if not positive_diagonal(matrix):
             raise NotPositiveDefinite(_NOT_SPD.format(why="a diagonal entry is not positive"))
-        return cholesky(matrix, self.library)
+        return cholesky(matrix, library)
 
     def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
         f = factorisation  # (`A^T = A`: `transpose` changes nothing)
