@@ -99,12 +99,94 @@ def test_a_cotangent_that_is_not_the_right_hand_side_is_solved(beam):
     fn = dx.filter_value_and_grad(lambda x: loss(x, sparse), max_basis=2)
     assert dx.explain(fn, DENSITIES).sites[0].schedule == "deferred-basis"
     got, steps = counted(fn, DENSITIES)
-    assert steps == {"factor": 1, "solve": 2}  # `f` (the forward) and `w`; the row `f` of the adjoint is `x`
+    # `f` (the forward) and `w` in one call (`A^T = A`: CHOLMOD's solve serves both); the row `f` of the adjoint is `x`
+    assert steps == {"factor": 1, "solve": 1}
     want = jax.value_and_grad(lambda x: loss(x, lambda v, b: dense(beam.pattern, v, b)))(DENSITIES)
     close(got, want)
     got, steps = counted(jax.value_and_grad(lambda x: loss(x, sparse)), DENSITIES)
     assert steps == {"factor": 1, "solve": 2}  # standard: the forward, and one adjoint (of a combined cotangent)
     close(got, want)
+
+
+CALLS: list[tuple[int, bool]] = []  # (`_Counting`'s solves: the columns of each, and `transpose`)
+
+
+class _Counting(dx.AbstractSparseSolver):
+    """SuperLU, each solve's columns counted; `says_symmetric`: what its `symmetric` answers."""
+
+    says_symmetric: bool = False
+
+    def factor(self, matrix):
+        return dx.SuperLU().factor(matrix)
+
+    def solve(self, factorisation, rhs, transpose):
+        CALLS.append((1 if rhs.ndim == 1 else rhs.shape[1], transpose))
+        return dx.SuperLU().solve(factorisation, rhs, transpose)
+
+    def symmetric(self, factorisation):
+        return self.says_symmetric
+
+
+@pytest.mark.parametrize(
+    "how, calls",
+    [
+        ("the solver says so", [(2, False)]),
+        ("symmetric=True", [(2, False)]),
+        ("neither", [(1, False), (1, True)]),
+    ],
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_symmetric_matrix_solves_forward_and_adjoint_in_one_call(beam, how, calls, jit):
+    """A deferred site whose solver reports the factored matrix symmetric (CHOLMOD's does), or
+    that is declared symmetric, solves `b` and the adjoint's right-hand side as two columns of
+    one call; otherwise as two calls, the adjoint transposed. Values and gradients against a
+    dense solve."""
+    w = jnp.asarray(np.random.default_rng(2).normal(size=beam.pattern.n))
+    solver = _Counting(says_symmetric=how == "the solver says so")
+
+    def loss(x, solve):
+        return jnp.dot(w, solve(beam.values(x), jnp.asarray(beam.f)))
+
+    def sparse(v, b):
+        return dx.sparse_solve(v, beam.pattern, b, solver=solver, symmetric=how == "symmetric=True")
+
+    fn = dx.filter_value_and_grad(lambda x: loss(x, sparse))
+    fn = jax.jit(fn) if jit else fn
+    assert dx.explain(fn, DENSITIES).sites[0].schedule == "deferred"
+    got, steps = counted(fn, DENSITIES)
+    CALLS.clear()
+    got = fn(DENSITIES * 1.01)  # (a new matrix: nothing kept)
+    assert CALLS == calls
+    want = jax.value_and_grad(lambda x: loss(x, lambda v, b: dense(beam.pattern, v, b)))(DENSITIES * 1.01)
+    close(got, want)
+
+
+def test_cholmod_solves_a_deferred_site_in_one_call(beam):
+    """CHOLMOD (each library installed) on the SPD stiffness: one factorisation and one solve
+    call for a deferred site's forward and adjoint, against a dense solve."""
+    w = jnp.asarray(np.random.default_rng(3).normal(size=beam.pattern.n))
+    libraries = [lib for lib in ("sparsax", "cholespy") if _installed(lib)]
+    assert libraries, "neither CHOLMOD library is installed (both are test dependencies)"
+    for library in libraries:
+
+        def loss(x, solve):
+            return jnp.dot(w, solve(beam.values(x), jnp.asarray(beam.f)))
+
+        def sparse(v, b, library=library):
+            return dx.sparse_solve(v, beam.pattern, b, solver=dx.Cholmod(library=library))
+
+        (value, grad), steps = counted(dx.filter_value_and_grad(lambda x: loss(x, sparse)), DENSITIES)
+        assert steps == {"factor": 1, "solve": 1}, library
+        want = jax.value_and_grad(lambda x: loss(x, lambda v, b: dense(beam.pattern, v, b)))(DENSITIES)
+        close((value, grad), want)
+
+
+def _installed(library: str) -> bool:
+    import importlib.util
+
+    from deferax._host._solvers import _sparsax
+
+    return _sparsax.available() if library == "sparsax" else importlib.util.find_spec(library) is not None
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

@@ -81,7 +81,8 @@ def _multiples(rows: list, partial_struct: PyTree) -> tuple[list[tuple[int | Non
     if not rows:
         return recipe, unique
     leaves = [jtu.tree_leaves(row) for row in rows]
-    flat = np.stack([np.concatenate([np.ravel(leaf) for leaf in ls]) for ls in leaves]).astype(np.complex128)
+    flat = np.stack([np.concatenate([np.ravel(leaf) for leaf in ls]) for ls in leaves])
+    flat = flat.astype(np.complex128 if np.iscomplexobj(flat) else np.float64)  # (real rows: in real arithmetic)
     # Each row is compared scaled by its largest entry, so that neither squares of tiny
     # entries underflow (weights near 1e-170 would make a row count as zero) nor squares of
     # huge ones overflow: the tests below are all invariant to each row's scale.

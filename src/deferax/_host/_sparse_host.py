@@ -206,8 +206,11 @@ class _Solve:
         finally:
             FACTORISATIONS.release(key, uses)
 
-    def _solve(self, lu: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
-        """`A^-1 rhs` (or `A^-T rhs`) for `rhs` of shape `(n,)` or `(k, n)`: one call of the solver."""
+    def _solve(self, lu: Any, rhs: np.ndarray, transpose: bool, adjoints: int = 0) -> np.ndarray:
+        """`A^-1 rhs` (or `A^-T rhs`) for `rhs` of shape `(n,)` or `(k, n)`: one call of the
+        solver. Its time a right-hand side is kept as a forward's (a transposed one's as a
+        backward's); where the last `adjoints` rows are a backward's (a symmetric matrix's
+        forward and adjoint solved together), as both."""
         rhs = np.asarray(rhs, self.work)
         if isinstance(lu, _Unfactored):
             return np.full(rhs.shape, complex(np.nan, np.nan) if self.work.kind == "c" else np.nan, self.work)
@@ -216,7 +219,8 @@ class _Solve:
         end = time.perf_counter()
         _record.step("solve", start, end)
         per_rhs = (end - start) / (rhs.shape[0] if rhs.ndim == 2 else 1)
-        _cost.observe(self, self._shapes, **{"bwd" if transpose else "fwd": per_rhs})
+        kinds = ("fwd", "bwd") if adjoints else ("bwd",) if transpose else ("fwd",)
+        _cost.observe(self, self._shapes, **dict.fromkeys(kinds, per_rhs))
         return np.asarray(out, self.work).T if rhs.ndim == 2 else np.asarray(out, self.work)
 
     def _cotangents(self, x: tuple, y: np.ndarray, lam: np.ndarray) -> tuple:
@@ -275,18 +279,26 @@ class _Solve:
 
     def _adjoints(self, lu: Any, x: tuple, ys: np.ndarray, cts: np.ndarray) -> np.ndarray:
         """`lam = A^-T ct` for each row `ct` of `cts[i]` (`i`: a row of the batch, with its
-        `b` and solution `ys[i]`), all solved in one call of the solver, once each that is
-        not a multiple of another of its row (or zero); `A^-1 ct` where the matrix is taken as
-        symmetric (`symmetric`). For a matrix equal to its transpose, a cotangent that is a
-        multiple `c b` of its row's right-hand side (a self-adjoint loss: compliance) is `c y`,
-        not solved."""
+        `b` and solution `ys[i]`), all solved in one call of the solver (`_adjoint_rhs`); `A^-1
+        ct` where the matrix is taken as symmetric (`symmetric`)."""
         values, bs = x
         cts = np.asarray(cts)
         if cts.shape[1] == 1 and len(bs) > 1 and not self.symmetric and not self.pattern._symmetric(np.asarray(values)):
             # (one cotangent a row, `jax.jacrev` or `vmap`, on a matrix not equal to its transpose:
             # no cotangent can take its row's solution, so all are solved in one call untested)
             return self._solve(lu, cts[:, 0], True)[:, None]
-        symmetric = True if self.symmetric else None  # (checked once, where a cotangent is a multiple of its `b`)
+        plans, rhs = self._adjoint_rhs(x, cts, True if self.symmetric else None)
+        solved = self._solve(lu, rhs, not self.symmetric) if len(rhs) else rhs
+        return self._adjoint_rows(plans, solved, ys, cts.shape)
+
+    def _adjoint_rhs(self, x: tuple, cts: np.ndarray, symmetric: bool | None) -> tuple[list, np.ndarray]:
+        """`(plans, rhs)`: the right-hand sides the adjoints of `cts` (as `_adjoints`'s) need
+        solved, stacked, once each that is not a multiple of another of its row (or zero), and
+        each row's plan to make its adjoints from their solutions (`_adjoint_rows`). For a
+        matrix equal to its transpose (`symmetric`: known, or None to check where it matters),
+        a cotangent that is a multiple `c b` of its row's right-hand side (a self-adjoint loss:
+        compliance) is `c y`, not solved."""
+        values, bs = x
         plans, rhs = [], []
         for b, row in zip(bs, cts, strict=True):
             stacked = [np.asarray(b, row.dtype), *row]  # (`b` first: a cotangent may be a multiple of it)
@@ -300,9 +312,13 @@ class _Solve:
             to_solve = used[1:] if reuse else used
             plans.append((recipe, reuse, {u: len(rhs) + j for j, u in enumerate(to_solve)}))
             rhs += [stacked[unique[u]] for u in to_solve]
-        solved = self._solve(lu, np.stack(rhs), not self.symmetric) if rhs else np.zeros((0, self.pattern.n), self.work)
         if not rhs and any(reuse for _, reuse, _ in plans):  # (no adjoint solve: the cost model times it as free)
             _cost.observe(self, self._shapes, bwd=0.0)
+        return plans, np.stack(rhs).astype(self.work, copy=False) if rhs else np.zeros((0, self.pattern.n), self.work)
+
+    def _adjoint_rows(self, plans: list, solved: np.ndarray, ys: np.ndarray, shape: tuple) -> np.ndarray:
+        """The adjoints, shaped as the cotangents (`shape`), from `_adjoint_rhs`'s `plans` and
+        the solutions of its right-hand sides (`solved`)."""
         zero = np.zeros(self.pattern.n, self.work)
         lams = []
         for y, (recipe, reuse, at) in zip(ys, plans, strict=True):
@@ -310,7 +326,7 @@ class _Solve:
             if reuse:  # (`A^-T c b = c A^-1 b = c y` for a matrix equal to its transpose)
                 lam[0] = np.asarray(y, self.work)
             lams.append([c * lam[u] if u is not None else zero for u, c in recipe])
-        return np.asarray(lams, self.work).reshape((*cts.shape[:2], self.pattern.n))
+        return np.asarray(lams, self.work).reshape((*shape[:2], self.pattern.n))
 
     def rows(self, kind: str, elements: list) -> list | None:
         """The jobs of one host request of `kind` (each of `elements` a row's arguments): one
@@ -391,8 +407,15 @@ class _Solve:
         # The adjoint is linear in the cotangent: a row that is a multiple of another
         # (a complex overlap's `m` and `1j * m`) or zero is not solved (`_adjoints`).
         with self._factorised(values, uses=1) as lu:
-            ys = self._solve(lu, bs, False)
-            lams = self._adjoints(lu, x, ys, cts)
+            if self.symmetric or (not isinstance(lu, _Unfactored) and self.solver.symmetric(lu)):
+                # (`A^T = A`: the forward and adjoint right-hand sides in one call of the solver)
+                plans, rhs = self._adjoint_rhs(x, np.asarray(cts), True)
+                solved = self._solve(lu, np.concatenate([np.asarray(bs, self.work), rhs]), False, adjoints=len(rhs))
+                ys = solved[: len(bs)]
+                lams = self._adjoint_rows(plans, solved[len(bs) :], ys, cts.shape)
+            else:
+                ys = self._solve(lu, bs, False)
+                lams = self._adjoints(lu, x, ys, cts)
         rows = zip(bs, ys, lams, strict=True)
         return [(y.astype(self.dtype), self._cotangents((values, b), y, lam)) for b, y, lam in rows]
 

@@ -64,6 +64,13 @@ class AbstractSparseSolver(eqx.Module):
         conjugate one) for `rhs` of shape `(n,)` or `(n, k)` (`k` right-hand sides, in the
         matrix's dtype), and return `x` with `rhs`'s shape and the matrix's dtype."""
 
+    def symmetric(self, factorisation: Any) -> bool:
+        """Whether the factored matrix equals its transpose, so that `solve` with `transpose`
+        is the same solve (a Cholesky factorisation's is): then a deferred site's forward and
+        adjoint right-hand sides are solved in one call. Default False (deferax then solves
+        each as asked)."""
+        return False
+
     def nbytes(self, factorisation: Any, dtype: np.dtype) -> int:
         """The memory `factorisation` holds, in bytes, for the budget of the factorisations
         kept between the forward and the backward pass ([`deferax.set_factorisation_budget`][]);

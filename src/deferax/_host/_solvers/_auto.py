@@ -176,6 +176,9 @@ class AutoSparseSolver(AbstractSparseSolver):
             made.trial.solve.setdefault(made.name, []).append(seconds)
         return out
 
+    def symmetric(self, factorisation: Any) -> bool:
+        return factorisation.solver.symmetric(factorisation.factorisation)
+
     def nbytes(self, factorisation: Any, dtype: np.dtype) -> int:
         """The bytes of the factorisation as the solver that made it counts them."""
         return factorisation.solver.nbytes(factorisation.factorisation, dtype)

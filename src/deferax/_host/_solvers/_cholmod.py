@@ -279,6 +279,9 @@ class Cholmod(AbstractSparseSolver):
         f.solver.solve(rhs, out)
         return out.astype(f.dtype, copy=False)
 
+    def symmetric(self, factorisation: Any) -> bool:
+        return True  # (`factor` checked it: `A^T = A`)
+
     def nbytes(self, factorisation: Any, dtype: np.dtype) -> int:
         """An estimate (neither library reports it): half the entries of SuperLU's factors on
         the same pattern where they were measured, else the matrix's lower triangle (a lower
