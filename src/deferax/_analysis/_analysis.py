@@ -31,13 +31,11 @@ import jax
 
 from .. import _jaxpr, _site
 from .._misc import struct_of, structs
-from .._plan import _cost
 from .._plan._plan import Plan
-from .._schedules import _per_example
+from .._schedules import _forward_basis, _per_example
 from .._schedules._abstract import AbstractAhead, AbstractSchedule
 from .._schedules._deferred import Deferred, peers
 from .._schedules._deferred_basis import Basis, DeferredBasis
-from .._schedules._forward_basis import ForwardBasis
 from .._schedules._standard import Standard, standard
 from .._schedules._together import JointBackward
 from . import _together
@@ -93,12 +91,6 @@ def analyse(
     bwds = bwd_decisions(program) if bwds is None else bwds
     choice = _Choice(program, n_consts, sites, nested, specs, schedule, max_basis, where, bwds)
     return choice.run()
-
-
-_CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sites cannot be deferred:
-{lines}
-Use schedule='auto' to defer what can be and keep the rest standard, or restructure the loss so that the
-cotangent reaching each expensive output does not depend on an expensive output (see "How the deferred VJP works")."""
 
 
 class _Choice:
@@ -178,9 +170,9 @@ class _Choice:
                 )
         if jointly:
             schedules = _together.against_basis(
-                facts, schedules, candidates, lambda s: standard(_with_forward_basis(s)) is not None
+                facts, schedules, candidates, lambda s: standard(_forward_basis.choose(s)) is not None
             )
-        schedules = {p: _forward_basis_where_chosen(s) for p, s in schedules.items()}
+        schedules = {p: _forward_basis.where_chosen(s) for p, s in schedules.items()}
         if any(s.defers for s in schedules.values()):
             # (a standard host site whose operands are known in stage 1 runs its `fwd` there too)
             schedules = {
@@ -431,35 +423,9 @@ class _Choice:
 
     def _plan(self, schedules, ahead) -> Plan:
         every = [_nested_schedule(spec, kind) if p is None else schedules[p] for p, spec, kind in self._entries()]
-        sites = tuple(schedule.row(index) for index, schedule in enumerate(every))
-        if self.schedule == "deferred":
-            refused = [s for s in sites if s.schedule == "standard"]
-            if refused:
-                lines = "\n".join(f"  site #{s.index} `{s.name}`: {s.reason}" for s in refused)
-                raise ValueError(_CANNOT_DEFER.format(where=self.where, lines=lines))
-        return Plan(sites=sites, stages=_stages(every, ahead), requested=self.schedule, fallback=self.fallback)
-
-
-def _stages(every, ahead) -> tuple[tuple[str, ...], ...]:
-    """The expensive work in order: the deferred sites' `fused` calls together with the
-    `fwd` of every standard site that needs no expensive output; then the together sites'
-    `bwd`, all at once; then the other sites' forward pass in program order; then every
-    other standard site's `bwd`, in reverse."""
-    rows = [schedule.stage_rows() for schedule in every]
-    together = [(st := standard(s)) is not None and st.runs == "together" for s in every]
-    stages: list[tuple[str, ...]] = []
-    if ahead:
-        stages.append(tuple(job.stage2_row() for job in ahead))
-    jointly = tuple(backward for (_, _, backward), t in zip(rows, together, strict=True) if t)
-    if jointly:
-        stages.append(jointly)  # pyright: ignore[reportArgumentType]  (each has a backward row)
-    stages.extend((forward,) for _, forward, _ in rows if forward is not None)
-    stages.extend(
-        (backward,)
-        for t, (_, _, backward) in reversed(list(zip(together, rows, strict=True)))
-        if backward is not None and not t
-    )
-    return tuple(stages)
+        at_once = [(st := standard(s)) is not None and st.runs == "together" for s in every]
+        rows = tuple(job.stage2_row() for job in ahead)
+        return Plan.assemble(every, at_once, rows, requested=self.schedule, fallback=self.fallback, where=self.where)
 
 
 def _fallback(program) -> str | None:
@@ -482,51 +448,6 @@ call, with the value"
 
 def _nested_schedule(spec: _site.Spec, kind: str) -> AbstractSchedule:
     """The schedule of a site called inside `kind` (a `lax.scan`, ...): standard, or forward-basis."""
-    return _with_forward_basis(
+    return _forward_basis.choose(
         Standard(spec=spec, position=None, reason=f"called inside {kind}; sites there stay standard")
     )
-
-
-def _forward_basis_where_chosen(schedule: AbstractSchedule) -> AbstractSchedule:
-    """A differentiated standard site on the forward-basis strategy where it is chosen
-    (`_with_forward_basis`); any other schedule as it is."""
-    st = standard(schedule)
-    return _with_forward_basis(st) if st is not None and st.differentiated else schedule
-
-
-def _with_forward_basis(site: Standard) -> Standard | ForwardBasis:
-    """A standard site, on the forward-basis strategy where `strategy` chooses it. Where the
-    estimates choose (`by_estimate`), the forward-basis estimate is put beside the others
-    and the reason says which was estimated faster."""
-    spec = site.spec
-    n = spec.n_tangents
-    estimates = ForwardBasis.estimate(spec)
-    decided = spec.static.by_estimate(estimates)
-    if decided and site.estimates is not None:  # (the standard estimate is the same)
-        assert estimates is not None  # (`by_estimate` decides only with estimates)
-        estimates = _cost.Estimates(
-            estimates.standard, site.estimates.deferred, estimates.source, estimates.forward_basis, estimates.note
-        )
-    shown = estimates if decided else site.estimates
-    if spec.static.strategy(n, estimates) == "forward-basis":
-        reason = site.reason + _forward_basis_why(spec, decided)
-        return ForwardBasis(
-            spec=spec, position=site.position, reason=reason, location=site.location, n=n, estimates=shown
-        )
-    if not decided:
-        return site
-    reason = site.reason + f"; the forward-basis strategy with its n={n} tangents is estimated slower: {estimates}"
-    return Standard(spec=spec, position=site.position, reason=reason, location=site.location, k=site.k, estimates=shown)
-
-
-def _forward_basis_why(spec, decided: bool) -> str:
-    """Why a site not deferred is differentiated on the forward-basis strategy (`decided`:
-    by the estimates)."""
-    static, n = spec.static, spec.n_tangents
-    if static.prefer == "forward-basis":
-        return ""
-    if not static.has_vjp:
-        return f"; reverse mode from its forward-mode implementation: the output and n={n} tangents in one call"
-    if decided:
-        return f"; forward-basis: the output and n={n} tangents in one call, estimated faster than `fwd` then `bwd`"
-    return f"; forward-basis: the output and n={n} tangents in one call, one stage where `fwd` then `bwd` take two"

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import textwrap
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, Protocol, runtime_checkable
 
 import equinox as eqx
 
@@ -80,6 +81,22 @@ class Recognised(eqx.Module):
         return f"{self.call} {self.where}: not recognised: {self.reason}"
 
 
+_CANNOT_DEFER = """{where}: schedule='deferred' was requested, but these call sites cannot be deferred:
+{lines}
+Use schedule='auto' to defer what can be and keep the rest standard, or restructure the loss so that the
+cotangent reaching each expensive output does not depend on an expensive output (see "How the deferred VJP works")."""
+
+
+@runtime_checkable
+class _Scheduled(Protocol):
+    """What a plan reads of a site's schedule (`_schedules/`): its row, and what the stages
+    show of it (its call in stage 2, on the forward pass, on the backward pass)."""
+
+    def row(self, index: int) -> Site: ...
+
+    def stage_rows(self) -> tuple[str | None, str | None, str | None]: ...
+
+
 class Plan(eqx.Module):
     """The schedule of a `filter_value_and_grad` call, returned by [`deferax.explain`][].
 
@@ -105,6 +122,43 @@ class Plan(eqx.Module):
     requested: str
     fallback: str | None = None
     recognised: tuple[Recognised, ...] = ()
+
+    @classmethod
+    def assemble(
+        cls,
+        schedules: Sequence[_Scheduled],
+        at_once: Sequence[bool],
+        ahead: Sequence[str],
+        requested: str,
+        fallback: str | None,
+        where: str,
+    ) -> Plan:
+        """The plan of every expensive call's schedule, in program order (`at_once`: whether
+        its backward job runs with the other together sites'), with `ahead` the rows of the
+        jobs run in stage 2 in their order. The stages, in order: those jobs (the deferred
+        sites' `fused` calls together with the `fwd` of every standard site that needs no
+        expensive output); then the together sites' `bwd`, all at once; then the other
+        sites' forward pass in program order; then every other standard site's `bwd`, in
+        reverse. With `requested` "deferred", a site on the standard schedule is an error
+        that names `where`."""
+        sites = tuple(schedule.row(index) for index, schedule in enumerate(schedules))
+        if requested == "deferred":
+            refused = [s for s in sites if s.schedule == "standard"]
+            if refused:
+                lines = "\n".join(f"  site #{s.index} `{s.name}`: {s.reason}" for s in refused)
+                raise ValueError(_CANNOT_DEFER.format(where=where, lines=lines))
+        rows = [schedule.stage_rows() for schedule in schedules]
+        stages: list[tuple[str, ...]] = [tuple(ahead)] if ahead else []
+        jointly = tuple(backward for (_, _, backward), t in zip(rows, at_once, strict=True) if t and backward)
+        if jointly:
+            stages.append(jointly)
+        stages.extend((forward,) for _, forward, _ in rows if forward is not None)
+        stages.extend(
+            (backward,)
+            for t, (_, _, backward) in reversed(list(zip(at_once, rows, strict=True)))
+            if backward is not None and not t
+        )
+        return cls(sites=sites, stages=tuple(stages), requested=requested, fallback=fallback)
 
     @property
     def deferred(self) -> tuple[Site, ...]:
