@@ -170,6 +170,37 @@ def test_standard_schedule_under_jax_grad_reuses_the_forward_factorisation():
     assert len(_factorisations.FACTORISATIONS) == 0
 
 
+@pytest.mark.parametrize("how", ["dx", "dx+jit", "jax.grad+jit"])
+def test_each_request_copies_and_hashes_the_entries_once(monkeypatch, how):
+    """The key of a matrix's factorisation (a copy and a hash of its entries) is made once a
+    host request: the jobs find the key their request made. A standard schedule's two
+    requests make two; an eager forward's output takes a third (its lease). Values and
+    gradients against a dense solve."""
+    from deferax._host import _sparse_host
+
+    values, pattern, b = COMPLEX
+    made = []
+    init = _sparse_host._Entries.__init__
+
+    def counted(self, data):
+        made.append(len(data))
+        init(self, data)
+
+    loss, _ = make_losses(sparse(pattern, Tally()))["power"]
+    reference, _ = make_losses(dense(pattern))["power"]
+    fn = {
+        "dx": dx.filter_value_and_grad(loss),
+        "dx+jit": jax.jit(dx.filter_value_and_grad(loss)),
+        "jax.grad+jit": jax.jit(jax.value_and_grad(loss)),
+    }[how]
+    fn((values, b))  # (traced and compiled)
+    monkeypatch.setattr(_sparse_host._Entries, "__init__", counted)
+    got = fn((values * 1.5, b))
+    assert len(made) == (3 if how == "dx" else 2)
+    assert_tree_allclose(got, jax.value_and_grad(reference)((values * 1.5, b)), rtol=1e-11, atol=1e-12)
+    assert not _sparse_host._REQUESTED  # (each request's keys are forgotten when it ends)
+
+
 def test_a_dropped_factorisation_is_made_again():
     values, pattern, b = REAL
     tally = Tally()
