@@ -453,7 +453,7 @@ class _Solve:
 # The keys a request made (`_Solve.request`), by the `id` of each row's entries array, with the
 # array (which the request holds, so no other array has its `id` meanwhile): its jobs, which
 # run while it lasts, find their keys here rather than copying and hashing the entries again.
-_REQUESTED: dict[int, tuple[np.ndarray, Any]] = {}
+_REQUESTED: dict[int, tuple[np.ndarray, Any]] = _runtime.store({})
 _REQUESTED_LOCK = threading.Lock()
 
 
@@ -471,7 +471,7 @@ def _requested(arrays: list, keys: list) -> Iterator[None]:
     finally:
         with _REQUESTED_LOCK:
             for i in mine:
-                del _REQUESTED[i]
+                _REQUESTED.pop(i, None)  # (`_runtime.reset` may have cleared it)
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
