@@ -13,6 +13,7 @@ import pytest
 
 import deferax as dx
 from deferax._host import _factorisations
+from deferax._host._solvers import _cholmod
 
 from .helpers import assert_tree_allclose, load_example
 
@@ -165,7 +166,7 @@ def test_cholmod_solves_a_deferred_site_in_one_call(beam):
     """CHOLMOD (each library installed) on the SPD stiffness: one factorisation and one solve
     call for a deferred site's forward and adjoint, against a dense solve."""
     w = jnp.asarray(np.random.default_rng(3).normal(size=beam.pattern.n))
-    libraries = [lib for lib in ("sparsax", "cholespy") if _installed(lib)]
+    libraries = [lib for lib in ("sparsax", "cholespy") if _cholmod.available(lib)]
     assert libraries, "neither CHOLMOD library is installed (both are test dependencies)"
     for library in libraries:
 
@@ -179,14 +180,6 @@ def test_cholmod_solves_a_deferred_site_in_one_call(beam):
         assert steps == {"factor": 1, "solve": 1}, library
         want = jax.value_and_grad(lambda x: loss(x, lambda v, b: dense(beam.pattern, v, b)))(DENSITIES)
         close((value, grad), want)
-
-
-def _installed(library: str) -> bool:
-    import importlib.util
-
-    from deferax._host._solvers import _sparsax
-
-    return _sparsax.available() if library == "sparsax" else importlib.util.find_spec(library) is not None
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

@@ -214,11 +214,11 @@ class _Solve:
         finally:
             FACTORISATIONS.release(key, uses)
 
-    def _solve(self, lu: Any, rhs: np.ndarray, transpose: bool, adjoints: int = 0) -> np.ndarray:
+    def _solve(self, lu: Any, rhs: np.ndarray, transpose: bool, both: bool = False) -> np.ndarray:
         """`A^-1 rhs` (or `A^-T rhs`) for `rhs` of shape `(n,)` or `(k, n)`: one call of the
         solver. Its time a right-hand side is kept as a forward's (a transposed one's as a
-        backward's); where the last `adjoints` rows are a backward's (a symmetric matrix's
-        forward and adjoint solved together), as both."""
+        backward's); with `both` (a symmetric matrix's forward and adjoint right-hand sides
+        solved together), as both."""
         rhs = np.asarray(rhs, self.work)
         if isinstance(lu, _Unfactored):
             return np.full(rhs.shape, complex(np.nan, np.nan) if self.work.kind == "c" else np.nan, self.work)
@@ -227,7 +227,7 @@ class _Solve:
         end = time.perf_counter()
         _record.step("solve", start, end)
         per_rhs = (end - start) / (rhs.shape[0] if rhs.ndim == 2 else 1)
-        kinds = ("fwd", "bwd") if adjoints else ("bwd",) if transpose else ("fwd",)
+        kinds = ("fwd", "bwd") if both else ("bwd",) if transpose else ("fwd",)
         _cost.observe(self, self._shapes, **dict.fromkeys(kinds, per_rhs))
         return np.asarray(out, self.work).T if rhs.ndim == 2 else np.asarray(out, self.work)
 
@@ -420,7 +420,7 @@ class _Solve:
             if self.symmetric or (not isinstance(lu, _Unfactored) and self.solver.symmetric(lu)):
                 # (`A^T = A`: the forward and adjoint right-hand sides in one call of the solver)
                 plans, rhs = self._adjoint_rhs(x, np.asarray(cts), True)
-                solved = self._solve(lu, np.concatenate([np.asarray(bs, self.work), rhs]), False, adjoints=len(rhs))
+                solved = self._solve(lu, np.concatenate([np.asarray(bs, self.work), rhs]), False, both=len(rhs) > 0)
                 ys = solved[: len(bs)]
                 lams = self._adjoint_rows(plans, solved[len(bs) :], ys, cts.shape)
             else:
