@@ -146,14 +146,15 @@ def test_fdtdx_time_reversal_gradient_without_a_site():
     # (the time reversal starts from the final fields), and its rules close over the arrays
     [call] = plan.recognised
     assert (call.call, call.site) == ("custom_vjp `reversible_fdtd_primal`", None)
-    assert re.match(
-        r"its backward's work \(about .* ms\) needs the residuals `res\[0\]\[1\]` \(float64\[3, 20, 20, 1\]\), "
-        r"`res\[0\]\[2\]` \(float64\[3, 20, 20, 1\]\)",
-        call.reason,
-    ), call.reason
-    assert "so it cannot start before the forward ends: left as is (the standard schedule)" in call.reason
+    if jax.__version_info__ < (0, 12, 1):  # (from 0.12.1 JAX refuses to trace such a forward rule at all)
+        assert re.match(
+            r"its backward's work \(about .* ms\) needs the residuals `res\[0\]\[1\]` \(float64\[3, 20, 20, 1\]\), "
+            r"`res\[0\]\[2\]` \(float64\[3, 20, 20, 1\]\)",
+            call.reason,
+        ), call.reason
+        assert "so it cannot start before the forward ends: left as is (the standard schedule)" in call.reason
     assert call.reason.endswith(
-        "and its forward rule closes over a value computed in the function (a tracer of the "
+        "its forward rule closes over a value computed in the function (a tracer of the "
         "loss's trace), which cannot be evaluated outside it"
     )
     got = eqx.filter_jit(dx.filter_value_and_grad(loss))(params)

@@ -161,6 +161,8 @@ def _forward(params: dict, perturbed: Sequence[bool]) -> _Forward:
     n_consts = params["num_consts"]
     try:
         fwd_jaxpr, fwd_consts, input_fwds, res_tree = _core.custom_vjp_parts(params, perturbed)
+    except jax.errors.UnexpectedTracerError:  # (JAX >= 0.12.1 refuses to trace such a forward)
+        raise Unreadable(_STALE.format(rule="forward rule")) from None
     except (KeyError, TypeError, ValueError, AttributeError) as error:  # (another JAX's record)
         raise Unreadable(f"its forward rule could not be read ({type(error).__name__}: {error})") from None
     if any(f is not None and f < n_consts for f in input_fwds):
