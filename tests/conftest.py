@@ -1,3 +1,4 @@
+import gc
 import os
 
 import jax
@@ -12,6 +13,18 @@ if os.environ.get("DEFERAX_MUTATION_CHECK"):
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before each test: the garbage of earlier tests collected, and what is left alive then
+    (modules, JAX's caches) moved out of the collector's reach (`gc.freeze`), so that a
+    collection scans only what the tests since made. A worker that has run hundreds of tests
+    holds millions of objects, and each full collection (Python's own, and the tests' that
+    check what a step leaves behind) scanned them all: 217 tests took 173 s with this,
+    211 s without. What each test makes is collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture

@@ -119,12 +119,22 @@ def test_no_import_circle():
 
 def test_the_together_group_lives_in_its_own_file():
     """The together sites are one group (`_schedules/_together.py`): the public transform and
-    stage 2's runner name none of it, and stage 2 runs declared jobs (`AbstractJob`)."""
-    for path in ("_transform.py", "_stages/_stage2.py", "_stages/_stage1.py", "_stages/_stage3.py"):
-        code = (PACKAGE / path).read_text()
+    the three stages' interpreters (stage 2's runner among them) name none of it, and stage 2
+    runs declared jobs (`AbstractJob`)."""
+    run = PACKAGE / "_stages" / "_run.py"
+    tree = ast.parse(run.read_text())
+    stages = {"stage1", "_on_host", "_Stage2", "by_position", "stage2", "_replacements", "stage3"}
+    parts = {
+        f"_stages/_run.py `{n.name}`": ast.get_source_segment(run.read_text(), n)
+        for n in tree.body
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in stages
+    }
+    assert set(name.split("`")[1] for name in parts) == stages
+    parts["_transform.py"] = (PACKAGE / "_transform.py").read_text()
+    for path, code in parts.items():
         found = [w for w in ('"together"', "BackwardJob", "JointBackward", "_together", ".together") if w in code]
         assert found == [], f"{path} names {found}: the together group's code belongs in _schedules/_together.py"
-    assert "AbstractJob" in (PACKAGE / "_stages" / "_stage2.py").read_text()
+    assert "AbstractJob" in parts["_stages/_run.py `stage2`"]
 
 
 def test_no_isinstance_test_of_a_schedule_or_job_class_outside_the_schedules():

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float
 
 import deferax as dx
 from deferax import _jaxpr, _runtime, _typed
-from deferax._concurrency import _devices, _native_threads, _serial
+from deferax._concurrency import _devices, _native_threads, _placement
 from deferax._host import _affinity, _executor, _factorisations, _host, _sparse_solve
 from deferax._plan import _cost
 from deferax._recognise import _cost as _recognise_cost
@@ -40,8 +40,7 @@ CONSTANTS = {
     "deferax._jaxpr._linearity._ADDITIVE": "primitives that add",
     "deferax._jaxpr._linearity._PRODUCT": "primitives that multiply",
     "deferax._jaxpr._linearity._LINEAR_FIRST": "primitives linear in their first operand",
-    "deferax._jaxpr._program._INLINE": "the call primitives inlined when tracing, with their program parameter",
-    "deferax._jaxpr._rewrite._INLINE": "the call primitives inlined when rewriting, with their program parameter",
+    "deferax._jaxpr._program._INLINE": "the call primitives inlined, with their program parameter",
     "deferax._jaxpr._replay._RULES": "the kind of custom rule of each custom-derivative primitive",
     "deferax._record._COLOURS": "a timeline plot's colour of each implementation",
     "deferax._runtime._POOL_SIZES": "each pool's size and thread names",
@@ -159,17 +158,17 @@ def test_reset_resets_every_piece():
     pools = _fill_everything()
     caches = [value for _, value in _module_state() if hasattr(value, "cache_clear")]
     assert sum(cache.cache_info().currsize for cache in caches) >= 3
-    assert _serial.serialised(False) and _runtime.SWITCHES.devices is not None
+    assert _placement.serialised(False) and _runtime.SWITCHES.devices is not None
     _runtime.reset()
     # the switches
-    assert _runtime.SWITCHES == _runtime.Switches() and not _serial.serialised(False)
+    assert _runtime.SWITCHES == _runtime.Switches() and not _placement.serialised(False)
     assert _runtime.SWITCHES.devices is None
     assert {var.name: var.get() for var in _runtime.CONTEXT_VARS} == {
         var.name: contextvars.Context().run(var.get) for var in _runtime.CONTEXT_VARS
     }
     assert dx.typechecking_enabled() == _runtime.TYPECHECK_DEFAULT
     # the timings
-    assert _cost.decided("decided", ((2,),)) == () and len(_runtime.TIMINGS) == 0
+    assert _runtime.TIMINGS.decided("decided", ((2,),)) == {} and len(_runtime.TIMINGS) == 0
     assert not hasattr(_runtime.TIMINGS._gathering, "seconds")
     assert _runtime.NATIVE.found is None
     # the caches, registries and stores

@@ -3,7 +3,7 @@
 import importlib.metadata
 
 from ._concurrency._devices import set_devices as set_devices
-from ._concurrency._serial import set_concurrency as set_concurrency
+from ._concurrency._placement import set_concurrency as set_concurrency
 from ._host._executor import HostError as HostError
 from ._host._factorisations import factorisation_budget as factorisation_budget
 from ._host._factorisations import set_factorisation_budget as set_factorisation_budget

@@ -112,7 +112,7 @@ _POOL_SIZES = {
     # two halves at once (`_concurrency/_threads.py`): the threads mostly wait for compiled
     # programs, and several sites each need two at once
     "halves": (max(16, 2 * (os.cpu_count() or 2)), "deferax"),
-    # the sites of one step together (`_stages/_stage2.py`); each waits for its site's calls,
+    # the sites of one step together (stage 2, `_stages/_run.py`); each waits for its site's calls,
     # which run on the other pools, so that no thread waits for its own pool
     "sites": (32, "deferax-site"),
     # host jobs given no `executor=` (`_host/_executor.py`)

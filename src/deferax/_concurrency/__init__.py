@@ -1,2 +1,2 @@
-"""Running work at the same time: two halves on threads, device placement, the serial switch,
-one site's placement, native thread-pool limits."""
+"""Running work at the same time: two halves on threads, device placement, one site's placement
+and the serial switch, native thread-pool limits."""

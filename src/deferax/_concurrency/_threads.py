@@ -21,7 +21,7 @@ from .. import _jaxpr, _record, _runtime
 from .._misc import is_concrete
 from . import _placement
 from ._devices import on
-from ._serial import one_at_a_time, serialised
+from ._placement import one_at_a_time, serialised
 
 
 # Compiled once per implementation and input structure; an `eqx.Module` implementation's

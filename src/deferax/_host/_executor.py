@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import _record, _runtime
 from .._concurrency import _native_threads
-from .._concurrency._serial import one_at_a_time, serialised
+from .._concurrency._placement import one_at_a_time, serialised
 
 DEFAULT_WORKERS = _runtime.HOST_WORKERS  # (the size of deferax's thread pool)
 

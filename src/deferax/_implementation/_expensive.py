@@ -16,11 +16,11 @@ from .._checks import _checks, _messages
 from .._misc import is_concrete, stacked, structs, zero_like, zeros
 from .._plan import _cost
 from .._plan._cost import Cost
+from .._typed import annotated, checked_function, untraceable
 from . import _strategy
 from ._abstract import AbstractFused, AbstractImplementation, Implementation
 from ._batched import NOT_SEPARABLE, NOT_SEPARABLE_JVP, output_each, output_once
 from ._derived import AdjointHalf, CombineStep, DerivedFused, PrimalHalf
-from ._traceable import annotated, checked_function, untraceable
 
 _NO_PRIMAL = """{call}: nothing can compute the output. Give `fwd(x) -> y`, `fused(x, ct_y) -> (y, ct_x)` or `jvp(x, \
 t_x) -> (y, t_y)`:

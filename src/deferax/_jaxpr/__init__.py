@@ -5,24 +5,20 @@ JAX upgrade should have to touch this folder only, and mostly its `_internals` m
 tested JAX range is pinned in `pyproject.toml`. One file a concern:
 
 - `_internals`: every JAX name used here, from its public home where one exists; the only
-  file that imports `jax._src`, and the one that knows how the releases differ;
+  file that imports `jax._src`, and the one that knows how the releases differ; defining a
+  primitive and the helpers its rules need; the caller's JAX configuration carried to other
+  threads;
 - `_program`: tracing a function once; reading, rewriting and interpreting the program;
-- `_primitives`: defining a primitive and the helpers its rules need;
+  rewriting chosen equations into other code (recognised calls);
 - `_dependence`: which values depend on which sources, and the user line that made it so;
 - `_linearity`: where a program stops being linear in an input;
 - `_example_axes`: which axis of a value indexes the examples of a batch;
-- `_rewrite`: rewriting chosen equations into other code (recognised calls);
 - `_custom_vjp`: a `jax.custom_vjp` call read as a site, its backward split in two;
 - `_work`: how much work a program does, estimated from its equations;
 - `_replay`: what cannot run outside the trace that made it, or must run once;
-- `_keys`: cache keys equal for programs that compute the same thing;
-- `_config`: the caller's JAX configuration carried to other threads.
+- `_keys`: cache keys equal for programs that compute the same thing.
 """
 
-from ._config import apply_config as apply_config
-from ._config import carry_context as carry_context
-from ._config import local_config as local_config
-from ._config import setting as setting
 from ._custom_vjp import Program as Program
 from ._custom_vjp import Split as Split
 from ._custom_vjp import Unreadable as Unreadable
@@ -42,21 +38,27 @@ from ._dependence import raised_at as raised_at
 from ._dependence import under_differentiation as under_differentiation
 from ._dependence import uses_refs as uses_refs
 from ._example_axes import example_axes as example_axes
+from ._internals import apply_config as apply_config
+from ._internals import carry_context as carry_context
 from ._internals import custom_vjp_call_primitive as custom_vjp_call_primitive
+from ._internals import define_primitive as define_primitive
 from ._internals import function_name as function_name
+from ._internals import instantiate as instantiate
+from ._internals import is_not_mapped as is_not_mapped
+from ._internals import is_primitive as is_primitive
+from ._internals import is_zero as is_zero
+from ._internals import local_config as local_config
+from ._internals import move_to_front as move_to_front
 from ._internals import rule_functions as rule_functions
+from ._internals import setting as setting
+from ._internals import shaped as shaped
+from ._internals import zero_tangent as zero_tangent
 from ._keys import structural_key as structural_key
 from ._linearity import frontier_size as frontier_size
 from ._linearity import linear_frontier as linear_frontier
 from ._linearity import nonlinear_uses as nonlinear_uses
-from ._primitives import define_primitive as define_primitive
-from ._primitives import instantiate as instantiate
-from ._primitives import is_not_mapped as is_not_mapped
-from ._primitives import is_primitive as is_primitive
-from ._primitives import is_zero as is_zero
-from ._primitives import move_to_front as move_to_front
-from ._primitives import shaped as shaped
-from ._primitives import zero_tangent as zero_tangent
+from ._program import Found as Found
+from ._program import Nested as Nested
 from ._program import computing as computing
 from ._program import contains as contains
 from ._program import inline as inline
@@ -66,12 +68,10 @@ from ._program import merge_duplicates as merge_duplicates
 from ._program import nested_in as nested_in
 from ._program import open_consts as open_consts
 from ._program import prune as prune
+from ._program import rewrite as rewrite
 from ._program import substitute as substitute
 from ._program import top_level as top_level
 from ._program import trace as trace
 from ._replay import once_only as once_only
 from ._replay import stranded_rule as stranded_rule
-from ._rewrite import Found as Found
-from ._rewrite import Nested as Nested
-from ._rewrite import rewrite as rewrite
 from ._work import work as work

@@ -22,9 +22,13 @@ differ. Across the tested range (see `pyproject.toml`):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import jax
+import numpy as np
 from jax._src import config as config
 from jax._src import core as _core
 from jax._src import custom_batching as _custom_batching
@@ -205,3 +209,113 @@ _BWD_RETURNS_LOGS = hasattr(_custom_derivatives.custom_vjp, "defvjp_with_logs")
 def bwd_cotangents(outs):
     """The inputs' cotangents among what a `custom_vjp_call`'s `bwd` parameter returned."""
     return outs[0] if _BWD_RETURNS_LOGS else outs
+
+
+def local_config() -> dict:
+    """The JAX configuration values set in this thread only (by a context manager such as
+    `jax.numpy_dtype_promotion("strict")`)."""
+    values = {}
+    for name, state in config.config_states.items():
+        value = state.get_local()
+        if value is not config.config_ext.unset:
+            values[name] = value
+    return values
+
+
+@contextlib.contextmanager
+def apply_config(values: dict):
+    """Set, in this thread, every JAX configuration value of `values` that differs here."""
+    with contextlib.ExitStack() as stack:
+        for name, value in values.items():
+            state = config.config_states[name]
+            if state.value != value:
+                stack.enter_context(state(value))
+        yield
+
+
+@contextlib.contextmanager
+def setting(var: contextvars.ContextVar, value):
+    """Inside: the context variable `var` is `value` (in this thread, and in what
+    `carry_context` carries from here)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def carry_context(fn):
+    """`fn` to run on another thread with the caller's context: its context variables (the
+    typechecking switch) and its thread-local JAX configuration (`jax.numpy_dtype_promotion`,
+    ... set with context managers)."""
+    context = contextvars.copy_context()
+    config = local_config()
+
+    def run(*args):
+        with apply_config(config):
+            return context.copy().run(fn, *args)
+
+    return run
+
+
+def define_primitive(name, *, impl, abstract_eval, jvp=None, batch=None, transpose=None):
+    """A JAX primitive with multiple results and the rules given.
+
+    `impl(*args, **params)` runs it on concrete arrays, and is traced to lower it into a
+    compiled program; `abstract_eval(*avals, **params)` returns the output avals; `jvp(primals, tangents, \
+**params)`, `batch(args,
+    dims, **params)` and `transpose(cts, *args, **params)` follow JAX's conventions.
+    """
+    from jax.interpreters import ad, batching, mlir
+
+    p = Primitive(name)
+    p.multiple_results = True
+    p.def_impl(impl)
+    p.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(p, mlir.lower_fun(impl, multiple_results=True))
+    if jvp is not None:
+        ad.primitive_jvps[p] = jvp
+    if batch is not None:
+        batching.primitive_batchers[p] = batch
+    if transpose is not None:
+        ad.primitive_transposes[p] = transpose
+    return p
+
+
+def is_zero(t) -> bool:
+    """A symbolic zero tangent or cotangent."""
+    return type(t) is Zero
+
+
+def instantiate(t, aval):
+    """A symbolic zero as an array of zeros; anything else unchanged."""
+    if type(t) is Zero:
+        if aval.dtype == jax.dtypes.float0:
+            return np.zeros(aval.shape, jax.dtypes.float0)
+        return jax.numpy.zeros(aval.shape, aval.dtype)
+    return t
+
+
+def zero_tangent(aval):
+    """A symbolic zero tangent for a value of type `aval`."""
+    return Zero(aval.to_tangent_aval())
+
+
+def shaped(struct):
+    """The aval of a `jax.ShapeDtypeStruct`."""
+    return ShapedArray(struct.shape, struct.dtype, weak_type=getattr(struct, "weak_type", False))
+
+
+def is_not_mapped(dim) -> bool:
+    """In a batching rule: whether an operand has no batch dimension."""
+    return dim is None
+
+
+def move_to_front(x, dim):
+    """Move a batch dimension to axis 0 (a no-op when already there)."""
+    return jax.numpy.moveaxis(x, dim, 0)
+
+
+def is_primitive(obj: object) -> bool:
+    """Whether `obj` is a JAX primitive (what an equation binds)."""
+    return isinstance(obj, Primitive)

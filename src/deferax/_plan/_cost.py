@@ -40,7 +40,7 @@ plan changes at most once: each call of it gives one sample of each timing (the 
 its jobs of each kind, `gathering` for host functions that time their own parts), and
 once `SAMPLES` calls have given `fwd` and `bwd`, the least of each is decided, all at
 once (a first call also pays for imports and warm-up), and kept until the user asks for
-new ones (`forget_timings`). `decided(key, shapes)` (part of the key of eager calls'
+new ones (`forget_timings`). `_runtime.TIMINGS.decided(key, shapes)` (part of the key of eager calls'
 compiled stages, for each site of the program) changes only then.
 
 Who times what: `dx.sparse_solve` times its factorisation (`setup`) apart from each
@@ -194,12 +194,6 @@ def gathering() -> contextlib.AbstractContextManager[dict]:
     parts, several solves in one job: the job's runner feeds them to `observe` as one
     sample of its call)."""
     return _TIMINGS.gathering()
-
-
-def decided(key: Hashable, shapes: tuple) -> tuple:
-    """The timings decided for site `key` on inputs of `shapes` (empty before): what its
-    decisions are made from, so part of the key of a program's compiled stages."""
-    return tuple(sorted(_TIMINGS.decided(key, shapes).items()))
 
 
 def forget_timings() -> None:

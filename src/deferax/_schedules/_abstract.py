@@ -1,6 +1,7 @@
 """The interface every schedule implements (how a site's derivative is obtained: what the
 plan shows of it), and the interface of a job (what stage 2 runs for a site, and where); for
-the jobs ahead of the value, what each stage does for their site."""
+the jobs ahead of the value, what each stage does for their site; and the custom-VJP
+identity that stage 3 puts in place of a site run in stage 2 (`returning`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import equinox as eqx
+import jax
 
 from .._checks import _messages
 from .._implementation._abstract import AbstractImplementation
@@ -170,3 +172,19 @@ class AbstractDeferring(AbstractSchedule, AbstractAhead):
 
     def stage2_row(self) -> str:
         return self.stage_rows()[0]  # pyright: ignore[reportReturnType]  (its call is in stage 2)
+
+
+def returning(index: int, backward):
+    """A function that returns its argument `index`, whose backward pass is
+    `backward(args, ct)`: the cotangents of all its arguments, from all of them (kept as
+    residuals) and the cotangent of the result."""
+
+    @jax.custom_vjp
+    def call(*args):
+        return args[index]
+
+    def fwd(*args):
+        return args[index], args
+
+    call.defvjp(fwd, backward)
+    return call

@@ -19,8 +19,7 @@ from .._plan import _cost
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule
 from .._site import Spec
-from ._abstract import AbstractDeferring, stage_label
-from ._returning import returning
+from ._abstract import AbstractDeferring, returning, stage_label
 
 
 def _replayed_cotangents(args, ct_y):

@@ -20,9 +20,8 @@ from .._plan._cost import Estimates
 from .._plan._plan import Schedule
 from .._site import Spec
 from . import _per_example
-from ._abstract import AbstractDeferring
+from ._abstract import AbstractDeferring, returning
 from ._deferred import estimate, fused_is_derived, fused_label
-from ._returning import returning
 
 
 class Basis(eqx.Module):

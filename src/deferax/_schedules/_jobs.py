@@ -13,9 +13,8 @@ import jax.tree_util as jtu
 from .. import _site
 from .._misc import zero_like
 from .._site import Spec
-from ._abstract import AbstractAhead, AbstractJob, stage_label
+from ._abstract import AbstractAhead, AbstractJob, returning, stage_label
 from ._deferred import replay
-from ._returning import returning
 
 
 def _standard_cotangents(spec: Spec, args, ct_y):
