@@ -1,4 +1,4 @@
-"""Small helpers used across the package: structures of values, zeros, stacking."""
+"""Small helpers used across the package: structures of values and their text, zeros, stacking."""
 
 from __future__ import annotations
 
@@ -49,3 +49,9 @@ def zero_like(a: Any) -> Any:
 def is_inexact(a: Any) -> bool:
     """Whether `a` (an array, a structure or an abstract value) is floating-point or complex: differentiable."""
     return bool(jnp.issubdtype(jnp.result_type(a), jnp.inexact))
+
+
+def shape_text(a: Any) -> str:
+    """`float64[3, 4]` for an array or a `jax.ShapeDtypeStruct` (`key<fry>[]` for a typed PRNG key)."""
+    dtype = a.dtype if jnp.issubdtype(a.dtype, jax.dtypes.extended) else np.dtype(a.dtype)
+    return f"{dtype.name}{list(a.shape)}"

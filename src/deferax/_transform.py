@@ -23,7 +23,7 @@ import jax.tree_util as jtu
 from . import _jaxpr, _site
 from ._analysis._analysis import analyse
 from ._checks import _checks, _messages
-from ._misc import is_concrete, struct_of
+from ._misc import is_concrete, shape_text, struct_of
 from ._plan._plan import Plan
 from ._recognise import _rewrite as _recognise
 from ._site._spec import SITE
@@ -157,7 +157,7 @@ def _check_value(value, explaining: bool = False):
         shape, dtype = jnp.shape(value), jnp.result_type(value)
         if shape == () and jnp.issubdtype(dtype, jnp.floating):
             return
-        found = _messages.shape_text(jax.ShapeDtypeStruct(shape, dtype))
+        found = shape_text(jax.ShapeDtypeStruct(shape, dtype))
     else:  # a pytree: `(value, grads)` from a function that differentiates itself, say
         found = _messages.tree_text(value)
     if explaining:

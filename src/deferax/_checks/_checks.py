@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._misc import is_inexact, stacked, struct_of, structs, zero_like
+from .._misc import is_inexact, shape_text, stacked, struct_of, structs, zero_like
 from . import _messages
 
 _WIDE = ("float64", "complex128", "int64", "uint64")  # (by name: an extended dtype has no NumPy one)
@@ -135,7 +135,7 @@ def check_tree(call: str, impl: str, what: str, found: PyTree, expected: PyTree,
             fs = struct_of(f)
             if fs.shape != e.shape or fs.dtype != e.dtype:
                 where = f" at {jtu.keystr(path)}" if path else ""
-                lines.append(f"Expected {_messages.shape_text(e)}{where}, found {_messages.shape_text(fs)}.")
+                lines.append(f"Expected {shape_text(e)}{where}, found {shape_text(fs)}.")
         if not lines:
             return
         x64 = jax.config.jax_enable_x64  # pyright: ignore[reportAttributeAccessIssue]  (a flag: set at run time)

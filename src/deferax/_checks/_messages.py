@@ -1,21 +1,14 @@
-"""What the messages of several modules share: how they show a value (`shape_text`,
-`tree_text`, `out_example`), and the messages raised in two modules. A message raised in
+"""What the messages of several modules share: how they show a value (`tree_text`, from
+`_misc.shape_text`; `out_example`), and the messages raised in two modules. A message raised in
 one place is written there, or beside it as a private constant (STYLE.md, "Errors"); each
 names the call, what was expected, what was found, and the fix, and has a test that
 matches its text."""
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 
-
-def shape_text(a: Any) -> str:
-    """`float64[3, 4]` for an array or a `jax.ShapeDtypeStruct` (`key<fry>[]` for a typed PRNG key)."""
-    dtype = a.dtype if jnp.issubdtype(a.dtype, jax.dtypes.extended) else np.dtype(a.dtype)
-    return f"{dtype.name}{list(a.shape)}"
+from .._misc import shape_text
 
 
 def tree_text(value: Any) -> str:

@@ -20,7 +20,7 @@ from .. import _jaxpr, _runtime
 from .._checks import _checks, _messages
 from .._implementation._abstract import AbstractImplementation, Implementation
 from .._implementation._expensive import ExpensiveFn
-from .._misc import is_concrete, stacked, structs
+from .._misc import is_concrete, shape_text, stacked, structs
 from .._plan._cost import Cost
 from . import _executor
 from ._runner import Identity, Runner
@@ -49,7 +49,7 @@ def _check_declared(call: str, what: str, declared: PyTree) -> PyTree:
     _checks.check_declared_width(call, what, declared)
     keys = [s for s in jtu.tree_leaves(declared) if jnp.issubdtype(s.dtype, jax.dtypes.prng_key)]
     if keys:
-        raise TypeError(_KEY_OUT.format(call=call, what=what, found=_messages.shape_text(keys[0])))
+        raise TypeError(_KEY_OUT.format(call=call, what=what, found=shape_text(keys[0])))
     return declared
 
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import _jaxpr
-from .._checks._messages import shape_text
 from .._host._sparse_solve import sparse_solve
+from .._misc import shape_text
 from .._plan._plan import Plan, Recognised
 from . import _cost, _custom_vjp, _klujax, _registry, _spsolve, _tesseract
 

@@ -12,15 +12,15 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 
-from .._checks import _messages
 from .._implementation._abstract import AbstractImplementation
+from .._misc import shape_text
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule, Site
 from .._site import Spec
 
 
 def _describe(structs_) -> str:
-    parts = [_messages.shape_text(s) for s in structs_]
+    parts = [shape_text(s) for s in structs_]
     text = ", ".join(parts)
     return text if len(parts) == 1 else f"({text})"
 
