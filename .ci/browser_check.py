@@ -5,7 +5,8 @@ opens every page in Chromium through Playwright (Debian's `/usr/bin/chromium`, o
 `$CHROMIUM`), at a laptop's width and at a narrow one, and fails if a code block or an
 `explain` output overflows its column (its `scrollWidth` beyond its `clientWidth`: the
 reader would have to scroll sideways, or a printed line is cut). A full-page screenshot of
-each page is written to a temporary folder named in the log, never into the repository.
+each failing view is written to a temporary folder named in the log, never into the
+repository (one of every view took most of the check's minute).
 
     python .ci/browser_check.py [SITE_DIR]
 """
@@ -73,7 +74,7 @@ def main() -> int:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}/"
     shots = pathlib.Path(tempfile.mkdtemp(prefix="deferax-site-"))
-    print(f"screenshots in {shots}")
+    print(f"screenshots of the failing views go to {shots}")
     failures = 0
     try:
         with sync_playwright() as p:
@@ -86,9 +87,10 @@ def main() -> int:
                         print(f"FAIL {path or '/'} at {width}px: HTTP {response.status if response else '?'}")
                         failures += 1
                         continue
-                    name = (path.strip("/").replace("/", "-") or "home") + f"-{width}.png"
-                    page.screenshot(path=str(shots / name), full_page=True)
                     bad = page.evaluate(OVERFLOWING)
+                    if bad:
+                        name = (path.strip("/").replace("/", "-") or "home") + f"-{width}.png"
+                        page.screenshot(path=str(shots / name), full_page=True)
                     status = "ok  " if not bad else "FAIL"
                     print(f"{status} {path or '/'} at {width}px: {len(bad)} overflowing block(s)")
                     for b in bad:
