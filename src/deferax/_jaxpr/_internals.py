@@ -18,6 +18,10 @@ differ. Across the tested range (see `pyproject.toml`):
   `custom_vjp_parts` below: on jax 0.9-0.10 `out_trees()` returns `(out_tree, res_tree,
   input_fwds)`, `input_fwds` giving, for each residual, the operand (constants first) it
   is, or None for one the forward computes.
+
+Below the names: the caller's JAX configuration carried to other threads (`carry_context`,
+`local_config`, `apply_config`), and defining a primitive with the helpers its rules need
+(`define_primitive`, `is_zero`, `instantiate`, ...).
 """
 
 from __future__ import annotations
@@ -249,10 +253,10 @@ def carry_context(fn):
     typechecking switch) and its thread-local JAX configuration (`jax.numpy_dtype_promotion`,
     ... set with context managers)."""
     context = contextvars.copy_context()
-    config = local_config()
+    local = local_config()
 
     def run(*args):
-        with apply_config(config):
+        with apply_config(local):
             return context.copy().run(fn, *args)
 
     return run
@@ -262,9 +266,9 @@ def define_primitive(name, *, impl, abstract_eval, jvp=None, batch=None, transpo
     """A JAX primitive with multiple results and the rules given.
 
     `impl(*args, **params)` runs it on concrete arrays, and is traced to lower it into a
-    compiled program; `abstract_eval(*avals, **params)` returns the output avals; `jvp(primals, tangents, \
-**params)`, `batch(args,
-    dims, **params)` and `transpose(cts, *args, **params)` follow JAX's conventions.
+    compiled program; `abstract_eval(*avals, **params)` returns the output avals;
+    `jvp(primals, tangents, **params)`, `batch(args, dims, **params)` and
+    `transpose(cts, *args, **params)` follow JAX's conventions.
     """
     from jax.interpreters import ad, batching, mlir
 

@@ -40,8 +40,8 @@ plan changes at most once: each call of it gives one sample of each timing (the 
 its jobs of each kind, `gathering` for host functions that time their own parts), and
 once `SAMPLES` calls have given `fwd` and `bwd`, the least of each is decided, all at
 once (a first call also pays for imports and warm-up), and kept until the user asks for
-new ones (`forget_timings`). `_runtime.TIMINGS.decided(key, shapes)` (part of the key of eager calls'
-compiled stages, for each site of the program) changes only then.
+new ones (`forget_timings`). `_runtime.TIMINGS.decided(key, shapes)` (part of the key of
+eager calls' compiled stages, for each site of the program) changes only then.
 
 Who times what: `dx.sparse_solve` times its factorisation (`setup`) apart from each
 right-hand side (`fwd`, `bwd`); any other `dx.host` site's runner times each whole job

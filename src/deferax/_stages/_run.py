@@ -81,8 +81,8 @@ def analysis_of(
 
 def _timings(program) -> tuple:
     """The timings each site of `program` (nested ones included) is planned from
-    (`_runtime.TIMINGS.decided`), in order: part of the key of its compiled stages, so that a site's
-    timings, once decided, recompile the programs that contain it and no other."""
+    (`_runtime.TIMINGS.decided`), in order: part of the key of its compiled stages, so that a
+    site's timings, once decided, recompile the programs that contain it and no other."""
     found = []
     for eqn in program.jaxpr.eqns:
         for e in [eqn, *(e for name in PRIMITIVES for e in _jaxpr.nested_in(eqn, name))]:
