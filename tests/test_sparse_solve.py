@@ -198,7 +198,7 @@ def test_each_request_copies_and_hashes_the_entries_once(monkeypatch, how):
     got = fn((values * 1.5, b))
     assert len(made) == (3 if how == "dx" else 2)
     assert_tree_allclose(got, jax.value_and_grad(reference)((values * 1.5, b)), rtol=1e-11, atol=1e-12)
-    assert not _sparse_host._REQUESTED  # (each request's keys are forgotten when it ends)
+    assert not _factorisations.FACTORISATIONS._requested  # (each request's keys are forgotten when it ends)
 
 
 def test_a_dropped_factorisation_is_made_again():

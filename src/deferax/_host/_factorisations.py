@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import os
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -62,6 +64,10 @@ class Store:
     A lease ends in a finalizer, which runs wherever the garbage collector runs, also on a
     thread inside this store's lock: it only queues the release (`_ended`), which the next
     call takes in under the lock (taking the lock there deadlocked that thread).
+
+    Making a key copies and hashes every byte of the entries (1.8 ms for the 180 x 60 beam's
+    5.5 MB): the keys a request made (`requested`) are found again by its jobs (`made`), by
+    the entries array itself.
     """
 
     def __init__(self, limit: int, budget: int | None = None):
@@ -70,6 +76,7 @@ class Store:
         self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._ended: collections.deque[tuple[Any, _Entry]] = collections.deque()  # (leases ended, not yet taken in)
+        self._requested: dict[int, tuple[Any, Any]] = {}  # (the keys of running requests, by `id` of the entries)
 
     def __len__(self) -> int:
         with self._lock:
@@ -92,6 +99,31 @@ class Store:
         with self._lock:
             self._entries.clear()
             self._ended.clear()
+            self._requested.clear()
+
+    @contextlib.contextmanager
+    def requested(self, arrays: list, keys: list) -> Iterator[None]:
+        """Inside, `made(a)` of each entries array of `arrays` is its key in `keys` (a
+        request's keys, for its jobs). The caller holds each array meanwhile, so no other
+        array has its `id`; an array already registered keeps the key it has."""
+        mine = []
+        with self._lock:
+            for a, key in zip(arrays, keys, strict=True):
+                if id(a) not in self._requested:
+                    self._requested[id(a)] = (a, key)
+                    mine.append(id(a))
+        try:
+            yield
+        finally:
+            with self._lock:
+                for i in mine:
+                    self._requested.pop(i, None)  # (`clear` may have emptied it)
+
+    def made(self, values: Any) -> Any:
+        """The key a running request made for the entries array `values` itself, or None."""
+        with self._lock:
+            found = self._requested.get(id(values))
+        return found[1] if found is not None and found[0] is values else None
 
     def set_budget(self, budget: int) -> None:
         """Bound the store by `budget` bytes from now on, dropping the oldest factorisations

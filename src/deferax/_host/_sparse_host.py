@@ -9,7 +9,6 @@ import collections
 import contextlib
 import dataclasses
 import functools as ft
-import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -164,12 +163,11 @@ class _Solve:
 
     def _key(self, values: np.ndarray) -> Any:
         """The key of the factorisation of the matrix with entries `values` in the store:
-        the one its request made (`request`), found by the array itself, else made (a copy
-        and a hash of every byte of the entries: 1.8 ms for the 180 x 60 beam's 5.5 MB)."""
-        with _REQUESTED_LOCK:
-            found = _REQUESTED.get(id(values))
-        if found is not None and found[0] is values and found[1][0] is self:
-            return found[1]
+        the one its request made (`request`, `Store.made`), else made (a copy and a hash of
+        every byte of the entries)."""
+        made = FACTORISATIONS.made(values)
+        if made is not None and made[0] is self:
+            return made
         return (self, values.dtype.str, _Entries(values.tobytes()))
 
     def _row_keys(self, elements: list) -> list:
@@ -384,7 +382,7 @@ class _Solve:
         keys = self._row_keys(elements)
         rows = collections.Counter(keys)
         try:
-            with _requested([args[0][0] for args in elements], keys):  # (found again by the jobs' `_key`)
+            with FACTORISATIONS.requested([args[0][0] for args in elements], keys):  # (for the jobs' `_key`)
                 yield
         except BaseException:
             for key, n in rows.items():
@@ -448,30 +446,6 @@ class _Solve:
             rhs = np.asarray(t_b, self.work) - self._product(t_values, ys[:, None, :])
             t_ys = self._solve(lu, rhs.reshape(-1, self.pattern.n), False).reshape(rhs.shape)
         return [(y.astype(self.dtype), t_y.astype(self.dtype)) for y, t_y in zip(ys, t_ys, strict=True)]
-
-
-# The keys a request made (`_Solve.request`), by the `id` of each row's entries array, with the
-# array (which the request holds, so no other array has its `id` meanwhile): its jobs, which
-# run while it lasts, find their keys here rather than copying and hashing the entries again.
-_REQUESTED: dict[int, tuple[np.ndarray, Any]] = _runtime.store({})
-_REQUESTED_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _requested(arrays: list, keys: list) -> Iterator[None]:
-    """Inside, `_Solve._key` of each of `arrays` is its key in `keys`."""
-    mine = []
-    with _REQUESTED_LOCK:
-        for a, key in zip(arrays, keys, strict=True):
-            if id(a) not in _REQUESTED:
-                _REQUESTED[id(a)] = (a, key)
-                mine.append(id(a))
-    try:
-        yield
-    finally:
-        with _REQUESTED_LOCK:
-            for i in mine:
-                _REQUESTED.pop(i, None)  # (`_runtime.reset` may have cleared it)
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
