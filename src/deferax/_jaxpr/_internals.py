@@ -18,6 +18,10 @@ differ. Across the tested range (see `pyproject.toml`):
   `custom_vjp_parts` below: on jax 0.9-0.10 `out_trees()` returns `(out_tree, res_tree,
   input_fwds)`, `input_fwds` giving, for each residual, the operand (constants first) it
   is, or None for one the forward computes.
+- A forward rule that closes over a tracer of the trace the call was staged in (a value
+  computed in the loss): up to jax 0.12.0 `fwd_jaxpr_thunk` returns that tracer among its
+  constants; jax 0.12.1 raises `UnexpectedTracerError` instead. `_custom_vjp._forward`
+  reads both as a rule that closes over a value of the loss.
 
 Below the names: the caller's JAX configuration carried to other threads (`carry_context`,
 `local_config`, `apply_config`), and defining a primitive with the helpers its rules need
