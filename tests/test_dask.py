@@ -267,6 +267,37 @@ def test_sparse_solve_keeps_each_matrix_on_one_worker(client, tmp_path, jit):
         assert len(pids) == 2  # the two matrices on the two workers
 
 
+def test_sparse_solve_on_a_cluster_with_no_worker_yet_waits_for_one():
+    """An adaptive cluster starts with no worker: the forward job waits in the scheduler (it
+    is not given a worker it cannot have), runs on the first worker to come, and the
+    backward job follows it there. (Before: `integer modulo by zero` in placing it.)"""
+    pytest.importorskip("scipy")
+    _, pattern = helmholtz(6, 9.0)
+    values, _ = helmholtz(6, 9.0)
+    b = jnp.linspace(1.0, 2.0, 36).astype(jnp.complex128)
+
+    def loss(v, solve):
+        return jnp.sum(jnp.abs(solve(v)) ** 2)
+
+    with distributed.LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster:
+        with distributed.Client(cluster) as empty:
+            assert empty.nthreads() == {}
+            fn = jax.value_and_grad(lambda v: loss(v, lambda v: dx.sparse_solve(v, pattern, b, executor=empty)))
+            got = {}
+            thread = threading.Thread(target=lambda: got.setdefault("result", fn(jnp.asarray(values))))
+            thread.start()
+            deadline = time.monotonic() + 20
+            while not cluster.scheduler.tasks and thread.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert cluster.scheduler.tasks, "the forward job never reached the scheduler"
+            assert empty.nthreads() == {}  # it was submitted while there was no worker
+            cluster.scale(1)
+            thread.join(60)
+            assert not thread.is_alive()
+    dense = jax.value_and_grad(lambda v: loss(v, lambda v: jnp.linalg.solve(pattern.todense(v), b)))
+    assert_tree_allclose(got["result"], dense(jnp.asarray(values)), rtol=1e-10, atol=1e-12)
+
+
 # The two tests that kill workers come last: the nannies restart them, which takes a moment.
 
 

@@ -6,8 +6,10 @@ again; and different matrices (one a wavelength, say) should go to different wor
 be factored at once. `pinned(executor)` turns a Dask `distributed.Client` into an executor
 that sends every job of one matrix (the same `values`) to one worker, and new matrices to
 the workers in turn. The worker is a preference (`allow_other_workers=True`): when it is
-gone, the job runs elsewhere and factors again. Only the client's public API is used: its
-workers from `client.scheduler_info()`, and `client.get_executor(workers=...)` for each job.
+gone, the job runs elsewhere and factors again. A cluster with no worker yet (an adaptive
+one, scaling up) takes the job where Dask puts it, and its matrix is placed by a later job.
+Only the client's public API is used: its workers from `client.nthreads()`, and
+`client.get_executor(workers=...)` for each job.
 
 An executor made by `client.get_executor()` does not make its client public: its jobs go
 where Dask puts them.
@@ -56,10 +58,13 @@ class Pinned(_executor.DaskClient):
         values = np.ascontiguousarray(args[0][0])
         key = hashlib.blake2b(values.dtype.str.encode(), digest_size=16)
         key.update(values.data)
-        where = self.client.get_executor(workers=[self._worker(key.digest())], allow_other_workers=True)
+        worker = self._worker(key.digest())
+        if worker is None:  # no worker yet (an adaptive cluster scaling up): where Dask puts it
+            return self.client.get_executor().submit(fn, *args, **kwargs)
+        where = self.client.get_executor(workers=[worker], allow_other_workers=True)
         return where.submit(fn, *args, **kwargs)
 
-    def _worker(self, key: bytes) -> str:
+    def _worker(self, key: bytes) -> str | None:
         with _WORKERS_LOCK:
             workers = _WORKERS.get(self.client)
             if workers is None:
@@ -67,7 +72,11 @@ class Pinned(_executor.DaskClient):
         with workers.lock:
             worker = workers.of.get(key)
             if worker is None:
-                addresses = sorted(self.client.scheduler_info()["workers"])
+                # Asked of the scheduler each time (`nthreads`), not read from the client's
+                # `scheduler_info()`: a periodic refresh can leave that without its workers.
+                addresses = sorted(self.client.nthreads())
+                if not addresses:
+                    return None
                 worker = workers.of[key] = addresses[workers.turn % len(addresses)]
                 workers.turn += 1
                 while len(workers.of) > REMEMBERED:
