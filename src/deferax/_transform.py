@@ -25,7 +25,7 @@ from ._analysis._analysis import analyse
 from ._checks import _checks, _messages
 from ._misc import is_concrete, shape_text, struct_of
 from ._plan._plan import Plan
-from ._recognise import _rewrite as _recognise
+from ._recognise import BUILTINS, _registry
 from ._site._spec import SITE
 from ._stages import _run
 
@@ -44,7 +44,7 @@ class _Traced:
     leaves: list
     diff_tree: Any
     aux: Any  # (treedef, leaves with None where traced) or None
-    recognised: tuple = ()  # a `_recognise.Call` per call of a recognised library function
+    recognised: tuple = ()  # a `_registry.RegisteredCall` per call of a recognised library function
 
     def ins(self) -> list:
         return [*self.consts, *self.leaves]
@@ -135,7 +135,7 @@ def _trace(fun, x, args, kwargs, has_aux, explaining: bool = False, recognise: A
         raise _untraceable(error) from error
     recognised: tuple = ()
     if recognise is not False and not _jaxpr.under_differentiation():
-        closed, recognised = _recognise.recognise(closed, recognise)
+        closed, recognised = _registry.recognise(closed, recognise, BUILTINS)
     closed = _jaxpr.inline(closed, (SITE,))
     program, consts = _jaxpr.open_consts(closed)
     return _Traced(program, consts, list(leaves), diff_tree, box["aux"] if has_aux else None, recognised)
@@ -226,7 +226,7 @@ def _plan(fun, has_aux, schedule, max_basis, recognise, args, kwargs, explaining
         _deferred_possible(schedule, untraceable)
         return Plan(sites=(), stages=(), requested=schedule, fallback=untraceable.reason)
     plan = analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE).plan
-    return _recognise.annotate(plan, traced.recognised)
+    return _registry.annotate(plan, traced.recognised)
 
 
 class _ValueAndGradWrapper(eqx.Module):

@@ -6,8 +6,8 @@ tested JAX range is pinned in `pyproject.toml`. One file a concern:
 
 - `_internals`: every JAX name used here, from its public home where one exists; the only
   file that imports `jax._src`, and the one that knows how the releases differ; defining a
-  primitive and the helpers its rules need; the caller's JAX configuration carried to other
-  threads;
+  primitive and the helpers its rules need; which traces run now; the caller's JAX
+  configuration carried to other threads;
 - `_program`: tracing a function once; reading, rewriting and interpreting the program;
   rewriting chosen equations into other code (recognised calls);
 - `_dependence`: which values depend on which sources, and the user line that made it so;
@@ -29,13 +29,11 @@ from ._dependence import effect_dependencies as effect_dependencies
 from ._dependence import escaping as escaping
 from ._dependence import first_culprit as first_culprit
 from ._dependence import input_marks as input_marks
-from ._dependence import is_eager as is_eager
 from ._dependence import is_ref as is_ref
 from ._dependence import is_ref_type as is_ref_type
 from ._dependence import needed_equations as needed_equations
 from ._dependence import opaque_call as opaque_call
 from ._dependence import raised_at as raised_at
-from ._dependence import under_differentiation as under_differentiation
 from ._dependence import uses_refs as uses_refs
 from ._example_axes import example_axes as example_axes
 from ._internals import apply_config as apply_config
@@ -44,6 +42,7 @@ from ._internals import custom_vjp_call_primitive as custom_vjp_call_primitive
 from ._internals import define_primitive as define_primitive
 from ._internals import function_name as function_name
 from ._internals import instantiate as instantiate
+from ._internals import is_eager as is_eager
 from ._internals import is_not_mapped as is_not_mapped
 from ._internals import is_primitive as is_primitive
 from ._internals import is_zero as is_zero
@@ -52,6 +51,7 @@ from ._internals import move_to_front as move_to_front
 from ._internals import rule_functions as rule_functions
 from ._internals import setting as setting
 from ._internals import shaped as shaped
+from ._internals import under_differentiation as under_differentiation
 from ._internals import zero_tangent as zero_tangent
 from ._keys import structural_key as structural_key
 from ._linearity import frontier_size as frontier_size

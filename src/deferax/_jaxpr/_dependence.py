@@ -12,18 +12,6 @@ from collections.abc import Sequence
 from . import _internals as _core
 
 
-def under_differentiation() -> bool:
-    """Whether an enclosing `jax.grad`, `jax.jvp`, `jax.linearize` ... is tracing the code
-    running now (its trace is on the stack of the current one)."""
-    differentiating = (_core.JVPTrace, _core.linearize_trace_type())
-    return any(isinstance(trace, differentiating) for trace in _core.enclosing_traces())
-
-
-def is_eager() -> bool:
-    """True when no transformation is active: operations run at once on concrete values."""
-    return isinstance(_core.current_trace(), _core.EvalTrace)
-
-
 @dataclasses.dataclass(frozen=True)
 class Location:
     """The operation that made a value depend on a source, and where the user wrote it:

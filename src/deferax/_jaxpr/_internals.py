@@ -23,7 +23,8 @@ differ. Across the tested range (see `pyproject.toml`):
   constants; jax 0.12.1 raises `UnexpectedTracerError` instead. `_custom_vjp._forward`
   reads both as a rule that closes over a value of the loss.
 
-Below the names: the caller's JAX configuration carried to other threads (`carry_context`,
+Below the names: which traces the code running now is under (`is_eager`,
+`under_differentiation`), the caller's JAX configuration carried to other threads (`carry_context`,
 `local_config`, `apply_config`), and defining a primitive with the helpers its rules need
 (`define_primitive`, `is_zero`, `instantiate`, ...).
 """
@@ -94,6 +95,18 @@ def enclosing_traces() -> Iterator[Any]:
     while trace is not None:
         yield trace
         trace = getattr(trace, "parent_trace", None)
+
+
+def under_differentiation() -> bool:
+    """Whether an enclosing `jax.grad`, `jax.jvp`, `jax.linearize` ... is tracing the code
+    running now (its trace is on the stack of the current one)."""
+    differentiating = (JVPTrace, linearize_trace_type())
+    return any(isinstance(trace, differentiating) for trace in enclosing_traces())
+
+
+def is_eager() -> bool:
+    """True when no transformation is active: operations run at once on concrete values."""
+    return isinstance(current_trace(), EvalTrace)
 
 
 def has_ended(tracer: Tracer) -> bool:

@@ -5,22 +5,32 @@ arrays, the others as `jax.ShapeDtypeStruct`s, and its parameters) and answers e
 [`deferax.Recognition`][] (how the equation's outputs are computed from its inputs: with
 `dx.sparse_solve` on a pattern, or with an `ExpensiveFn` of the rule's, such as a `dx.host`
 site), or a string: why this call is left as it is.
+
+Below: the rewrite of a traced program's recognised calls (`recognise`), and what the plan
+says of them (`annotate`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 
 from .. import _jaxpr, _runtime
 from .._checks._messages import tree_text
 from .._host._sparse_host import TREATMENTS
 from .._host._sparse_pattern import SparsePattern
+from .._host._sparse_solve import sparse_solve
 from .._implementation._expensive import ExpensiveFn
+from .._misc import shape_text
+from .._plan._plan import Plan, Recognised
+from . import _cost
 
 _BAD_PRIMITIVE = """`dx.register_recognition`: `primitive` must be a `jax.extend.core.Primitive` (the object \
 that the call binds, as `klujax.solve_f64`), but got {found}.
@@ -151,7 +161,7 @@ def register_builtin(primitive: Any, rule: Callable, name_of: Callable[[dict], s
 
 def rules(builtins: Iterable[tuple[str, Callable[[], None]]]) -> dict[Any, tuple[str, Callable]]:
     """The registered rules by primitive, with the built-in ones (`builtins`: `(module, register)`
-    pairs, the rule modules' own table, `_rewrite.BUILTINS`) for the libraries imported so far
+    pairs, the rule modules' own table, `_recognise.BUILTINS`) for the libraries imported so far
     (looked up here, so that deferax imports none of them)."""
     for module, load in builtins:
         if module in sys.modules and module not in _BUILTIN_LOADED:
@@ -164,3 +174,113 @@ def rules(builtins: Iterable[tuple[str, Callable[[], None]]]) -> dict[Any, tuple
 
 def bad_answer(name: str, where: str, found: Any) -> TypeError:
     return TypeError(_BAD_ANSWER.format(name=name, where=where, found=tree_text(found)))
+
+
+_BAD_OUTPUT = """`dx.register_recognition(name={name!r})`: the rewrite of the call {where} returned {found}, \
+but the call returns {expected}. `Recognition.apply` must return arrays of the call's own shapes and dtypes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredCall:
+    """A call of a registered primitive in the loss, and what became of it."""
+
+    name: str  # as the user wrote it: "klujax.solve"
+    where: str  # "at loss.py:12 `code`"
+    site: str | None  # the site's name when it was rewritten
+    reason: str | None  # why it was left as it is
+
+
+def recognise(closed, mode, builtins: Iterable[tuple[str, Callable[[], None]]]) -> tuple:
+    """`(program, calls)`: `closed` with its recognised calls rewritten (`mode`: True, by
+    cost; "always"; False: none), and a `RegisteredCall` for each call of a registered primitive
+    (`builtins`: the built-in rules, as `rules` takes them)."""
+    if mode is False:
+        return closed, ()
+    table = rules(builtins)
+    if not table:
+        return closed, ()
+    calls: list[RegisteredCall] = []
+
+    def decide(found):
+        name, rule = table[found.primitive]
+        where = _where(found.location)
+        if isinstance(rule, Builtin):
+            name, answer = rule.name_of(found.params), rule(found, mode)
+        else:
+            answer = rule(found.operands, found.params)
+        if isinstance(answer, str):
+            calls.append(RegisteredCall(name, where, None, answer))
+            return None
+        if not isinstance(answer, Recognition):
+            raise bad_answer(name, where, answer)
+        site = f"{name} (recognised)"
+        if answer.site is not None:  # (the rule's own site: no factorisation to weigh, the rule decided)
+            first = dataclasses.replace(answer.site, name=site)
+        else:
+            complex_ = any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in found.operands)
+            reason = None if mode == "always" else _cost.refusal(answer, complex_)
+            if reason is not None:
+                calls.append(RegisteredCall(name, where, None, reason))
+                return None
+
+            def first(values, b, answer=answer):
+                # (a matrix with a NaN or infinite entry, or a singular one, gives what the original gives)
+                return sparse_solve(
+                    values,
+                    answer.pattern,
+                    b,
+                    name=site,
+                    nonfinite=answer.nonfinite,
+                    singular=answer.singular,
+                    symmetric=answer.symmetric,
+                    where="host",  # (a site: what `explain` lists, on the host's schedules)
+                )
+
+        calls.append(RegisteredCall(name, where, site, None))
+
+        def rewritten(*ins):
+            out = answer.apply(first, *ins)
+            outs = list(out) if found.multiple_results else [out]
+            got = [jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o)) for o in outs]
+            if got != list(found.outs):
+                expected = _text(found.outs)
+                raise TypeError(_BAD_OUTPUT.format(name=name, where=where, found=_text(got), expected=expected))
+            return outs
+
+        return rewritten
+
+    closed, nested = _jaxpr.rewrite(closed, lambda p: p in table, decide)
+    for n in nested:
+        reason = f"inside {n.kind}: left as is (calls at the top level of the loss, or in a nested `jit`, are)"
+        calls.append(RegisteredCall(_name(table[n.primitive], n.params), _where(n.location), None, reason))
+    return closed, tuple(calls)
+
+
+def _name(entry, params: dict) -> str:
+    name, rule = entry
+    return rule.name_of(params) if isinstance(rule, Builtin) else name
+
+
+def _where(location) -> str:
+    """`at file:line `code`` of the user's line (not the library's inside it)."""
+    return dataclasses.replace(location, library=None).where()
+
+
+def _text(structs) -> str:
+    return ", ".join(shape_text(s) for s in structs)
+
+
+def annotate(plan: Plan, calls: tuple) -> Plan:
+    """`plan` with its recognised calls, each rewritten one pointing at its site."""
+    if not calls:
+        return plan
+    used: set[int] = set()
+    entries = []
+    for c in calls:
+        index = None
+        if c.site is not None:
+            index = next((s.index for s in plan.sites if s.name == c.site and s.index not in used), None)
+            if index is not None:
+                used.add(index)
+        entries.append(Recognised(call=c.name, where=c.where, site=index, reason=c.reason))
+    return dataclasses.replace(plan, recognised=tuple(entries))
