@@ -195,7 +195,13 @@ MUTATIONS = [
     ),
     (
         "a bwd that calls a host callback taken for one that shares no state with fwd",
-        [("bwd_blocks_fused", "return None if opaque is None else _OPAQUE_BWD.format(location=opaque)", "return None")],
+        [
+            (
+                "Spec.why_bwd_blocks_fused",
+                "return None if opaque is None else _OPAQUE_BWD.format(location=opaque)",
+                "return None",
+            )
+        ],
         [
             "tests/test_concurrent.py::test_bwd_that_calls_what_deferax_cannot_read_runs_after_fwd",
             "tests/test_concurrent.py",

@@ -167,10 +167,10 @@ def test_the_schedules_are_the_four_ways_to_a_derivative():
     import typing
 
     from deferax._plan._plan import Schedule
-    from deferax._schedules import _deferred, _deferred_basis, _forward_basis, _jobs, _standard
+    from deferax._schedules import _deferred, _deferred_basis, _jobs, _standard
     from deferax._schedules._abstract import AbstractAhead, AbstractJob, AbstractSchedule
 
-    del _deferred, _deferred_basis, _forward_basis, _standard  # (imported: their classes defined)
+    del _deferred, _deferred_basis, _standard  # (imported: their classes defined)
 
     def finals(cls):
         subs = cls.__subclasses__()

@@ -80,9 +80,8 @@ def test_one_schedule_object_per_site(monkeypatch):
     plain JAX gives."""
     from deferax._schedules._deferred import Deferred
     from deferax._schedules._deferred_basis import DeferredBasis
-    from deferax._schedules._forward_basis import ForwardBasis
     from deferax._schedules._jobs import ForwardJob
-    from deferax._schedules._standard import Standard
+    from deferax._schedules._standard import ForwardBasis, Standard
 
     def fused(x, ct):
         return jnp.sin(x), ct * jnp.cos(x)

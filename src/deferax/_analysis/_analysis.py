@@ -32,14 +32,13 @@ import jax
 from .. import _jaxpr, _site
 from .._misc import struct_of, structs
 from .._plan._plan import Plan
-from .._schedules import _forward_basis, _per_example
+from .._schedules import _per_example, _standard
 from .._schedules._abstract import AbstractAhead, AbstractSchedule
 from .._schedules._deferred import Deferred, peers
 from .._schedules._deferred_basis import Basis, DeferredBasis
 from .._schedules._standard import Standard, standard
 from .._schedules._together import JointBackward
 from . import _together
-from ._bwd import bwd_decisions
 
 
 @dataclasses.dataclass
@@ -76,7 +75,7 @@ def analyse(
     program, n_consts: int, *, schedule: str, max_basis: int | None, where: str, bwds: tuple | None = None
 ) -> Analysis:
     """Run the static check on `program` (`J`, with its constants as leading inputs).
-    `bwds`: what `bwd_decisions(program)` returned, if it was called already.
+    `bwds`: what `_site.bwd_decisions(program)` returned, if it was called already.
 
     A value computed twice the same way is computed once first (`fl(y)[argmax(fl(y))]`
     sees one view of `y`, not two): the analysis and the stages see one variable. (Sites
@@ -88,7 +87,7 @@ def analyse(
         i for i, e in enumerate(jaxpr.eqns) if str(e.primitive) != _site.SITE and _jaxpr.contains(e, (_site.SITE,))
     )
     specs = [_site.spec_of(jaxpr.eqns[i]) for i in sites]
-    bwds = bwd_decisions(program) if bwds is None else bwds
+    bwds = _site.bwd_decisions(program) if bwds is None else bwds
     choice = _Choice(program, n_consts, sites, nested, specs, schedule, max_basis, where, bwds)
     return choice.run()
 
@@ -155,7 +154,8 @@ class _Choice:
         ready = [p for p in range(n) if not upstream[p]]  # operands computable in stage 1
         # (standard sites whose backward jobs may run at once: their cotangents are traced too)
         facts = self.facts()  # (its `why_not_deferred` is filled as the candidates are decided)
-        jointly = _together.may_run_together(facts, ready)
+        several = n + len(self.nested) >= 2  # (a site alone runs neither together nor in turn with others)
+        jointly = several and _together.may_run_together(facts, ready)
         if candidates or jointly:
             backward, backward_out, ct_deps, labels = self._backward(list(range(n)) if jointly else candidates, ready)
             self._candidates = candidates
@@ -170,14 +170,14 @@ class _Choice:
                 )
         if jointly:
             schedules = _together.against_basis(
-                facts, schedules, candidates, lambda s: standard(_forward_basis.choose(s)) is not None
+                facts, schedules, candidates, lambda s: standard(_standard.choose(s)) is not None
             )
-        schedules = {p: _forward_basis.where_chosen(s) for p, s in schedules.items()}
+        schedules = {p: s.strategy_chosen() for p, s in schedules.items()}
         if any(s.defers for s in schedules.values()):
             # (a standard host site whose operands are known in stage 1 runs its `fwd` there too)
             schedules = {
-                p: dataclasses.replace(st, runs="ahead")
-                if (st := standard(s)) is not None
+                p: ahead
+                if (ahead := s.with_jobs_ahead()) is not None
                 and not s.spec.static.autodiff
                 and not upstream[p]
                 and not once.get(p)
@@ -187,7 +187,7 @@ class _Choice:
         if jointly:
             alone = {p: self._ahead_once(backward, backward_out, p) for p in range(n)}
             schedules = _together.choose(facts, schedules, alone)
-        else:
+        elif several:
             schedules = _together.in_turn(facts, schedules, upstream)
         ordered = tuple(schedules[p] for p in range(n))
         jobs = [job for s in ordered if (job := s.ahead_job()) is not None]
@@ -423,7 +423,8 @@ class _Choice:
 
     def _plan(self, schedules, ahead) -> Plan:
         every = [_nested_schedule(spec, kind) if p is None else schedules[p] for p, spec, kind in self._entries()]
-        at_once = [(st := standard(s)) is not None and st.runs == "together" for s in every]
+        together = {job.position for job in ahead if job.together}
+        at_once = [p is not None and p in together for p, _, _ in self._entries()]
         rows = tuple(job.stage2_row() for job in ahead)
         return Plan.assemble(every, at_once, rows, requested=self.schedule, fallback=self.fallback, where=self.where)
 
@@ -448,6 +449,6 @@ call, with the value"
 
 def _nested_schedule(spec: _site.Spec, kind: str) -> AbstractSchedule:
     """The schedule of a site called inside `kind` (a `lax.scan`, ...): standard, or forward-basis."""
-    return _forward_basis.choose(
+    return _standard.choose(
         Standard(spec=spec, position=None, reason=f"called inside {kind}; sites there stay standard")
     )

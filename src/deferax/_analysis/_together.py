@@ -53,10 +53,10 @@ def may_run_together(facts: Facts, ready) -> bool:
 def in_turn(facts: Facts, schedules: dict, upstream) -> dict:
     """Why the standard host sites' backward jobs run in turn where `may_run_together`
     found a site that takes an expensive output, or one called inside `lax.scan` or the
-    like, added to their reasons."""
+    like, added to their reasons (of two sites or more, counting those inside)."""
     schedules = dict(schedules)  # (the caller's are left as they are)
     n = len(facts.specs)
-    if facts.schedule != "auto" or facts.fallback is not None or n + len(facts.nested) < 2:
+    if facts.schedule != "auto" or facts.fallback is not None:
         return schedules
     eligible = [
         p

@@ -90,6 +90,16 @@ class AbstractSchedule(eqx.Module):
         """Whether stage 3 (the program's own passes) runs an expensive implementation of the
         site: its `fwd`, its `bwd`, or its forward-basis call."""
 
+    def strategy_chosen(self) -> AbstractSchedule:
+        """The schedule on the strategy chosen for it: a standard site's may be the
+        forward-basis strategy (`_standard.choose`); the others' are as they are."""
+        return self
+
+    def with_jobs_ahead(self) -> AbstractSchedule | None:
+        """The schedule with its jobs run ahead of the value, in stage 2, where it can have
+        jobs there (a standard site's, `runs="ahead"`); None for the others."""
+        return None
+
     def ahead_job(self) -> AbstractAhead | None:
         """Its job in stage 2, ahead of the value (None where it has none)."""
         return None

@@ -19,6 +19,7 @@ from ._spec import LINEAR as LINEAR
 from ._spec import PRIMITIVES as PRIMITIVES
 from ._spec import SITE as SITE
 from ._spec import Spec as Spec
+from ._spec import bwd_decisions as bwd_decisions
 from ._spec import spec_of as spec_of
 from ._tangents import flatten_tangent as flatten_tangent
 from ._tangents import n_inputs as n_inputs

@@ -16,7 +16,7 @@ import jax
 import jax.tree_util as jtu
 
 from .. import _jaxpr
-from .._misc import is_inexact
+from .._misc import is_inexact, structs
 from ._function import AbstractSiteFunction
 from ._tangents import n_inputs
 
@@ -25,6 +25,14 @@ LINEAR = "deferax_site_linear"
 FORWARD_BASIS = "deferax_site_forward_basis"
 # Every primitive whose equations are expensive calls (or their derivatives).
 PRIMITIVES = (SITE, LINEAR, FORWARD_BASIS)
+
+_READS_Y = "its `bwd` reads `y`{through} (give `adjoint` and `combine`, or `fused`)"
+
+_OPAQUE_BWD = (
+    "its `bwd` calls {location}, whose body deferax cannot read: it may use what `fwd` left behind "
+    "(a factorisation kept in a Python object), so it runs after `fwd`. If it does not, give `adjoint(x, ct_y)` "
+    "instead of `bwd`, or `fused=dx.fuse(fwd, adjoint)`: they run at the same time"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +123,66 @@ class Spec:
             f = jax.vmap(f, in_axes=axes_of(in_axes), out_axes=0)
         return f
 
+    def why_bwd_blocks_fused(self, fn_avals: list) -> str | None:
+        """Why no `fused` can be made from the site's `fwd` and `bwd(x, y, ct_y)`, read from
+        the jaxpr of `bwd` traced now; None when one can. It can when `bwd` does not read `y`
+        (in what it returns, nor in an effect such as `jax.debug.callback`, which would see
+        the zeros it is given instead) and everything it calls can be read: a host callback
+        may use what `fwd` kept (its state), and must run after it. A `bwd` that cannot be
+        traced (a host function) counts as reading `y`."""
+
+        def bwd(fn_leaves, x_leaves, y_leaves, ct_leaves):
+            fn = self.fn(fn_leaves)
+            y = jtu.tree_unflatten(self.y_tree, list(y_leaves))
+            ct = jtu.tree_unflatten(self.y_tree, list(ct_leaves))
+            return fn.invoke("bwd", self.x(x_leaves), y, ct)
+
+        try:
+            y_structs = list(self.y_structs)
+            closed = jax.make_jaxpr(bwd)(structs(fn_avals), list(self.x_structs), y_structs, y_structs)
+        except Exception:  # noqa: BLE001 - not JAX-traceable: assume the worst
+            return _READS_Y.format(through="")
+        n_y = len(self.y_structs)
+        labels = [None] * (len(fn_avals) + self.n_x) + ["y"] * n_y + [None] * n_y
+        if _returns_y(closed, labels):
+            return _READS_Y.format(through="")
+        for marks, location in _jaxpr.effect_dependencies(closed, labels):
+            if "y" in marks:
+                return _READS_Y.format(through=f" through {location}")
+        opaque = _jaxpr.opaque_call(closed, PRIMITIVES)
+        return None if opaque is None else _OPAQUE_BWD.format(location=opaque)
+
 
 def spec_of(eqn) -> Spec:
     return eqn.params["spec"]
+
+
+def _returns_y(closed, labels: list) -> bool:
+    """Whether an output of `bwd`'s program (`closed`, its inputs labelled) depends on `y`,
+    or `y` is written to a `jax.Ref` from outside (and read there after the call)."""
+    return any("y" in d for d in _jaxpr.dependencies(closed, labels)) or "y" in _jaxpr.escaping(closed, labels)
+
+
+def bwd_decisions(program) -> tuple:
+    """What the analysis reads beyond the program's equations: for each top-level site with
+    `fwd` and `bwd` only, why no `fused` can be made from them (None when one can), from
+    the program of `bwd` traced now (a global that it branches on may have been rebound
+    since the last call); None for the other sites. A key for the compiled stages covers it."""
+    decisions = []
+    for i in _jaxpr.top_level(program, SITE):
+        eqn = program.jaxpr.eqns[i]
+        spec = spec_of(eqn)
+        static = spec.static
+        derivable = (
+            static.fwd is not None and static.bwd is not None and static.fused is None and static.fused_batch is None
+        )
+        blocked = (
+            spec.why_bwd_blocks_fused([v.aval for v in eqn.invars[: spec.n_fn]])
+            if derivable and static.prefer is None
+            else None
+        )
+        decisions.append(blocked)
+    return tuple(decisions)
 
 
 def split_fn_x(n_fn: int):

@@ -19,13 +19,12 @@ import numpy as np
 
 from .. import _jaxpr, _record, _runtime, _site
 from .._analysis._analysis import Analysis, analyse
-from .._analysis._bwd import bwd_decisions
 from .._concurrency._placement import Placement, one_at_a_time, placed
 from .._implementation._abstract import AbstractImplementation
 from .._misc import structs, zeros
 from .._schedules._abstract import AbstractAhead, AbstractJob
 from .._schedules._together import JointBackward
-from .._site._spec import PRIMITIVES, spec_of
+from .._site._spec import PRIMITIVES, bwd_decisions, spec_of
 
 
 class Compiled:
