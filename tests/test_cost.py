@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax import _runtime
 from deferax._host import _timing
 from deferax._plan import _cost
 
@@ -120,17 +119,17 @@ def test_timings_of_earlier_calls_are_used_and_kept_stable():
     estimates = dx.explain(loss, (values, b)).sites[0].estimates
     assert estimates.source == "measured"
     key = solve_key(pattern)
-    measured = _runtime.TIMINGS.decided(*key)
+    measured = _cost.TIMINGS.decided(*key)
     assert set(measured) == {"setup", "fwd", "bwd"}
     expected = measured["setup"] + measured["fwd"] + measured["bwd"] + 2 * _cost.STAGE_SECONDS
     assert estimates.standard == pytest.approx(expected)
     # later timings change nothing (no flip-flop), until the user asks for new ones
-    first = _runtime.TIMINGS.decided(*key)
+    first = _cost.TIMINGS.decided(*key)
     run(loss, (values, b))
     _cost.observe(*key, setup=10 * measured["setup"])
-    assert _runtime.TIMINGS.decided(*key) == first == measured
+    assert _cost.TIMINGS.decided(*key) == first == measured
     dx.forget_timings()
-    assert _runtime.TIMINGS.decided(*key) == {}
+    assert _cost.TIMINGS.decided(*key) == {}
     assert dx.explain(loss, (values, b)).sites[0].estimates.source == "defaults"
     # a hint's numbers take precedence over the timings
     hinted = dx.explain(three_overlaps(sparse(pattern, cost=dx.Cost(setup=1.0, fwd=1.0, bwd=1.0))), (values, b)).sites[
@@ -166,7 +165,7 @@ SLEEPY = (sleepy().timings_key, ((4,),))  # the key of its timings: its host fun
 def solve_key(pattern):
     """The key of a `dx.sparse_solve`'s timings on `pattern`: the solve itself and its input shapes."""
     shapes = ((pattern.nnz,), (pattern.n,))
-    (key,) = [key for key in _runtime.TIMINGS.sites(sampled=True) if key[1] == shapes]
+    (key,) = [key for key in _cost.TIMINGS.sites(sampled=True) if key[1] == shapes]
     return key
 
 
@@ -197,10 +196,10 @@ def test_a_host_sites_timings_change_its_schedule_once():
     standard, basis = {"fwd": 1, "adjoint": 1}, {"fwd": 1, "adjoint": 4}
     expected = [("standard", "defaults", standard)] * _cost.SAMPLES + [("deferred-basis", "measured", basis)] * 2
     assert steps(loss, _cost.SAMPLES + 2) == expected
-    measured = _runtime.TIMINGS.decided(*SLEEPY)  # (`fwd` and `bwd` decided together, after the SAMPLES-th call)
+    measured = _cost.TIMINGS.decided(*SLEEPY)  # (`fwd` and `bwd` decided together, after the SAMPLES-th call)
     assert set(measured) == {"fwd", "bwd"} and measured["fwd"] >= SLEEP_FWD and measured["bwd"] >= SLEEP_ADJOINT
     # one sample of each per call (a call's four adjoints are one), and none kept once decided
-    assert _runtime.TIMINGS.sampled(*SLEEPY) == {}
+    assert _cost.TIMINGS.sampled(*SLEEPY) == {}
     site = dx.explain(loss, X).sites[0]
     assert site.estimates == dx.Estimates(
         standard=measured["fwd"] + measured["bwd"] + 2 * _cost.STAGE_SECONDS,
@@ -227,7 +226,7 @@ def test_a_fused_job_is_split_as_equal_costs():
         _cost.SAMPLES + 1 - timed
     )
     assert [s[2] for s in seen] == [{"fused": 2}] * (_cost.SAMPLES + 1)
-    measured = _runtime.TIMINGS.decided(site.timings_key, ((4,),))
+    measured = _cost.TIMINGS.decided(site.timings_key, ((4,),))
     assert measured["fwd"] == measured["bwd"] >= SLEEP_FWD / 2
 
 
@@ -240,7 +239,7 @@ def test_a_process_pool_sites_jobs_are_timed_in_the_workers():
     finally:
         pool.shutdown()
     assert [s[:2] for s in seen] == [("standard", "defaults")] * _cost.SAMPLES + [("deferred-basis", "measured")]
-    measured = _runtime.TIMINGS.decided(*SLEEPY)
+    measured = _cost.TIMINGS.decided(*SLEEPY)
     assert measured["fwd"] >= SLEEP_FWD and measured["bwd"] >= SLEEP_ADJOINT
 
 
@@ -290,7 +289,7 @@ def test_a_sparse_solve_is_timed_once_per_part():
     also timed whole (which would count the forward job as a right-hand side)."""
     values, pattern, b = COMPLEX
     run(three_overlaps(sparse(pattern)), (values, b))  # standard: factor, solve, solve the adjoint
-    assert {what: len(samples) for what, samples in _runtime.TIMINGS.sampled(*solve_key(pattern)).items()} == {
+    assert {what: len(samples) for what, samples in _cost.TIMINGS.sampled(*solve_key(pattern)).items()} == {
         "setup": 1,
         "fwd": 1,
         "bwd": 1,

@@ -1,5 +1,5 @@
 """The cost model counting what each schedule runs (not timed): with the timings the model
-decides from injected (`_runtime.TIMINGS`, where a site's first calls put them), the schedule
+decides from injected (`_cost.TIMINGS`, where a site's first calls put them), the schedule
 chosen follows the arithmetic worked out here by hand:
 
 - two wavelengths of a frequency-domain solve, k = 6 real numbers each (3 complex overlaps:
@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax import _runtime
 from deferax._plan import _cost
 
 from .helpers import assert_tree_allclose, load_example
@@ -78,10 +77,10 @@ EPS = jnp.asarray(np.random.default_rng(1).uniform(0.1, 0.3, N * N))
 
 def inject(**seconds):
     """Replace every site's decided timings (after its first calls) with `seconds`."""
-    decided = _runtime.TIMINGS.sites()
+    decided = _cost.TIMINGS.sites()
     assert decided  # (the first calls decided them)
     for key, shapes in decided:
-        _runtime.TIMINGS.decide(key, shapes, seconds)
+        _cost.TIMINGS.decide(key, shapes, seconds)
 
 
 def decide(loss, x):
@@ -138,8 +137,8 @@ def test_a_compliance_needs_no_adjoint_solve_and_is_timed_as_free():
     beam = load_example("topology_mbb").MBB(12, 4)
     x = jnp.full(48, 0.5)
     grad = decide(ft.partial(beam.compliance, where="host"), x)  # (a site: on the host)
-    ((key, shapes),) = _runtime.TIMINGS.sites()
-    timings = _runtime.TIMINGS.decided(key, shapes)
+    ((key, shapes),) = _cost.TIMINGS.sites()
+    timings = _cost.TIMINGS.decided(key, shapes)
     assert timings["bwd"] == 0.0 and timings["setup"] > 0 and timings["fwd"] > 0
     site = dx.explain(grad, x).sites[0]
     assert site.schedule == "deferred" and site.estimates.source == "measured"

@@ -41,7 +41,7 @@ CONSTANTS = {
     "deferax._jaxpr._linearity._PRODUCT": "primitives that multiply",
     "deferax._jaxpr._linearity._LINEAR_FIRST": "primitives linear in their first operand",
     "deferax._jaxpr._program._INLINE": "the call primitives inlined, with their program parameter",
-    "deferax._jaxpr._replay._RULES": "the kind of custom rule of each custom-derivative primitive",
+    "deferax._jaxpr._dependence._RULES": "the kind of custom rule of each custom-derivative primitive",
     "deferax._record._COLOURS": "a timeline plot's colour of each implementation",
     "deferax._runtime._POOL_SIZES": "each pool's size and thread names",
 }
@@ -78,7 +78,7 @@ def _module_state():
 
 def test_no_module_keeps_state_outside_the_runtime():
     """Each mutable found at module level is the runtime's own (a module naming it once:
-    `_TIMINGS = _runtime.TIMINGS`), a store registered with `reset` (`_runtime.store`,
+    `_TIMINGS = _cost.TIMINGS`), a store registered with `reset` (`_runtime.store`,
     `_runtime.cached`), or a constant table listed above with its reason."""
     owned = {id(value) for value in vars(_runtime).values()}
     cleared = set(_runtime._CLEARS)
@@ -133,7 +133,7 @@ def _fill_everything():
     for _ in range(_cost.SAMPLES):
         _cost.observe("decided", ((2,),), fwd=1.0, bwd=2.0)
     _cost.observe("sampled", ((2,),), fwd=1.0)
-    _runtime.TIMINGS._gathering.seconds = {}
+    _cost.TIMINGS._gathering.seconds = {}
     _native_threads._libraries()
     _runtime.EAGER_CACHE["key"] = "compiled"
     _runtime.REPLAY_ALONE[_Shaped] = True
@@ -168,8 +168,8 @@ def test_reset_resets_every_piece():
     }
     assert dx.typechecking_enabled() == _runtime.TYPECHECK_DEFAULT
     # the timings
-    assert _runtime.TIMINGS.decided("decided", ((2,),)) == {} and len(_runtime.TIMINGS) == 0
-    assert not hasattr(_runtime.TIMINGS._gathering, "seconds")
+    assert _cost.TIMINGS.decided("decided", ((2,),)) == {} and len(_cost.TIMINGS) == 0
+    assert not hasattr(_cost.TIMINGS._gathering, "seconds")
     assert _runtime.NATIVE.found is None
     # the caches, registries and stores
     for store in (

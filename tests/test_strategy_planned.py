@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import pytest
 
 import deferax as dx
-from deferax import _runtime
 from deferax._plan import _cost
 
 from .helpers import assert_tree_allclose, host_sine
@@ -65,12 +64,12 @@ def test_timings_decided_after_the_analysis_do_not_change_the_planned_strategy(n
     x = jnp.linspace(0.1, 1.2, n)
     loss = loss_deciding(f, x, timings, nested)
     assert dx.explain(loss, x).sites[0].schedule == planned  # (equal costs: nothing decided yet)
-    assert _runtime.TIMINGS.decided(f.timings_key, ((n,),)) == {}
+    assert _cost.TIMINGS.decided(f.timings_key, ((n,),)) == {}
 
     value, grad = dx.filter_value_and_grad(loss)(x)
     jax.effects_barrier()
     assert sorted(calls) == runs  # the plan's strategy ran, not the one the new timings choose
-    assert _runtime.TIMINGS.decided(f.timings_key, ((n,),)) != {}  # (the callback did decide them, in the run)
+    assert _cost.TIMINGS.decided(f.timings_key, ((n,),)) != {}  # (the callback did decide them, in the run)
     assert_tree_allclose((value, grad), jax.value_and_grad(plain)(x), rtol=1e-12, atol=1e-14)
 
     # Now decided, the next plan follows the timings; so does the JVP rule of a plain `jax.grad`.

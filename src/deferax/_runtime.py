@@ -1,4 +1,4 @@
-"""The process's state, in one place: thread pools, switches, timings, caches and registries.
+"""The process's state, in one place: thread pools, switches, caches and registries.
 
 Every other module is code over values; what deferax keeps between calls lives here (or,
 for a store that belongs to one feature, stays beside it and registers with `reset`).
@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import contextlib
 import contextvars
 import dataclasses
 import functools as ft
-import math
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -153,90 +151,9 @@ POOLS = Pools()
 
 # ----------------------------------------------------------------------------- timings of earlier calls
 
-
-class Timings:
-    """The timings of sites' earlier calls, by (site identity, input shapes), with their lock:
-    for each of `setup`, `fwd`, `bwd`, one sample a call of a site's first calls, until
-    `samples` calls have given `fwd` and `bwd`; then the least of each kind, decided once
-    (what the estimates are made from, `_plan/_cost.py`); and, on each thread, the timings
-    gathered for one job that times its own parts (`gathering`)."""
-
-    def __init__(self, samples: int):
-        self.samples = samples
-        self._lock = threading.Lock()
-        self._decided: dict[tuple, dict[str, float]] = {}
-        self._sampled: dict[tuple, dict[str, list[float]]] = {}
-        self._gathering = threading.local()
-
-    def observe(self, key: Any, shapes: tuple, seconds: dict[str, float]) -> None:
-        """One call's timings of site `key` on inputs of `shapes` (gathered instead, inside
-        `gathering` on this thread)."""
-        gathered = getattr(self._gathering, "seconds", None)
-        if gathered is not None:
-            into = gathered.setdefault((key, shapes), {})
-            for what, t in seconds.items():
-                into[what] = min(float(t), into.get(what, math.inf))
-            return
-        with self._lock:
-            if (key, shapes) in self._decided:
-                return
-            sampled = self._sampled.setdefault((key, shapes), {})
-            for what, t in seconds.items():
-                kept = sampled.setdefault(what, [])
-                if len(kept) < self.samples:
-                    kept.append(float(t))
-            if all(len(sampled.get(what, ())) >= self.samples for what in ("fwd", "bwd")):
-                self._decided[(key, shapes)] = {what: min(kept) for what, kept in sampled.items()}
-                del self._sampled[(key, shapes)]
-
-    @contextlib.contextmanager
-    def gathering(self) -> Iterator[dict]:
-        """Inside, the timings observed on this thread are gathered into the dict yielded,
-        the least of each kind for each site."""
-        outer = getattr(self._gathering, "seconds", None)
-        self._gathering.seconds = gathered = {}
-        try:
-            yield gathered
-        finally:
-            self._gathering.seconds = outer
-
-    def decided(self, key: Any, shapes: tuple) -> dict[str, float]:
-        """The timings decided for site `key` on inputs of `shapes` (empty before)."""
-        with self._lock:
-            return dict(self._decided.get((key, shapes), {}))
-
-    def decide(self, key: Any, shapes: tuple, seconds: dict[str, float]) -> None:
-        """Decide `seconds` for site `key` on inputs of `shapes` (for tests: as its first calls would)."""
-        with self._lock:
-            self._decided[(key, shapes)] = dict(seconds)
-            self._sampled.pop((key, shapes), None)
-
-    def sampled(self, key: Any, shapes: tuple) -> dict[str, list[float]]:
-        """The samples kept of site `key` on inputs of `shapes`, not yet decided (empty after)."""
-        with self._lock:
-            return {what: list(kept) for what, kept in self._sampled.get((key, shapes), {}).items()}
-
-    def sites(self, sampled: bool = False) -> list[tuple]:
-        """The `(key, shapes)` of the sites whose timings are decided (and, with `sampled`,
-        those still sampled)."""
-        with self._lock:
-            return list(self._decided) + (list(self._sampled) if sampled else [])
-
-    def __len__(self) -> int:
-        """How many sites have timings, decided or sampled."""
-        with self._lock:
-            return len(self._decided) + len(self._sampled)
-
-    def clear(self) -> None:
-        """Forget every timing (also the gathering on this thread)."""
-        with self._lock:
-            self._decided.clear()
-            self._sampled.clear()
-        self._gathering.__dict__.clear()
-
-
-TIMINGS_SAMPLES = 3  # timings of a site's first calls, of which the least is kept
-TIMINGS = Timings(TIMINGS_SAMPLES)
+# On each thread, the timings gathered for one job that times its own parts: the thread-local
+# of `_plan/_cost.TIMINGS` (which keeps the timings themselves, and is cleared by `reset`).
+TIMINGS_GATHERING = threading.local()
 
 # ----------------------------------------------------------------------------- native thread pools
 
@@ -260,7 +177,7 @@ NATIVE = Native()
 
 # the eager path's compiled stages, by program key, least recently used first (`_transform.py`)
 EAGER_CACHE: collections.OrderedDict = collections.OrderedDict()
-# the backward programs found to run alone (`_jaxpr/_replay.py`)
+# the backward programs found to run alone (`_jaxpr/_dependence.py`)
 REPLAY_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # `dx.SuperLU()`'s column ordering chosen for each sparsity pattern, by (shape, digest of the
 # pattern): the ordering and the fill of each one tried (`_host/_sparse_solver.py`)
@@ -319,7 +236,6 @@ def reset() -> None:
     SWITCHES.concurrent, SWITCHES.devices = defaults.concurrent, defaults.devices
     for var in CONTEXT_VARS:
         var.set(_default(var))
-    TIMINGS.clear()
     with NATIVE_LOCK:
         NATIVE.found = None
     EAGER_CACHE.clear()

@@ -23,7 +23,7 @@ import jax.tree_util as jtu
 from . import _jaxpr, _site
 from ._analysis._analysis import analyse
 from ._checks import _checks, _messages
-from ._misc import is_concrete, shape_text, struct_of
+from ._jaxpr import is_concrete, shape_text, struct_of
 from ._plan._plan import Plan
 from ._recognise import BUILTINS, _registry
 from ._site._spec import SITE

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from .. import _jaxpr, _site
-from .._misc import struct_of, structs
+from .._jaxpr import struct_of, structs
 from .._plan._plan import Plan
 from .._schedules import _per_example, _standard
 from .._schedules._abstract import AbstractAhead, AbstractSchedule

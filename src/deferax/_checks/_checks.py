@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._misc import is_inexact, shape_text, stacked, struct_of, structs, zero_like
+from .._jaxpr import is_inexact, shape_text, stacked, struct_of, structs, zero_like
 from . import _messages
 
 _WIDE = ("float64", "complex128", "int64", "uint64")  # (by name: an extended dtype has no NumPy one)

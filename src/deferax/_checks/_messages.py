@@ -8,7 +8,7 @@ from typing import Any
 
 import jax.tree_util as jtu
 
-from .._misc import shape_text
+from .._jaxpr import shape_text
 
 
 def tree_text(value: Any) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .. import _jaxpr, _record, _runtime
-from .._misc import is_concrete
+from .._jaxpr import is_concrete
 from . import _placement
 from ._devices import on
 from ._placement import one_at_a_time, serialised

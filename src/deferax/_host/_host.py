@@ -20,7 +20,7 @@ from .. import _jaxpr, _runtime
 from .._checks import _checks, _messages
 from .._implementation._abstract import AbstractImplementation, Implementation
 from .._implementation._expensive import ExpensiveFn
-from .._misc import is_concrete, shape_text, stacked, structs
+from .._jaxpr import is_concrete, shape_text, stacked, structs
 from .._plan._cost import Cost
 from . import _executor
 from ._runner import Identity, Runner

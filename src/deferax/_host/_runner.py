@@ -45,7 +45,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._checks import _messages
-from .._misc import stacked
+from .._jaxpr import stacked
 from .._plan import _cost
 from . import _executor, _timing
 

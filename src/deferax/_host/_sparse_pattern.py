@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Inexact
 
-from .._misc import shape_text
+from .._jaxpr import shape_text
 
 _BAD_PATTERN = """`dx.SparsePattern`: {what}, but got {found}.
 A pattern is the row and column index of each stored entry of an `n x n` matrix:

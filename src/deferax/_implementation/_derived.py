@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 from jaxtyping import PyTree
 
-from .._misc import zeros
+from .._jaxpr import zeros
 from ._abstract import AbstractFused
 
 

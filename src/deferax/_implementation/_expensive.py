@@ -13,7 +13,7 @@ from jaxtyping import PyTree
 
 from .. import _record, _site, _typed
 from .._checks import _checks, _messages
-from .._misc import is_concrete, stacked, structs, zero_like, zeros
+from .._jaxpr import is_concrete, stacked, structs, zero_like, zeros
 from .._plan import _cost
 from .._plan._cost import Cost
 from .._typed import annotated, checked_function, untraceable

@@ -1,7 +1,8 @@
 """Everything that reads jaxprs or touches JAX internals lives in this package.
 
 `jax.extend.core` and `jax._src` carry no compatibility promise across JAX releases, so a
-JAX upgrade should have to touch this folder only, and mostly its `_internals` module. The
+JAX upgrade should have to touch this folder only, and mostly its `_internals` module,
+which also holds the helpers on JAX values that the whole package shares. The
 tested JAX range is pinned in `pyproject.toml`. One file a concern:
 
 - `_internals`: every JAX name used here, from its public home where one exists; the only
@@ -11,11 +12,11 @@ tested JAX range is pinned in `pyproject.toml`. One file a concern:
 - `_program`: tracing a function once; reading, rewriting and interpreting the program;
   rewriting chosen equations into other code (recognised calls);
 - `_dependence`: which values depend on which sources, and the user line that made it so;
+  what cannot run outside the trace that made it, or must run once;
 - `_linearity`: where a program stops being linear in an input;
 - `_example_axes`: which axis of a value indexes the examples of a batch;
 - `_custom_vjp`: a `jax.custom_vjp` call read as a site, its backward split in two;
 - `_work`: how much work a program does, estimated from its equations;
-- `_replay`: what cannot run outside the trace that made it, or must run once;
 - `_keys`: cache keys equal for programs that compute the same thing.
 """
 
@@ -32,8 +33,10 @@ from ._dependence import input_marks as input_marks
 from ._dependence import is_ref as is_ref
 from ._dependence import is_ref_type as is_ref_type
 from ._dependence import needed_equations as needed_equations
+from ._dependence import once_only as once_only
 from ._dependence import opaque_call as opaque_call
 from ._dependence import raised_at as raised_at
+from ._dependence import stranded_rule as stranded_rule
 from ._dependence import uses_refs as uses_refs
 from ._example_axes import example_axes as example_axes
 from ._internals import apply_config as apply_config
@@ -42,7 +45,9 @@ from ._internals import custom_vjp_call_primitive as custom_vjp_call_primitive
 from ._internals import define_primitive as define_primitive
 from ._internals import function_name as function_name
 from ._internals import instantiate as instantiate
+from ._internals import is_concrete as is_concrete
 from ._internals import is_eager as is_eager
+from ._internals import is_inexact as is_inexact
 from ._internals import is_not_mapped as is_not_mapped
 from ._internals import is_primitive as is_primitive
 from ._internals import is_zero as is_zero
@@ -50,9 +55,15 @@ from ._internals import local_config as local_config
 from ._internals import move_to_front as move_to_front
 from ._internals import rule_functions as rule_functions
 from ._internals import setting as setting
+from ._internals import shape_text as shape_text
 from ._internals import shaped as shaped
+from ._internals import stacked as stacked
+from ._internals import struct_of as struct_of
+from ._internals import structs as structs
 from ._internals import under_differentiation as under_differentiation
+from ._internals import zero_like as zero_like
 from ._internals import zero_tangent as zero_tangent
+from ._internals import zeros as zeros
 from ._keys import structural_key as structural_key
 from ._linearity import frontier_size as frontier_size
 from ._linearity import linear_frontier as linear_frontier
@@ -72,6 +83,4 @@ from ._program import rewrite as rewrite
 from ._program import substitute as substitute
 from ._program import top_level as top_level
 from ._program import trace as trace
-from ._replay import once_only as once_only
-from ._replay import stranded_rule as stranded_rule
 from ._work import work as work

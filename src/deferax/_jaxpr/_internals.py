@@ -26,7 +26,9 @@ differ. Across the tested range (see `pyproject.toml`):
 Below the names: which traces the code running now is under (`is_eager`,
 `under_differentiation`), the caller's JAX configuration carried to other threads (`carry_context`,
 `local_config`, `apply_config`), and defining a primitive with the helpers its rules need
-(`define_primitive`, `is_zero`, `instantiate`, ...).
+(`define_primitive`, `is_zero`, `instantiate`, ...), and evaluating one equation
+(`bind_equation`). Last, helpers on JAX values that the whole package shares (`struct_of`,
+`structs`, `shape_text`, `zeros`, `zero_like`, `stacked`, `is_inexact`, `is_concrete`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 from jax._src import config as config
 from jax._src import core as _core
@@ -60,6 +64,7 @@ from jax.extend.source_info_util import user_context as user_context
 from jax.interpreters.ad import JVPTrace as JVPTrace
 from jax.interpreters.ad import Zero as Zero
 from jax.interpreters.partial_eval import dce_jaxpr as dce_jaxpr
+from jaxtyping import PyTree
 
 try:  # jax >= 0.10
     from jax.extend.core import DropVar as DropVar
@@ -279,6 +284,15 @@ def carry_context(fn):
     return run
 
 
+def bind_equation(eqn, args):
+    """Evaluate one equation on `args` under the current trace, as `core.eval_jaxpr` does."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = current_name_stack() + eqn.source_info.name_stack
+    with user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*args, **bind_params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
 def define_primitive(name, *, impl, abstract_eval, jvp=None, batch=None, transpose=None):
     """A JAX primitive with multiple results and the rules given.
 
@@ -340,3 +354,51 @@ def move_to_front(x, dim):
 def is_primitive(obj: object) -> bool:
     """Whether `obj` is a JAX primitive (what an equation binds)."""
     return isinstance(obj, Primitive)
+
+
+# Helpers on JAX values that the rest of the package shares: their structures and text, zeros, stacking.
+
+
+def is_concrete(tree: PyTree) -> bool:
+    """True when no leaf is a tracer: the arrays are values, not part of a trace."""
+    return not any(isinstance(leaf, Tracer) for leaf in jtu.tree_leaves(tree))
+
+
+def struct_of(a: Any, *, keep_weak_type: bool = False) -> jax.ShapeDtypeStruct:
+    """The `jax.ShapeDtypeStruct` of one array (or array-like, or abstract value); with
+    `keep_weak_type`, weakly typed as `a` is (a Python scalar promoted by JAX)."""
+    weak = keep_weak_type and bool(getattr(a, "weak_type", False))
+    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), weak_type=weak)
+
+
+def structs(tree: PyTree) -> PyTree[jax.ShapeDtypeStruct]:
+    """The `jax.ShapeDtypeStruct` of every leaf of `tree`."""
+    return jtu.tree_map(struct_of, tree)
+
+
+def stacked(struct: PyTree[jax.ShapeDtypeStruct], k: int) -> PyTree[jax.ShapeDtypeStruct]:
+    """`struct` with a leading axis of length `k` on every leaf (`k` of them, stacked)."""
+    return jtu.tree_map(lambda s: jax.ShapeDtypeStruct((k, *s.shape), s.dtype), struct)
+
+
+def zeros(struct: PyTree[jax.ShapeDtypeStruct]) -> PyTree:
+    """JAX zeros shaped like `struct`."""
+    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), struct)
+
+
+def zero_like(a: Any) -> Any:
+    """A zero tangent (or cotangent) for `a`: zeros of its dtype, `float0` for an integer."""
+    if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+        return jnp.zeros(jnp.shape(a), jnp.result_type(a))
+    return np.zeros(jnp.shape(a), jax.dtypes.float0)
+
+
+def is_inexact(a: Any) -> bool:
+    """Whether `a` (an array, a structure or an abstract value) is floating-point or complex: differentiable."""
+    return bool(jnp.issubdtype(jnp.result_type(a), jnp.inexact))
+
+
+def shape_text(a: Any) -> str:
+    """`float64[3, 4]` for an array or a `jax.ShapeDtypeStruct` (`key<fry>[]` for a typed PRNG key)."""
+    dtype = a.dtype if jnp.issubdtype(a.dtype, jax.dtypes.extended) else np.dtype(a.dtype)
+    return f"{dtype.name}{list(a.shape)}"

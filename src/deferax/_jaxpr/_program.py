@@ -29,15 +29,6 @@ def trace(fun, *structs):
     return jax.make_jaxpr(lambda *a: fun(*a), return_shape=True)(*structs)
 
 
-def bind_equation(eqn, args):
-    """Evaluate one equation on `args` under the current trace, as `core.eval_jaxpr` does."""
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    name_stack = _core.current_name_stack() + eqn.source_info.name_stack
-    with _core.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-        out = eqn.primitive.bind(*args, **bind_params)
-    return out if eqn.primitive.multiple_results else [out]
-
-
 def interpret(closed, args, handlers=None, wrap=None):
     """Evaluate a closed jaxpr on flat `args` under the current trace.
 
@@ -58,7 +49,7 @@ def interpret(closed, args, handlers=None, wrap=None):
             env[v] = wrap[v](env[v])
     for i, eqn in enumerate(jaxpr.eqns):
         ins = [read(v) for v in eqn.invars]
-        outs = handlers[i](eqn, ins) if i in handlers else bind_equation(eqn, ins)
+        outs = handlers[i](eqn, ins) if i in handlers else _core.bind_equation(eqn, ins)
         if wrap:
             outs = [wrap[v](o) if v in wrap else o for v, o in zip(eqn.outvars, outs, strict=True)]
         env.update(zip(eqn.outvars, outs, strict=True))

@@ -40,7 +40,7 @@ plan changes at most once: each call of it gives one sample of each timing (the 
 its jobs of each kind, `gathering` for host functions that time their own parts), and
 once `SAMPLES` calls have given `fwd` and `bwd`, the least of each is decided, all at
 once (a first call also pays for imports and warm-up), and kept until the user asks for
-new ones (`forget_timings`). `_runtime.TIMINGS.decided(key, shapes)` (part of the key of
+new ones (`forget_timings`). `TIMINGS.decided(key, shapes)` (part of the key of
 eager calls' compiled stages, for each site of the program) changes only then.
 
 Who times what: `dx.sparse_solve` times its factorisation (`setup`) apart from each
@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Hashable
+import threading
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -67,7 +68,7 @@ from .. import _runtime
 # stage) and 6.8 ms standard (two) on a 2-core CPU at load 13; less on an idle machine
 # (`benchmarks/bench_cost.py`'s "stage" case measures it: see `STAGE_SECONDS` there).
 STAGE_SECONDS = 1e-3
-SAMPLES = _runtime.TIMINGS_SAMPLES  # timings of a site's first calls, of which the least is kept
+SAMPLES = 3  # timings of a site's first calls, of which the least is kept
 DEFAULT_STAGE = 0.01  # (in units of one forward, with the equal-cost defaults)
 
 
@@ -176,7 +177,92 @@ class Estimates(eqx.Module):
 
 # ----------------------------------------------------------------------------- timings of earlier calls
 
-_TIMINGS = _runtime.TIMINGS
+
+class Timings:
+    """The timings of sites' earlier calls, by (site identity, input shapes), with their lock:
+    for each of `setup`, `fwd`, `bwd`, one sample a call of a site's first calls, until
+    `samples` calls have given `fwd` and `bwd`; then the least of each kind, decided once
+    (what the estimates are made from, below); and, on each thread, the timings
+    gathered for one job that times its own parts (`gathering`,
+    in the runtime's thread-local `TIMINGS_GATHERING`: one for the process, as this object is)."""
+
+    def __init__(self, samples: int):
+        self.samples = samples
+        self._lock = threading.Lock()
+        self._decided: dict[tuple, dict[str, float]] = {}
+        self._sampled: dict[tuple, dict[str, list[float]]] = {}
+        self._gathering = _runtime.TIMINGS_GATHERING
+
+    def observe(self, key: Any, shapes: tuple, seconds: dict[str, float]) -> None:
+        """One call's timings of site `key` on inputs of `shapes` (gathered instead, inside
+        `gathering` on this thread)."""
+        gathered = getattr(self._gathering, "seconds", None)
+        if gathered is not None:
+            into = gathered.setdefault((key, shapes), {})
+            for what, t in seconds.items():
+                into[what] = min(float(t), into.get(what, math.inf))
+            return
+        with self._lock:
+            if (key, shapes) in self._decided:
+                return
+            sampled = self._sampled.setdefault((key, shapes), {})
+            for what, t in seconds.items():
+                kept = sampled.setdefault(what, [])
+                if len(kept) < self.samples:
+                    kept.append(float(t))
+            if all(len(sampled.get(what, ())) >= self.samples for what in ("fwd", "bwd")):
+                self._decided[(key, shapes)] = {what: min(kept) for what, kept in sampled.items()}
+                del self._sampled[(key, shapes)]
+
+    @contextlib.contextmanager
+    def gathering(self) -> Iterator[dict]:
+        """Inside, the timings observed on this thread are gathered into the dict yielded,
+        the least of each kind for each site."""
+        outer = getattr(self._gathering, "seconds", None)
+        self._gathering.seconds = gathered = {}
+        try:
+            yield gathered
+        finally:
+            self._gathering.seconds = outer
+
+    def decided(self, key: Any, shapes: tuple) -> dict[str, float]:
+        """The timings decided for site `key` on inputs of `shapes` (empty before)."""
+        with self._lock:
+            return dict(self._decided.get((key, shapes), {}))
+
+    def decide(self, key: Any, shapes: tuple, seconds: dict[str, float]) -> None:
+        """Decide `seconds` for site `key` on inputs of `shapes` (for tests: as its first calls would)."""
+        with self._lock:
+            self._decided[(key, shapes)] = dict(seconds)
+            self._sampled.pop((key, shapes), None)
+
+    def sampled(self, key: Any, shapes: tuple) -> dict[str, list[float]]:
+        """The samples kept of site `key` on inputs of `shapes`, not yet decided (empty after)."""
+        with self._lock:
+            return {what: list(kept) for what, kept in self._sampled.get((key, shapes), {}).items()}
+
+    def sites(self, sampled: bool = False) -> list[tuple]:
+        """The `(key, shapes)` of the sites whose timings are decided (and, with `sampled`,
+        those still sampled)."""
+        with self._lock:
+            return list(self._decided) + (list(self._sampled) if sampled else [])
+
+    def __len__(self) -> int:
+        """How many sites have timings, decided or sampled."""
+        with self._lock:
+            return len(self._decided) + len(self._sampled)
+
+    def clear(self) -> None:
+        """Forget every timing (also the gathering on this thread)."""
+        with self._lock:
+            self._decided.clear()
+            self._sampled.clear()
+        self._gathering.__dict__.clear()
+
+
+# one for the process, cleared by `_runtime.reset()`
+TIMINGS = Timings(SAMPLES)
+_runtime.on_reset(TIMINGS.clear)
 
 
 def observe(key: Hashable, shapes: tuple, **seconds: float) -> None:
@@ -184,8 +270,8 @@ def observe(key: Hashable, shapes: tuple, **seconds: float) -> None:
     `shapes` (`setup`, `fwd`, `bwd`: seconds). Inside `gathering` on this thread they are
     gathered there instead. Once `SAMPLES` calls have given `fwd` and `bwd`, the least of
     each kind is decided: then, and only then, the site's decisions change (one new plan,
-    one compilation of the programs that contain it). (`_runtime.Timings` keeps them.)"""
-    _TIMINGS.observe(key, shapes, seconds)
+    one compilation of the programs that contain it). (`TIMINGS` keeps them.)"""
+    TIMINGS.observe(key, shapes, seconds)
 
 
 def gathering() -> contextlib.AbstractContextManager[dict]:
@@ -193,14 +279,14 @@ def gathering() -> contextlib.AbstractContextManager[dict]:
     kind for each site, into the dict yielded (for a host function that times its own
     parts, several solves in one job: the job's runner feeds them to `observe` as one
     sample of its call)."""
-    return _TIMINGS.gathering()
+    return TIMINGS.gathering()
 
 
 def forget_timings() -> None:
     """Forget the timings of earlier calls, so that the schedules chosen from them are chosen
     again from the next calls' (after a change of machine load, of executor, of problem).
     Programs compiled under `jax.jit` keep the plan they were traced with."""
-    _TIMINGS.clear()
+    TIMINGS.clear()
 
 
 # ----------------------------------------------------------------------------- the estimates
@@ -209,7 +295,7 @@ def forget_timings() -> None:
 def numbers(key: Hashable, shapes: tuple, hint: Cost, defaults: bool = False) -> tuple:
     """`(setup, fwd, bwd, stage, source)` for a site: its hint's numbers, else its timings,
     else the equal-cost defaults (all of them with `defaults`)."""
-    measured = _TIMINGS.decided(key, shapes)
+    measured = TIMINGS.decided(key, shapes)
     given = {f: value for f, value in hint._seconds().items() if f != "stage" and value is not None}
     if defaults or not {"fwd", "bwd"} <= set(measured) | set(given):  # (seconds are not mixed with the defaults' units)
         measured = {}

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from .. import _jaxpr, _runtime, _site
 from .._checks._messages import tree_text
 from .._implementation._expensive import ExpensiveFn
-from .._misc import shape_text, zero_like
+from .._jaxpr import shape_text, zero_like
 from .._plan import _cost
 from . import _jax_fdm, _registry
 

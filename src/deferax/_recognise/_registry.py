@@ -28,7 +28,7 @@ from .._host._sparse_host import TREATMENTS
 from .._host._sparse_pattern import SparsePattern
 from .._host._sparse_solve import sparse_solve
 from .._implementation._expensive import ExpensiveFn
-from .._misc import shape_text
+from .._jaxpr import shape_text
 from .._plan._plan import Plan, Recognised
 from . import _cost
 

@@ -13,7 +13,7 @@ import equinox as eqx
 import jax
 
 from .._implementation._abstract import AbstractImplementation
-from .._misc import shape_text
+from .._jaxpr import shape_text
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule, Site
 from .._site import Spec

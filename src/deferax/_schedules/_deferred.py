@@ -14,7 +14,7 @@ import jax.tree_util as jtu
 
 from .. import _site
 from .._implementation._abstract import AbstractFused, AbstractImplementation
-from .._misc import zero_like
+from .._jaxpr import zero_like
 from .._plan import _cost
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule

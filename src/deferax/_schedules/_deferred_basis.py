@@ -15,7 +15,7 @@ import jax.tree_util as jtu
 
 from .. import _jaxpr, _site
 from .._implementation._abstract import AbstractImplementation
-from .._misc import zero_like
+from .._jaxpr import zero_like
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule
 from .._site import Spec

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import jax.tree_util as jtu
 
 from .. import _site
-from .._misc import zero_like
+from .._jaxpr import zero_like
 from .._site import Spec
 from ._abstract import AbstractAhead, AbstractJob, returning, stage_label
 from ._deferred import replay

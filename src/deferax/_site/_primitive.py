@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import _jaxpr, _runtime
 from .._checks import _messages
-from .._misc import is_concrete, struct_of, zero_like
+from .._jaxpr import is_concrete, struct_of, zero_like
 from ._forward_basis import forward_basis_jvp
 from ._spec import LINEAR, SITE, Spec, rebind_batched, split_fn_x
 

@@ -16,7 +16,7 @@ import jax
 import jax.tree_util as jtu
 
 from .. import _jaxpr
-from .._misc import is_inexact, structs
+from .._jaxpr import is_inexact, structs
 from ._function import AbstractSiteFunction
 from ._tangents import n_inputs
 

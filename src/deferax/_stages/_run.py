@@ -21,7 +21,8 @@ from .. import _jaxpr, _record, _runtime, _site
 from .._analysis._analysis import Analysis, analyse
 from .._concurrency._placement import Placement, one_at_a_time, placed
 from .._implementation._abstract import AbstractImplementation
-from .._misc import structs, zeros
+from .._jaxpr import structs, zeros
+from .._plan import _cost
 from .._schedules._abstract import AbstractAhead, AbstractJob
 from .._schedules._together import JointBackward
 from .._site._spec import PRIMITIVES, bwd_decisions, spec_of
@@ -80,14 +81,14 @@ def analysis_of(
 
 def _timings(program) -> tuple:
     """The timings each site of `program` (nested ones included) is planned from
-    (`_runtime.TIMINGS.decided`), in order: part of the key of its compiled stages, so that a
+    (`_cost.TIMINGS.decided`), in order: part of the key of its compiled stages, so that a
     site's timings, once decided, recompile the programs that contain it and no other."""
     found = []
     for eqn in program.jaxpr.eqns:
         for e in [eqn, *(e for name in PRIMITIVES for e in _jaxpr.nested_in(eqn, name))]:
             if str(e.primitive) in PRIMITIVES:
                 spec = spec_of(e)
-                decided = _runtime.TIMINGS.decided(spec.static.timings_key, tuple(s.shape for s in spec.x_structs))
+                decided = _cost.TIMINGS.decided(spec.static.timings_key, tuple(s.shape for s in spec.x_structs))
                 found.append(tuple(sorted(decided.items())))
     return tuple(found)
 
