@@ -12,7 +12,7 @@ PACKAGE = ROOT / "src" / "deferax"
 
 def layers() -> list[tuple[str, set[str]]]:
     """The table's rows, top first: (layer, the package paths its "where" names: a folder as
-    `_site`, a top-level file as `_misc.py`)."""
+    `_site`, a top-level file as `_record.py`)."""
     rows = []
     in_table = False
     for line in (ROOT / "docs" / "design.md").read_text().splitlines():
@@ -36,7 +36,7 @@ def layers() -> list[tuple[str, set[str]]]:
 
 
 def place_of(module: pathlib.Path) -> str:
-    """`_site` for `_site/_spec.py`, `_misc.py` for `_misc.py`."""
+    """`_site` for `_site/_spec.py`, `_record.py` for `_record.py`."""
     return module.relative_to(PACKAGE).parts[0]
 
 

@@ -1,5 +1,5 @@
 """What the messages of several modules share: how they show a value (`tree_text`, from
-`_misc.shape_text`; `out_example`), and the messages raised in two modules. A message raised in
+`_jaxpr.shape_text`; `out_example`), and the messages raised in two modules. A message raised in
 one place is written there, or beside it as a private constant (STYLE.md, "Errors"); each
 names the call, what was expected, what was found, and the fix, and has a test that
 matches its text."""
