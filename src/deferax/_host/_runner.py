@@ -164,7 +164,7 @@ class StackedRows:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Call:
+class _HostCall:
     """One call of a host function, with the structure its result must have."""
 
     impl: str
@@ -289,7 +289,7 @@ class Runner:
         one_call = self._one_call(kind)
         assert one_call is not None  # (`rows` answers for one-call requests only)
         why = f"{one_call[1]}, a list of one result a row of the `vmap` batch"
-        calls = [_Call(kind, fn, args, [result] * len(indices), why) for indices, fn, args in jobs]
+        calls = [_HostCall(kind, fn, args, [result] * len(indices), why) for indices, fn, args in jobs]
         results, seconds = self._execute(calls)
         self._observe(shapes, calls, seconds)
         if len(jobs) == 1 and list(jobs[0][0]) == list(range(n)) and isinstance(results[0], StackedRows):
@@ -302,17 +302,17 @@ class Runner:
                 outs[i] = out
         return outs
 
-    def _plan(self, kind: str, result: PyTree, args: tuple) -> tuple[list[_Call], Callable[[list], Any]]:
+    def _plan(self, kind: str, result: PyTree, args: tuple) -> tuple[list[_HostCall], Callable[[list], Any]]:
         one_call = self._one_call(kind)
         if one_call is not None:
             fn, why = one_call
-            return [_Call(kind, _given(fn), args, result, why)], _first
+            return [_HostCall(kind, _given(fn), args, result, why)], _first
         x, ct = args
         out_struct, second = result
         if kind == "fwd+adjoint":
             calls = [
-                _Call("fwd", _given(self.fwd), (x,), out_struct, _EXPECTED_BY_OUT),
-                _Call("adjoint", _given(self.adjoint), (x, ct), second, self.adjoint_why),
+                _HostCall("fwd", _given(self.fwd), (x,), out_struct, _EXPECTED_BY_OUT),
+                _HostCall("adjoint", _given(self.adjoint), (x, ct), second, self.adjoint_why),
             ]
             return calls, tuple
         k = jtu.tree_leaves(ct)[0].shape[0]
@@ -320,12 +320,14 @@ class Runner:
         row_struct = _unstack(second)
         if kind == "jvp*k":  # `jvp` once per tangent, all submitted together; `y` from the first
             calls = [
-                _Call("jvp", _given(self.jvp), (x, row), (out_struct, row_struct), _EXPECTED_PAIR_JVP) for row in rows
+                _HostCall("jvp", _given(self.jvp), (x, row), (out_struct, row_struct), _EXPECTED_PAIR_JVP)
+                for row in rows
             ]
             return calls, lambda r: (r[0][0] if r else _zeros(out_struct), _stack([p[1] for p in r], row_struct))
         if kind == "fused*k":  # `fused` once per cotangent; `y` from the first
             calls = [
-                _Call("fused", _given(self.fused), (x, row), (out_struct, row_struct), _EXPECTED_PAIR) for row in rows
+                _HostCall("fused", _given(self.fused), (x, row), (out_struct, row_struct), _EXPECTED_PAIR)
+                for row in rows
             ]
             return calls, lambda r: (r[0][0] if r else _zeros(out_struct), _stack([p[1] for p in r], row_struct))
         # "fwd+adjoints": the forward once and the adjoints, all at the same time
@@ -333,8 +335,10 @@ class Runner:
             recipe, unique = _multiples(rows, row_struct)
         else:
             recipe, unique = [(j, 1.0) for j in range(k)], list(range(k))
-        calls = [_Call("fwd", _given(self.fwd), (x,), out_struct, _EXPECTED_BY_OUT)]
-        calls += [_Call("adjoint", _given(self.adjoint), (x, rows[j]), row_struct, self.adjoint_why) for j in unique]
+        calls = [_HostCall("fwd", _given(self.fwd), (x,), out_struct, _EXPECTED_BY_OUT)]
+        calls += [
+            _HostCall("adjoint", _given(self.adjoint), (x, rows[j]), row_struct, self.adjoint_why) for j in unique
+        ]
 
         def assemble(r):
             partials = [
@@ -349,14 +353,14 @@ class Runner:
 
         return calls, assemble
 
-    def _job(self, c: _Call) -> _executor.Job:
+    def _job(self, c: _HostCall) -> _executor.Job:
         """The job of `c`, returning `(result, seconds)`, or `(result, timings it gathered)`."""
         if not self.timed:
             return _executor.Job(c.impl, _timing.Gathered(c.fn), c.args)
         dask = self.executor is not None and _executor.is_dask(self.executor)
         return _executor.Job(c.impl, _timing.Timed(c.fn, by_value=dask), c.args)
 
-    def _execute(self, calls: list[_Call]) -> tuple[list, list]:
+    def _execute(self, calls: list[_HostCall]) -> tuple[list, list]:
         """The checked results of `calls`, and the seconds each ran (not timed: the timings
         each gathered)."""
         if not self.vectorized:
@@ -384,7 +388,7 @@ class Runner:
             size = len(members)
             expected = stacked(head.expected, size)
             why = f"{head.why}, with a leading batch axis of length {len(members)} (`vectorized=True`)"
-            grouped.append(_Call(impl, head.fn, args, expected, why))
+            grouped.append(_HostCall(impl, head.fn, args, expected, why))
         jobs = [self._job(c) for c in grouped]
         results = _executor.run(
             self.call, self.executor, self.timeout, jobs, serial=not self.thread_safe, workers=self.workers
@@ -399,7 +403,7 @@ class Runner:
                 seconds[i] = t / len(members) if self.timed else t  # (the examples of one call share its time)
         return out, seconds
 
-    def _observe(self, shapes: tuple, calls: list[_Call], seconds: list) -> None:
+    def _observe(self, shapes: tuple, calls: list[_HostCall], seconds: list) -> None:
         """Feed the estimates one sample of each kind from this request's jobs (see the
         module's docstring)."""
         if not self.timed:  # (what each job gathered, by site and shapes)
@@ -426,7 +430,7 @@ class Runner:
         if least:
             _cost.observe(self.key, shapes, **least)
 
-    def _check(self, c: _Call, r: Any) -> PyTree:
+    def _check(self, c: _HostCall, r: Any) -> PyTree:
         if isinstance(r, StackedRows):  # (a rows function's results stacked: checked so)
             rows = dataclasses.replace(c, expected=stacked(c.expected[0], len(c.expected)))
             return StackedRows(self._check(rows, r.tree))
