@@ -47,7 +47,6 @@ import numpy as np  # noqa: E402
 from _common import describe, fmt, interleaved, load, load_example, machine, median, parser  # noqa: E402
 
 import deferax as dx  # noqa: E402
-from deferax import _runtime  # noqa: E402
 from deferax._plan import _cost  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -160,7 +159,7 @@ def run_case(name: str, loss, x, forced: dict, repeats: int) -> float | None:
     if chosen == ["standard"] and _backward_at_once(plan):
         chosen = [AT_ONCE]
     print(f"--- {name}: {len(plan.sites)} site(s), the default chose {', '.join(chosen)}")
-    for timings in (_runtime.TIMINGS.decided(*site) for site in _runtime.TIMINGS.sites()):
+    for timings in (_cost.TIMINGS.decided(*site) for site in _cost.TIMINGS.sites()):
         shown = ", ".join(f"{k} {fmt(v)}" for k, v in sorted(timings.items()))
         print(f"  timings (least of {_cost.SAMPLES} calls): {shown}")
     estimates = [s.estimates for s in plan.sites]
@@ -178,7 +177,7 @@ def run_case(name: str, loss, x, forced: dict, repeats: int) -> float | None:
         shown = f"estimated {est[side]:.4g}{unit}, " if side in est else ""
         print(f"  {side:17s}: {shown}measured {describe(ts)}")
     if name == "stage":  # (no choice to judge: one stage's cost, from the standard schedule's two)
-        work = sum(v for k, v in _runtime.TIMINGS.decided(*_runtime.TIMINGS.sites()[0]).items() if k in ("fwd", "bwd"))
+        work = sum(v for k, v in _cost.TIMINGS.decided(*_cost.TIMINGS.sites()[0]).items() if k in ("fwd", "bwd"))
         stage = (median(times["standard"]) - work) / 2
         print(
             f"  one stage measured ((standard - fwd - bwd) / 2): {fmt(stage)}; the model's: {fmt(_cost.STAGE_SECONDS)}"

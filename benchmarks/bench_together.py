@@ -37,7 +37,6 @@ import numpy as np  # noqa: E402
 from _common import describe, fmt, interleaved, load, machine, median, parser  # noqa: E402
 
 import deferax as dx  # noqa: E402
-from deferax import _runtime  # noqa: E402
 from deferax._plan import _cost  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -99,7 +98,7 @@ def main():
     plans = {name: dx.explain(losses[name], x) for name in ("in turn", "at once", "default")}
     for name, plan in plans.items():
         print(f"  plan of {name!r}: {len(plan.stages)} expensive stages: {plan.stages}")
-    for timings in (_runtime.TIMINGS.decided(*site) for site in _runtime.TIMINGS.sites()):
+    for timings in (_cost.TIMINGS.decided(*site) for site in _cost.TIMINGS.sites()):
         print("  timings (least of 3 calls): " + ", ".join(f"{k} {fmt(v)}" for k, v in sorted(timings.items())))
     at_once, in_turn, unit = estimates(plans["default"])
     print(f"  the default's estimates: at once {at_once:.4g}{unit}, in turn {in_turn:.4g}{unit}")
