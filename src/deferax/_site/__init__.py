@@ -1,5 +1,6 @@
-"""Each call of an `ExpensiveFn` as one equation: `Spec`, the site primitive, its linear
-partner and the forward-basis primitive with their rules, and the unit tangents of an input.
+"""Each call of an `ExpensiveFn` as one equation: `Spec` (with whether its `bwd` lets a
+`fused` be made), the site primitive, its linear partner and the forward-basis primitive
+with their rules, and the unit tangents of an input.
 
 The rest of deferax imports this package (`from .. import _site`) and reads these names."""
 

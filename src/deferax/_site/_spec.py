@@ -1,5 +1,7 @@
 """What a site equation knows statically (`Spec`), and what its primitives share: their
-names and their batching rule.
+names and their batching rule. Also whether a site's `bwd` lets a `fused` be made from it,
+read from the program of `bwd` (`Spec.why_bwd_blocks_fused`; for a program's sites,
+`bwd_decisions`, which the analysis and the key of the compiled stages read).
 
 A site's function (an `ExpensiveFn`, from the layer above) is held in the `Spec`, typed as
 its interface (`AbstractSiteFunction`, `_function.py`: what the rules, the analysis, the
