@@ -25,6 +25,7 @@ could have been deferred, never the reverse.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -109,7 +110,8 @@ class _Choice:
 
     # ------------------------------------------------------------------ the order of the plan
 
-    def _entries(self):
+    @functools.cached_property
+    def _entries(self) -> list:
         """Every expensive call in program order: (position or None, spec, nested kind or None)."""
         entries = []
         for i, eqn in enumerate(self.program.jaxpr.eqns):
@@ -211,7 +213,7 @@ class _Choice:
         plan = self._plan(ordered, ahead)
         strategies = {
             spec: s.schedule
-            for (_, spec, _), s in zip(self._entries(), plan.sites, strict=True)
+            for (_, spec, _), s in zip(self._entries, plan.sites, strict=True)
             if s.schedule in ("standard", "forward-basis")
         }
         return Analysis(
@@ -422,9 +424,10 @@ class _Choice:
     # ------------------------------------------------------------------ the plan
 
     def _plan(self, schedules, ahead) -> Plan:
-        every = [_nested_schedule(spec, kind) if p is None else schedules[p] for p, spec, kind in self._entries()]
+        entries = self._entries
+        every = [_nested_schedule(spec, kind) if p is None else schedules[p] for p, spec, kind in entries]
         together = {job.position for job in ahead if job.together}
-        at_once = [p is not None and p in together for p, _, _ in self._entries()]
+        at_once = [p is not None and p in together for p, _, _ in entries]
         rows = tuple(job.stage2_row() for job in ahead)
         return Plan.assemble(every, at_once, rows, requested=self.schedule, fallback=self.fallback, where=self.where)
 
