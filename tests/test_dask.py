@@ -272,8 +272,7 @@ def test_sparse_solve_on_a_cluster_with_no_worker_yet_waits_for_one():
     is not given a worker it cannot have), runs on the first worker to come, and the
     backward job follows it there. (Before: `integer modulo by zero` in placing it.)"""
     pytest.importorskip("scipy")
-    _, pattern = helmholtz(6, 9.0)
-    values, _ = helmholtz(6, 9.0)
+    values, pattern = helmholtz(6, 9.0)
     b = jnp.linspace(1.0, 2.0, 36).astype(jnp.complex128)
 
     def loss(v, solve):
