@@ -142,7 +142,8 @@ class SparsePattern:
             data = np.empty_like(values)
             data[inverse] = values
         else:  # (`bincount` sums in the entries' order, as SciPy's conversion does)
-            data = np.bincount(inverse, weights=np.real(values), minlength=indices.size).astype(values.dtype)
+            data = np.bincount(inverse, weights=np.real(values), minlength=indices.size)
+            data = data.astype(values.dtype, copy=False)
             if np.iscomplexobj(values):
                 data += 1j * np.bincount(inverse, weights=np.imag(values), minlength=indices.size)
         matrix = scipy.sparse.csc_matrix((data, indices, indptr), shape=(self.n, self.n), copy=False)

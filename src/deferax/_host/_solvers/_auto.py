@@ -47,12 +47,14 @@ class _Trial:
     """What one pattern's (and dtype's) factorisations measured, in the program that runs them:
     each candidate's factorisation times and solve times (its first factorisation and the
     solves with it left out), those that could not factor a matrix of it (CHOLMOD, on one that
-    was not positive definite), and how many factorisations each has made or is making."""
+    was not positive definite), how many factorisations each has made or is making, and the
+    fastest, once every candidate of a set was measured (`decided`, by the set)."""
 
     factor: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     solve: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     calls: dict[str, int] = dataclasses.field(default_factory=dict)
     failed: set[str] = dataclasses.field(default_factory=set)
+    decided: dict[tuple[str, ...], str] = dataclasses.field(default_factory=dict)  # (`next`'s, once measured)
 
     def seconds(self, name: str) -> float | None:
         """A gradient's worth of `name`'s work: its median factorisation and two median solves
@@ -69,7 +71,10 @@ class _Trial:
 
     def next(self, applicable: tuple[str, ...]) -> str:
         """The candidate to factor with now: one still to be measured (the least tried first),
-        else the fastest."""
+        else the fastest (decided once for `applicable`: no candidate is measured again)."""
+        decided = self.decided.get(applicable)
+        if decided is not None:
+            return decided
         measured = self.measured(applicable)
         best = min(measured.values()) if measured else None
         trying = [
@@ -79,7 +84,10 @@ class _Trial:
         ]
         if trying:
             return min(trying, key=lambda c: self.calls.get(c, 0))
-        return min(measured, key=measured.__getitem__) if measured else applicable[0]
+        if not measured:
+            return applicable[0]
+        self.decided[applicable] = fastest = min(measured, key=measured.__getitem__)
+        return fastest
 
 
 # by (pattern, dtype): what its factorisations measured (`AutoSparseSolver`)
@@ -201,7 +209,10 @@ class AutoSparseSolver(AbstractSparseSolver):
         return min(seconds, key=seconds.__getitem__), seconds
 
 
+@_runtime.cached(maxsize=None)
 def _installed(name: str) -> bool:
+    """Whether the candidate `name`'s library is installed (asked once: `find_spec` took 0.4
+    ms a factorisation; `reset` asks again)."""
     return next(ok for n, _, ok in _CANDIDATES if n == name)()
 
 
