@@ -117,8 +117,8 @@ class _Solve:
         return np.promote_types(self.dtype, least)
 
     def _factor(self, values: np.ndarray) -> Any:
-        bad = ~np.isfinite(values)
-        if bad.any():  # (SuperLU would report a zero pivot, or return NaN without a word)
+        if not np.isfinite(values).all():  # (SuperLU would report a zero pivot, or return NaN without a word)
+            bad = ~np.isfinite(values)
             first = int(np.argmax(bad))
             if self.nonfinite != "raise":
                 why = f"`values` holds {int(bad.sum())} NaN or infinite entries (the first: `values[{first}]`)"
