@@ -453,3 +453,54 @@ def test_sparsax_s_factorisations_are_all_in_the_timeline_under_vmap_over_matric
     made = sparsax.factorization_count() - before
     assert made >= 10 and timeline.counts(steps=True)["factor"] == made
     assert_tree_allclose(got, reference(values), rtol=1e-9, atol=1e-12)
+
+
+def test_the_diagonal_check_agrees_with_the_dense_diagonal():
+    """`positive_diagonal` finds the stored diagonal once a pattern: each matrix is checked
+    against its dense diagonal, on one pattern with changing values (a negative entry, an
+    explicit zero, duplicates that sum positive) and on one missing a diagonal entry."""
+    from deferax._host._solvers import _cholmod
+
+    values, pattern, _ = spd()
+    diagonal = np.flatnonzero(pattern.rows == pattern.cols)
+    cases = {"as made": np.asarray(values)}
+    for name, k, v in (("one negative", 3, -1.0), ("an explicit zero", 5, 0.0), ("a tiny positive", 7, 1e-300)):
+        changed = np.asarray(values).copy()
+        at = diagonal[pattern.rows[diagonal] == k]
+        changed[at] = 0.0
+        changed[at[0]] = v
+        cases[name] = changed
+    dup = np.asarray(values).copy()  # (two entries at `(2, 2)`, -1 and 3: their sum is positive)
+    at = np.flatnonzero((pattern.rows == 2) & (pattern.cols == 2))
+    dup[at] = 0.0
+    dup[at[0]], dup[at[-1]] = -1.0, 3.0
+    assert at.size >= 2
+    cases["duplicates summing positive"] = dup
+    for name, v in cases.items():
+        matrix = pattern._csc(v)
+        assert _cholmod.positive_diagonal(matrix) == bool((matrix.toarray().diagonal() > 0).all()), name
+    assert not _cholmod.positive_diagonal(pattern._csc(cases["one negative"]))
+    assert _cholmod.positive_diagonal(pattern._csc(dup))
+    missing = scipy.sparse.csc_matrix(np.array([[2.0, 1.0, 0.0], [1.0, 0.0, 1.0], [0.0, 1.0, 2.0]]))
+    missing.eliminate_zeros()
+    assert missing[1, 1] == 0 and not _cholmod.positive_diagonal(missing)
+
+
+def test_the_automatic_choice_is_the_fastest_measured_and_kept():
+    """`_Trial.next`: each candidate measured in turn, then the one whose median factorisation
+    and two median solves are least (computed here from the times), kept for its set of
+    candidates; another set (CHOLMOD failed) is decided on its own."""
+    from deferax._host._solvers._auto import _CALLS, _Trial
+
+    trial = _Trial()
+    among = ("A", "B", "C")
+    times = {"A": ([0.30, 0.10], [0.02, 0.02]), "B": ([0.12, 0.20], [0.01, 0.03]), "C": ([0.15, 0.16], [0.001])}
+    for c, (factor, solve) in times.items():
+        trial.factor[c], trial.solve[c], trial.calls[c] = list(factor), list(solve), _CALLS
+    want = min(among, key=lambda c: np.median(times[c][0]) + 2 * np.median(times[c][1]))
+    assert want == "C" and trial.next(among) == "C"
+    trial.factor["C"] += [10.0, 10.0]  # (later times, which would make B the fastest, change nothing: kept)
+    assert trial.next(among) == "C" and trial.decided == {among: "C"}
+    assert trial.next(("A", "B")) == min(("A", "B"), key=lambda c: np.median(times[c][0]) + 2 * np.median(times[c][1]))
+    fresh = _Trial()
+    assert fresh.next(among) == "A" and not fresh.decided  # (none measured: the first is tried, nothing decided)
