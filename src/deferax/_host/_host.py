@@ -61,12 +61,15 @@ def _identity(x: PyTree, y: PyTree, partial: PyTree) -> PyTree:
 class _Host(eqx.Module):
     """A host `ExpensiveFn`'s implementations, as JAX functions: each leaves the program
     through one `jax.pure_callback` (or calls the host functions directly when its
-    arguments are concrete arrays)."""
+    arguments are concrete arrays). With `partials` (`with_partials`), `bwd`, `fused` and
+    `fused_batch` return what `adjoint` would (`adjoint_out`), and `combine` makes `ct_x` of
+    it inside the program."""
 
     runner: Runner = eqx.field(static=True)
     combine: Callable[..., Any]
     out: Any = eqx.field(static=True)  # (declared structures: configuration, as `ExpensiveFn.out`)
     adjoint_out: Any = eqx.field(static=True)
+    partials: bool = eqx.field(static=True, default=False)
 
     def _out(self, x: PyTree) -> PyTree:
         declared = self.out(structs(x)) if callable(self.out) else self.out
@@ -108,17 +111,27 @@ class _Host(eqx.Module):
             return partial
         return _checks.checked_ct_x(self.runner.call, "combine", self.combine(x, y, partial), x)
 
+    def _reverse_out(self, x: PyTree) -> PyTree:
+        """The structure of what `bwd` and `fused` return besides `y`: `ct_x`, or with
+        `partials` the adjoint's result."""
+        return self._adjoint_out(x) if self.partials else structs(_raw(x))
+
+    def _reverse(self, x: PyTree, y: PyTree, result: PyTree) -> PyTree:
+        """`ct_x` from what `bwd` or `fused` returned besides `y`."""
+        return self._combine(x, y, result) if self.partials else result
+
     def fwd(self, x: PyTree) -> PyTree:
         return self._run("fwd", (x,), self._out(x))
 
     def bwd(self, x: PyTree, y: PyTree, ct_y: PyTree) -> PyTree:
         if self.runner.adjoint is not None:
             return self._combine(x, y, self._run("adjoint", (x, ct_y), self._adjoint_out(x)))
-        return self._run("bwd", (x, y, ct_y), structs(_raw(x)))
+        return self._reverse(x, y, self._run("bwd", (x, y, ct_y), self._reverse_out(x)))
 
     def fused(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
         if self.runner.fused is not None:
-            return self._run("fused", (x, ct_y), (self._out(x), structs(_raw(x))))
+            y, result = self._run("fused", (x, ct_y), (self._out(x), self._reverse_out(x)))
+            return y, self._reverse(x, y, result)
         y, partial = self._run("fwd+adjoint", (x, ct_y), (self._out(x), self._adjoint_out(x)))
         return y, self._combine(x, y, partial)
 
@@ -139,7 +152,10 @@ class _Host(eqx.Module):
             y, partials = self._run("fwd+adjoints", (x, cts), (self._out(x), stacked(self._adjoint_out(x), k)))
             return y, jax.vmap(ft.partial(self._combine, x, y))(partials)
         kind = "fused_batch" if self.runner.fused_batch is not None else "fused*k"
-        return self._run(kind, (x, cts), (self._out(x), stacked(structs(_raw(x)), k)))
+        y, results = self._run(kind, (x, cts), (self._out(x), stacked(self._reverse_out(x), k)))
+        if not self.partials:
+            return y, results
+        return y, jax.vmap(ft.partial(self._combine, x, y))(results)
 
 
 _METHODS = {
@@ -403,6 +419,19 @@ def timing_its_own(fn: ExpensiveFn, key: Any, **hooks: Any) -> ExpensiveFn:
     what they observe, and each request feeds it to the estimates as one sample. `hooks`:
     the runner's `scope`, `adopt` and `rows` (see `Runner`)."""
     return _with_runner(fn, timed=False, key=key, **hooks)
+
+
+def with_partials(fn: ExpensiveFn, combine: Callable[..., Any], adjoint_out: Any) -> ExpensiveFn:
+    """`fn`, made by `host` with `bwd` or `fused` (and no `adjoint`), whose host functions
+    return the adjoint's result `partial` (structured as `adjoint_out` declares) in place of
+    `ct_x`, and `combine(x, y, partial) -> ct_x`, a JAX function, makes the cotangent inside
+    the program, as for `adjoint`. For a cotangent much larger than the adjoint's result,
+    cheaper made there than sent back: `dx.sparse_solve`'s `lam` against `ct_values`."""
+    impls = _implementations(fn)
+    h = next(iter(impls.values())).host
+    assert h.runner.adjoint is None, "with `adjoint`, `combine` applies to its result already"
+    h = dataclasses.replace(h, combine=combine, adjoint_out=adjoint_out, partials=True)
+    return dataclasses.replace(fn, **{impl: HostImplementation(h, impl) for impl in impls})
 
 
 def on_executor(fn: ExpensiveFn, executor: Any) -> ExpensiveFn:

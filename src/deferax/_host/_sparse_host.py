@@ -1,7 +1,9 @@
 """`_Solve`: the host functions of one sparse solve (`fwd`, `bwd`, `fused`, `jvp` and their
 batches), NumPy in and out, which factor the matrix once per call with the solver and keep the
 forward's factorisation for the backward pass in the store (`_factorisations.FACTORISATIONS`).
-The derivatives they compute are in `_sparse_solve`'s docstring."""
+The derivatives they compute are in `_sparse_solve`'s docstring. The reverse ones return the
+adjoint `lam` (`partial`, in `partial_dtype`), from which `_sparse_solve`'s `combine` makes the
+cotangents of the entries and of `b` inside the program."""
 
 from __future__ import annotations
 
@@ -109,6 +111,9 @@ class _Solve:
     # Whether the matrix is taken as symmetric without a check (`dx.sparse_solve`'s
     # `symmetric`): the adjoint solves with `A` itself, as a library that assumes it does.
     symmetric: bool = False
+    # Whether the program that calls the host functions has `jax_enable_x64` on (they may run
+    # in a process where it is off): the dtypes it can hold.
+    x64: bool = True
 
     @property
     def work(self) -> np.dtype:
@@ -229,18 +234,14 @@ class _Solve:
         _cost.observe(self, self._shapes, **dict.fromkeys(kinds, per_rhs))
         return np.asarray(out, self.work).T if rhs.ndim == 2 else np.asarray(out, self.work)
 
-    def _cotangents(self, x: tuple, y: np.ndarray, lam: np.ndarray) -> tuple:
-        """`(ct_values, ct_b)` from `lam = A^-T ct_y` (one, or `k` stacked; `y` one, or as many
-        stacked)."""
-        values, b = x
-        if y.ndim == 2 and y.strides[0] == 0:  # (one solution for every row, broadcast: `jax.jacrev`)
-            y = y[0]
-        # (`np.take`, and `y` negated before it is gathered: a third of the time of `-y[..., cols]`,
-        # 1.7 against 5.5 ms on the 180 x 60 beam's 689,505 entries)
-        minus_y = np.take(np.negative(y), self.pattern.cols, axis=-1)
-        ct_values = np.take(lam, self.pattern.rows, axis=-1).astype(np.result_type(lam, minus_y), copy=False)
-        np.multiply(ct_values, minus_y, out=ct_values)  # (in place: `k` rows of `nnz` entries)
-        return _like(ct_values, values.dtype), _like(lam, b.dtype)
+    @property
+    def partial_dtype(self) -> np.dtype:
+        """The dtype of the adjoint `lam` the reverse functions return: `work` where the
+        program can hold it (`x64`), else the solution's."""
+        return self.work if self.x64 else np.dtype(self.dtype)
+
+    def _partial(self, lam: np.ndarray) -> np.ndarray:
+        return np.asarray(lam, self.partial_dtype)
 
     def _product(self, t_values: np.ndarray, y: np.ndarray) -> np.ndarray:
         """`dA y` for the entries' tangent `t_values` (one, or `k` stacked; `y` broadcast against it)."""
@@ -269,10 +270,9 @@ class _Solve:
         lu = self._acquire(values, users=len(bs))
         return StackedRows(self._solve(lu, bs, False).astype(self.dtype))
 
-    def bwd(self, x: tuple, y: np.ndarray, ct_y: np.ndarray) -> tuple:
+    def bwd(self, x: tuple, y: np.ndarray, ct_y: np.ndarray) -> np.ndarray:
         values, b = x
-        ct_values, ct_b = self.bwd_rows((values, b[None]), y[None], ct_y[None]).tree
-        return ct_values[0], ct_b[0]
+        return self.bwd_rows((values, b[None]), y[None], ct_y[None]).tree[0]
 
     def bwd_rows(self, x: tuple, ys: np.ndarray, cts: np.ndarray) -> StackedRows:
         values, bs = x
@@ -283,7 +283,7 @@ class _Solve:
         else:
             lu = self._acquire(values, users=rows)  # a user a row until `request` ends
             lams = self._adjoints(lu, x, ys, cts[:, None])
-        return StackedRows(self._cotangents((values, bs), ys, lams[:, 0]))  # (all rows at once)
+        return StackedRows(self._partial(lams[:, 0]))  # (all rows at once)
 
     def _adjoints(self, lu: Any, x: tuple, ys: np.ndarray, cts: np.ndarray) -> np.ndarray:
         """`lam = A^-T ct` for each row `ct` of `cts[i]` (`i`: a row of the batch, with its
@@ -402,11 +402,11 @@ class _Solve:
             FACTORISATIONS.lease(self._key(args[0][0]), out)
 
     def fused(self, x: tuple, ct_y: np.ndarray) -> tuple:
-        y, ct_xs = self.fused_batch(x, ct_y[None])
-        return y, tuple(c[0] for c in ct_xs)
+        y, lams = self.fused_batch(x, ct_y[None])
+        return y, lams[0]
 
     def fused_rows(self, x: tuple, cts: np.ndarray) -> list:
-        return [(y, tuple(c[0] for c in ct_xs)) for y, ct_xs in self.fused_batch_rows(x, cts[:, None])]
+        return [(y, lams[0]) for y, lams in self.fused_batch_rows(x, cts[:, None])]
 
     def fused_batch(self, x: tuple, cts: np.ndarray) -> tuple:
         values, b = x
@@ -426,8 +426,7 @@ class _Solve:
             else:
                 ys = self._solve(lu, bs, False)
                 lams = self._adjoints(lu, x, ys, cts)
-        rows = zip(bs, ys, lams, strict=True)
-        return [(y.astype(self.dtype), self._cotangents((values, b), y, lam)) for b, y, lam in rows]
+        return [(y.astype(self.dtype), self._partial(lam)) for y, lam in zip(ys, lams, strict=True)]
 
     def jvp(self, x: tuple, t_x: tuple) -> tuple:
         y, t_ys = self.jvp_batch(x, tuple(t[None] for t in t_x))
@@ -470,8 +469,3 @@ def _stack(*a: np.ndarray) -> np.ndarray:
 
 def _first_line(e: BaseException) -> str:
     return str(e).split("\n", 1)[0].rstrip(".")
-
-
-def _like(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """`a` as a cotangent of dtype `dtype`: its real part for a real one."""
-    return np.asarray(a if np.issubdtype(dtype, np.complexfloating) else np.real(a), dtype)

@@ -151,6 +151,18 @@ class SparsePattern:
         matrix.has_canonical_format = True
         return matrix
 
+    def _indices32(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(rows, cols)` as int32 (read-only; int64 past int32's range), as a program gathers
+        with them: half the bytes, and no int64 where `jax_enable_x64` is off. Made once per
+        pattern."""
+        if "_gathered_by" not in self.__dict__:
+            index = np.int32 if self.n <= np.iinfo(np.int32).max else np.int64
+            found = (self.rows.astype(index), self.cols.astype(index))
+            for a in found:
+                a.setflags(write=False)
+            object.__setattr__(self, "_gathered_by", found)
+        return self.__dict__["_gathered_by"]
+
     @classmethod
     def from_scipy(cls, matrix: Any) -> tuple[np.ndarray, SparsePattern]:
         """`(values, pattern)` of a square SciPy sparse matrix (any format), in COO order."""

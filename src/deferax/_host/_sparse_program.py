@@ -77,7 +77,7 @@ def _solver(pattern: SparsePattern, trans: int):
     under `vmap` over `r` alone, one solve of the right-hand sides as columns. One a pattern
     (the same function in every trace: the eager cache finds its programs again)."""
     sparsax = _sparsax.module()
-    rows, cols = np.asarray(pattern.rows, np.int32), np.asarray(pattern.cols, np.int32)
+    rows, cols = pattern._indices32()
 
     @jax.custom_batching.custom_vmap
     def one(v, r):
