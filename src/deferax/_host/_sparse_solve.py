@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools as ft
 import importlib.util
 from typing import Any
 
@@ -87,9 +88,15 @@ class _Cotangents:
 
     def __call__(self, x: tuple, y: jax.Array, lam: jax.Array) -> tuple:
         values, b = x
-        rows, cols = self.pattern._indices32()
-        ct_values = -lam[rows] * y.astype(lam.dtype)[cols]
-        return _like(ct_values, values.dtype), _like(lam, b.dtype)
+        return _cotangents(self.pattern, np.dtype(values.dtype), np.dtype(b.dtype), y, lam)
+
+
+# (one compiled program a pattern and dtypes: one dispatch eagerly, rather than one an operation)
+@ft.partial(jax.jit, static_argnums=(0, 1, 2))
+def _cotangents(pattern: SparsePattern, values_dtype: np.dtype, b_dtype: np.dtype, y: jax.Array, lam: jax.Array):
+    rows, cols = pattern._indices32()
+    ct_values = -lam[rows] * y.astype(lam.dtype)[cols]
+    return _like(ct_values, values_dtype), _like(lam, b_dtype)
 
 
 def _like(a: jax.Array, dtype: Any) -> jax.Array:
