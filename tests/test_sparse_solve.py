@@ -650,3 +650,31 @@ def test_a_lease_ending_inside_the_stores_lock_does_not_deadlock():
     worker.join(timeout=10)
     assert not worker.is_alive(), "the store deadlocked"
     assert sizes == [1, 0]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("loss_name", ["linear", "overlap", "power"])
+def test_the_host_sends_back_the_adjoint_and_the_program_makes_the_entries_cotangents(monkeypatch, loss_name, jit):
+    """The reverse host functions return `lam` (`n` numbers a cotangent), never the `nnz`
+    cotangents of the entries, which the program gathers from it: on every schedule, with the
+    gradient a dense solve gives."""
+    from deferax._host._sparse_host import _Solve
+
+    values, pattern, b = COMPLEX
+    sent = []
+    for name in ("bwd_rows", "fused_batch_rows"):
+        original = getattr(_Solve, name)
+
+        def recording(self, *args, _original=original):
+            out = _original(self, *args)
+            sent.extend(jax.tree.leaves(out.tree if hasattr(out, "tree") else [lam for _, lam in out]))
+            return out
+
+        monkeypatch.setattr(_Solve, name, recording)
+    loss, _ = make_losses(sparse(pattern))[loss_name]
+    got = run(loss, (values, b), jit=jit)
+    want = jax.value_and_grad(make_losses(dense(pattern))[loss_name][0])((values, b))
+    assert_tree_allclose(got, want, rtol=1e-9, atol=1e-12)
+    assert sent and all(a.shape[-1] == pattern.n for a in sent), [a.shape for a in sent]
+    assert pattern.nnz not in {a.shape[-1] for a in sent} and pattern.nnz != pattern.n
+    assert all(a.dtype == np.complex128 for a in sent)
