@@ -111,7 +111,8 @@ def cholesky(matrix: Any, library: str = "auto") -> Any:
         raise ValueError(
             f"`dx.Cholmod`: CHOLMOD is called with 32-bit indices, and this matrix has {matrix.nnz} entries."
         )
-    entries = _fill.estimated_entries(matrix, cholesky=True)[0]
+    # (the upper triangle's entries, diagonal included, as many as the lower's: `factor` checked the symmetry)
+    entries = _fill.estimated_entries(matrix, triangle=_upper(matrix)[0].size)[0]
     # (cholespy raises ValueError "Matrix is not positive definite!", sparsax RuntimeError "... not positive definite")
     try:
         if library == "sparsax":

@@ -112,7 +112,7 @@ class KLU(AbstractSparseSolver):
             if "singular" not in str(e):
                 raise
             raise np.linalg.LinAlgError(_SINGULAR.format(solver="KLU", why=f"a zero pivot ({e})")) from None
-        return _Factors(symbolic, numeric, work, dtype, _fill.estimated_entries(matrix, cholesky=False)[0])
+        return _Factors(symbolic, numeric, work, dtype, _fill.estimated_entries(matrix)[0])
 
     def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
         klujax = _klujax()
