@@ -87,16 +87,16 @@ class _Cotangents:
     pattern: SparsePattern
 
     def __call__(self, x: tuple, y: jax.Array, lam: jax.Array) -> tuple:
-        values, b = x
-        return _cotangents(self.pattern, np.dtype(values.dtype), np.dtype(b.dtype), y, lam)
+        return _cotangents(self.pattern, x, y, lam)
 
 
 # (one compiled program a pattern and dtypes: one dispatch eagerly, rather than one an operation)
-@ft.partial(jax.jit, static_argnums=(0, 1, 2))
-def _cotangents(pattern: SparsePattern, values_dtype: np.dtype, b_dtype: np.dtype, y: jax.Array, lam: jax.Array):
+@ft.partial(jax.jit, static_argnums=0)
+def _cotangents(pattern: SparsePattern, x: tuple, y: jax.Array, lam: jax.Array) -> tuple:
+    values, b = x
     rows, cols = pattern._indices32()
     ct_values = -lam[rows] * y.astype(lam.dtype)[cols]
-    return _like(ct_values, values_dtype), _like(lam, b_dtype)
+    return _like(ct_values, values.dtype), _like(lam, b.dtype)
 
 
 def _like(a: jax.Array, dtype: Any) -> jax.Array:
