@@ -97,7 +97,8 @@ def positive_diagonal(matrix: Any) -> bool:
     """Whether each diagonal entry of the canonical CSC `matrix` is positive: necessary for
     positive definiteness, and checked before a Cholesky factorisation is tried (CHOLMOD
     reports its failure on stdout). Its stored diagonal entries are found once a pattern
-    (`_upper`): 0.02 against 0.35 ms for `matrix.diagonal()` on the 180 x 60 beam."""
+    (`_upper`): 0.15-0.19 ms in a job on the 180 x 60 beam, against 0.35 ms for
+    `matrix.diagonal()` alone."""
     diagonal = _upper(matrix)[3]
     return diagonal.size == matrix.shape[0] and bool((matrix.data[diagonal] > 0).all())
 
