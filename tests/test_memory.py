@@ -399,16 +399,17 @@ def test_a_call_outside_any_transformation_keeps_nothing(vmapped):
 
 def test_matrices_whose_entries_hash_alike_keep_their_own_factorisations():
     """A factorisation's key hashes the entries' 64-bit words by their sum and exclusive or:
-    entries in another order hash alike, and are told apart by their bytes. Two such matrices
+    entries in another order hash alike, and are told apart by their words. Two such matrices
     in one gradient: each solved with its own factorisation, against a dense solve."""
     from deferax._host._sparse_host import _Entries
 
     values, pattern = operator(6, 0.3)
     reordered = values[::-1]
-    a, b, again = (_Entries(np.asarray(v).tobytes()) for v in (values, reordered, values))
+    a, b, again = (_Entries(np.array(v)) for v in (values, reordered, values))
     assert hash(a) == hash(b) and a != b
-    assert a == again and again.data is a.data  # (equal keys: the bytes compared once, then shared)
-    assert _Entries((-0.0 * np.ones(3)).tobytes()) != _Entries(np.zeros(3).tobytes())  # (bit for bit, as before)
+    assert a == again and again.words is a.words  # (equal keys: the words compared once, then shared)
+    assert _Entries(-0.0 * np.ones(3)) != _Entries(np.zeros(3))  # (bit for bit, as before)
+    assert _Entries(np.ones(3, np.float32)) != _Entries(np.ones(2, np.float32))  # (12 and 8 bytes: words of a byte)
     rhs = jnp.linspace(1.0, 2.0, pattern.n)
 
     def loss(v, w, solve):
