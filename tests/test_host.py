@@ -940,6 +940,49 @@ def test_linear_adjoint_recognises_multiples_and_zeros():
     assert unique == [0, 1, 3]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
+def test_two_rows_taken_apart_early_get_what_the_whole_comparison_gives(monkeypatch, dtype):
+    """Two rows (a sparse solve's `b` and its cotangent) that their first entries show are no
+    multiple of each other skip the whole comparison (`_apart`): on every pair below the answer
+    is the whole comparison's, and the early answer fires on the pairs that are apart."""
+    from deferax._host import _runner
+
+    rng = np.random.default_rng(0)
+    complex_ = np.issubdtype(dtype, np.complexfloating)
+
+    def draw(n=100):
+        return (rng.normal(size=n) + (1j * rng.normal(size=n) if complex_ else 0)).astype(dtype)
+
+    u, w = draw(), draw()
+    same_start = u.copy()
+    same_start[_runner._SAMPLE :] = w[_runner._SAMPLE :]  # (a multiple on the entries read early only)
+    late = np.zeros_like(u)
+    late[_runner._SAMPLE :] = w[_runner._SAMPLE :]  # (zero where read early)
+    eps = np.finfo(dtype).eps
+    pairs = {
+        "random": ([u, w], True),
+        "multiple": ([u, (-2.5 * u).astype(dtype)], False),
+        "rounded multiple": ([u, (u * (1 + 10 * eps * rng.normal(size=u.size))).astype(dtype)], False),
+        "imaginary multiple": ([u, (1j * u).astype(dtype) if complex_ else -u], False),
+        "zero first": ([np.zeros_like(u), w], False),
+        "zero second": ([u, np.zeros_like(u)], False),
+        "NaN": ([u, np.where(np.arange(u.size) == 3, np.nan, w).astype(dtype)], None),
+        "inf": ([np.where(np.arange(u.size) == 0, np.inf, u).astype(dtype), w], None),
+        "alike early": ([u, same_start], False),
+        "zero early": ([u, late], False),
+    }
+    for result in (dtype, np.float64):
+        struct = jax.ShapeDtypeStruct((u.size,), result)
+        for name, (rows, apart) in pairs.items():
+            got = _runner._multiples(rows, struct)
+            with monkeypatch.context() as m:
+                m.setattr(_runner, "_apart", lambda u, v: False)
+                whole = _runner._multiples(rows, struct)
+            assert got == whole, (name, result)
+            if apart is not None:
+                assert _runner._apart(*rows) is apart, name
+
+
 def test_wrong_out_is_reported_not_the_adjoint_it_broke():
     """`fwd` returns 3 numbers where `out=` declares 4; the adjoint, given a cotangent of the
     declared 4, fails on its own. The message names the real mistake: `fwd` against `out=`."""
