@@ -199,6 +199,38 @@ def test_an_indefinite_symmetric_matrix_gets_an_lu_and_the_right_answer(capfd, m
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_matrix_symmetric_but_for_one_entry_never_reaches_cholmod(monkeypatch, jit):
+    """Once CHOLMOD is the pattern's choice, a matrix of it that is symmetric but for one
+    off-diagonal entry (0.1 % off its mirror, still positive definite) is factored by an LU:
+    CHOLMOD reads one triangle (sparsax's own solve does, and answers for the symmetric
+    matrix of its upper triangle). Value and gradient against a dense solve, eagerly and under
+    `jit`, on the standard and the deferred schedule."""
+    from deferax._host._solvers import _auto
+
+    values, pattern, b = spd(m=30)
+    solver = dx.AutoSparseSolver()
+    for i in range(10):  # (each candidate measured, then the fastest: a CHOLMOD, at this size)
+        dx.sparse_solve(values * (1.0 + 0.01 * i), pattern, b, solver=solver)
+    assert solver.chosen(pattern)[0].startswith("CHOLMOD")
+    off = int(np.flatnonzero(pattern.rows < pattern.cols)[7])  # (one of the two entries at its position)
+    nearly = values.at[off].multiply(1.002)
+    matrix = pattern._csc(np.asarray(nearly)).toarray()
+    assert not np.array_equal(matrix, matrix.T) and np.linalg.eigvalsh((matrix + matrix.T) / 2).min() > 0
+    used = []
+    factor = _auto._factor
+    monkeypatch.setattr(_auto, "_factor", lambda name, matrix: used.append(name) or factor(name, matrix))
+    for name, loss in losses(lambda v, b: dx.sparse_solve(v, pattern, b, solver=solver), b).items():
+        reference = losses(lambda v, b: jnp.linalg.solve(pattern.todense(v), b), b)[name]
+        fn = dx.filter_value_and_grad(loss)
+        got = (jax.jit(fn) if jit else fn)(nearly, b)
+        want = jax.value_and_grad(reference, argnums=(0, 1))(nearly, b)
+        assert_tree_allclose(got, (want[0], want[1][0]), rtol=1e-9, atol=1e-11)
+    assert used and not any(u.startswith("CHOLMOD") for u in used)
+    upper = np.triu(matrix) + np.triu(matrix, 1).T  # (what one triangle says: 1e-4 off, seen by the check above)
+    assert np.abs(np.linalg.solve(upper, b) - np.linalg.solve(matrix, b)).max() > 1e-6
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_an_spd_matrix_gets_the_fastest_of_cholmod_and_superlu_one_factorisation_a_call(jit):
     values, pattern, b = spd(m=30)
     solver = dx.AutoSparseSolver()
