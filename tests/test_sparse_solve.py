@@ -171,10 +171,11 @@ def test_standard_schedule_under_jax_grad_reuses_the_forward_factorisation():
 
 
 @pytest.mark.parametrize("how", ["dx", "dx+jit", "jax.grad+jit"])
-def test_each_request_hashes_the_entries_once(monkeypatch, how):
+def test_each_request_hashes_the_entries_once_and_views_them(monkeypatch, how):
     """The key of a matrix's factorisation (a hash of its entries) is made once a
     host request: the jobs find the key their request made. A standard schedule's two
-    requests make two; an eager forward's output takes a third (its lease). Values and
+    requests make two; an eager forward's output takes a third (its lease). Each keeps the
+    memory of the JAX array its entries came in (no copy: nothing can write to it). Values and
     gradients against a dense solve."""
     from deferax._host import _sparse_host
 
@@ -182,9 +183,9 @@ def test_each_request_hashes_the_entries_once(monkeypatch, how):
     made = []
     init = _sparse_host._Entries.__init__
 
-    def counted(self, values):
-        made.append(len(values))
+    def kept(self, values):
         init(self, values)
+        made.append(self)
 
     loss, _ = make_losses(sparse(pattern, Tally()))["power"]
     reference, _ = make_losses(dense(pattern))["power"]
@@ -194,47 +195,27 @@ def test_each_request_hashes_the_entries_once(monkeypatch, how):
         "jax.grad+jit": jax.jit(jax.value_and_grad(loss)),
     }[how]
     fn((values, b))  # (traced and compiled)
-    monkeypatch.setattr(_sparse_host._Entries, "__init__", counted)
+    monkeypatch.setattr(_sparse_host._Entries, "__init__", kept)
     got = fn((values * 1.5, b))
     assert len(made) == (3 if how == "dx" else 2)
+    assert all(_sparse_host._frozen(key.words) for key in made)
     assert_tree_allclose(got, jax.value_and_grad(reference)((values * 1.5, b)), rtol=1e-11, atol=1e-12)
     assert not _factorisations.FACTORISATIONS._requested  # (each request's keys are forgotten when it ends)
 
 
-@pytest.mark.parametrize("how", ["dx", "dx+jit", "jax.grad+jit"])
-def test_a_key_views_the_entries_of_a_jax_array_and_copies_any_other(monkeypatch, how):
-    """A key keeps the memory of the JAX array its entries came in (no copy: nothing can write
-    to it), on every schedule, eagerly and under `jit`; entries in a NumPy array that can be
-    written to are copied: changed in place afterwards, the key still holds the entries it was
-    made of. Values and gradients against a dense solve."""
+def test_a_key_copies_entries_that_can_be_written_to():
+    """Entries in a NumPy array that can be written to (a process pool's, unpickled) are
+    copied: changed in place afterwards, the key still holds the entries it was made of."""
     from deferax._host import _sparse_host
 
-    values, pattern, b = COMPLEX
-    keys = []
-    init = _sparse_host._Entries.__init__
-
-    def kept(self, values):
-        init(self, values)
-        keys.append(self)
-
-    loss, _ = make_losses(sparse(pattern, Tally()))["power"]
-    reference, _ = make_losses(dense(pattern))["power"]
-    fn = {
-        "dx": dx.filter_value_and_grad(loss),
-        "dx+jit": jax.jit(dx.filter_value_and_grad(loss)),
-        "jax.grad+jit": jax.jit(jax.value_and_grad(loss)),
-    }[how]
-    monkeypatch.setattr(_sparse_host._Entries, "__init__", kept)
-    got = fn((values * 1.5, b))
-    assert keys and all(_sparse_host._frozen(key.words) for key in keys)
-    assert_tree_allclose(got, jax.value_and_grad(reference)((values * 1.5, b)), rtol=1e-11, atol=1e-12)
-
+    values, _, _ = COMPLEX
     writable = np.array(values)
     key = _sparse_host._Entries(writable)
     assert not _sparse_host._frozen(key.words) and not _sparse_host._frozen(writable[1:])
     before = _sparse_host._Entries(np.array(values))
     writable[0] += 1.0
     assert key == before and key != _sparse_host._Entries(writable)
+    assert _sparse_host._frozen(np.asarray(values)[1:]) and not _sparse_host._frozen(np.asarray(values).copy())
 
 
 def test_a_dropped_factorisation_is_made_again():
