@@ -74,7 +74,8 @@ def _multiples(rows: list, partial_struct: PyTree) -> tuple[list[tuple[int | Non
     `(None, 0)` for a zero row) and `unique` (the indices of the rows that must be solved).
     A complex multiple is used only if every leaf of the adjoint's result is complex.
     """
-    if len(rows) == 2 and _apart(*(jtu.tree_leaves(row)[0] for row in rows)):
+    firsts = [leaves[0] for leaves in map(jtu.tree_leaves, rows) if leaves]
+    if len(rows) == len(firsts) == 2 and _apart(*firsts):
         return [(0, 1.0), (1, 1.0)], [0, 1]  # (what the test below finds for them, in a fraction of its time)
     complex_ok = all(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in jtu.tree_leaves(partial_struct))
     recipe: list[tuple[int | None, Any]] = []
@@ -137,8 +138,8 @@ def _apart(u: np.ndarray, v: np.ndarray) -> bool:
     """Whether `v` is surely not a multiple of `u`, nor `u` of `v`, nor either zero, from
     their first `_SAMPLE` entries: two entries `i`, `j` with `v_i u_j` and `u_i v_j` far apart.
     False says nothing (`_multiples` then compares the whole rows). On a sparse solve's `b`
-    and one cotangent of 22,500 entries it took a fraction of the 0.6 ms (real) and 1.2 ms
-    (complex) of the whole comparison, in the job of each gradient whose cotangent is not a
+    and one cotangent of 22,500 entries it took 0.02 ms, against 0.6 ms (real) and 1.2 ms
+    (complex) for the whole comparison, in the job of each gradient whose cotangent is not a
     multiple of `b`."""
     u, v = np.ravel(u)[:_SAMPLE], np.ravel(v)[:_SAMPLE]
     with np.errstate(all="ignore"):  # (NaN and infinity compare False: such rows are compared whole)
