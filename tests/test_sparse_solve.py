@@ -205,7 +205,9 @@ def test_each_request_hashes_the_entries_once_and_views_them(monkeypatch, how):
 
 def test_a_key_copies_entries_that_can_be_written_to():
     """Entries in a NumPy array that can be written to (a process pool's, unpickled) are
-    copied: changed in place afterwards, the key still holds the entries it was made of."""
+    copied: changed in place afterwards, the key still holds the entries it was made of. So
+    is part of a JAX array (a row of a batch of matrices under `vmap`), whose key would keep
+    the whole batch alive; a broadcast row (`vmap` over `b` alone) is viewed."""
     from deferax._host import _sparse_host
 
     values, _, _ = COMPLEX
@@ -215,7 +217,10 @@ def test_a_key_copies_entries_that_can_be_written_to():
     before = _sparse_host._Entries(np.array(values))
     writable[0] += 1.0
     assert key == before and key != _sparse_host._Entries(writable)
-    assert _sparse_host._frozen(np.asarray(values)[1:]) and not _sparse_host._frozen(np.asarray(values).copy())
+    assert not _sparse_host._frozen(np.asarray(values).copy()) and not _sparse_host._frozen(np.asarray(values)[1:])
+    one, batch = np.asarray(jnp.ones((1, 4))), np.asarray(jnp.ones((3, 4)))
+    assert _sparse_host._frozen(one[0]) and _sparse_host._frozen(np.broadcast_to(one, (3, 4))[2])  # (`vmap` over `b`)
+    assert not _sparse_host._frozen(batch[1])  # (a row of a batch of matrices: copied, not the batch kept alive)
 
 
 def test_a_dropped_factorisation_is_made_again():

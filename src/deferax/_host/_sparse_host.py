@@ -57,12 +57,12 @@ class _Entries:
 
     The words are the entries' own memory where it is a JAX array's (`_frozen`: what a host
     callback and an eager call receive), which nothing can change and the key keeps alive;
-    else a copy. A copy of the 180 x 60 beam's 5.5 MB took 0.45 ms alone; in its jitted
-    gradient a key took 1.8 ms with the copy and 0.9 ms without (two keys a gradient on the
-    standard schedule). Two equal keys
-    compare the words once and then share them, so a key looked up again (the store's every
-    step of a job finds the forward's key) compares by identity: each comparison of the
-    beam's entries took 0.5 ms, five of them a backward job."""
+    else a copy (also of a row of a batch of matrices, which would keep the batch alive). A
+    copy of the 180 x 60 beam's 5.5 MB took 0.45 ms alone; in its jitted gradient a key took
+    1.8 ms with the copy and 0.9 ms without (two keys a gradient on the standard schedule).
+    Two equal keys compare the words once and then share them, so a key looked up again (the
+    store's every step of a job finds the forward's key) compares by identity: each
+    comparison of the beam's entries took 0.5 ms, five of them a backward job."""
 
     __slots__ = ("words", "_hash")
 
@@ -90,14 +90,16 @@ class _Entries:
 
 
 def _frozen(a: np.ndarray) -> bool:
-    """Whether `a` is a view of a JAX array's memory (`np.asarray` of one, or a view of that):
-    a JAX array is never written to, and the view keeps it alive."""
+    """Whether `a` views a JAX array's memory, all of it (`np.asarray` of one, or a view of
+    that of as many bytes: a broadcast row): a JAX array is never written to, and the view
+    keeps it alive. A row of a batch of matrices (`vmap`) is not: its key would keep the
+    whole batch alive."""
     base: Any = a
     while isinstance(base, np.ndarray):
         if base.flags.writeable:
             return False
         base = base.base
-    return isinstance(base, memoryview) and isinstance(base.obj, jax.Array)
+    return isinstance(base, memoryview) and isinstance(base.obj, jax.Array) and base.nbytes == a.nbytes
 
 
 @dataclasses.dataclass(frozen=True)
