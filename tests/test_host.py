@@ -941,10 +941,11 @@ def test_linear_adjoint_recognises_multiples_and_zeros():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
-def test_two_rows_taken_apart_early_get_what_the_whole_comparison_gives(monkeypatch, dtype):
-    """Two rows (a sparse solve's `b` and its cotangent) that their first entries show are no
-    multiple of each other skip the whole comparison (`_apart`): on every pair below the answer
-    is the whole comparison's, and the early answer fires on the pairs that are apart."""
+def test_rows_taken_apart_early_get_what_the_whole_comparison_gives(monkeypatch, dtype):
+    """A few rows (a sparse solve's `b` and its cotangent, a site's basis cotangents) that their
+    first entries show are pairwise no multiple of each other skip the whole comparison
+    (`_apart`): on every pair and group below the answer is the whole comparison's, and the
+    early answer fires on the pairs that are apart."""
     from deferax._host import _runner
 
     rng = np.random.default_rng(0)
@@ -971,8 +972,21 @@ def test_two_rows_taken_apart_early_get_what_the_whole_comparison_gives(monkeypa
         "alike early": ([u, same_start], False),
         "zero early": ([u, late], False),
     }
+    x = draw()
+    groups = {  # (more rows: each pair of them is asked)
+        "three apart": ([u, w, x], True),
+        "the third a multiple of the first": ([u, w, (3.0 * u).astype(dtype)], False),
+        "the third zero": ([u, w, np.zeros_like(u)], False),
+        "the third alike early": ([u, w, same_start], False),
+        "past a few": ([draw() for _ in range(_runner._FEW + 1)], True),
+    }
     for result in (dtype, np.float64):
         struct = jax.ShapeDtypeStruct((u.size,), result)
+        for name, (rows, _) in groups.items():
+            with monkeypatch.context() as m:
+                m.setattr(_runner, "_apart", lambda u, v: False)
+                whole = _runner._multiples(rows, struct)
+            assert _runner._multiples(rows, struct) == whole, (name, result)
         for name, (rows, apart) in pairs.items():
             got = _runner._multiples(rows, struct)
             with monkeypatch.context() as m:
