@@ -1,6 +1,6 @@
 """The sparse direct solvers beside SuperLU: `dx.Cholmod` (CHOLMOD through sparsax and through
-cholespy), `dx.KLU`
-(klujax's handle API) and `dx.AutoSparseSolver`, which measures them on each pattern. Each one's
+cholespy), `dx.KLU` (klujax's handle API), `dx.Pardiso` (MKL's PARDISO, Cholesky and LU) and
+`dx.AutoSparseSolver`, which measures them on each pattern. Each one's
 value and gradient through `dx.sparse_solve` against a dense `jnp.linalg.solve` in plain JAX
 (real, complex, float32, SPD and not), eagerly and under `jit`; the SPD fallback; the choice
 reported and overridden; one factorisation a gradient; errors; pickling and a process pool."""
@@ -26,6 +26,7 @@ from .helpers import assert_tree_allclose
 pytest.importorskip("klujax")
 pytest.importorskip("cholespy")
 sparsax = pytest.importorskip("sparsax")
+pytest.importorskip("pypardiso")
 
 
 def spd(m=6):
@@ -72,14 +73,15 @@ SOLVERS = {
     "Cholmod sparsax": dx.Cholmod(library="sparsax"),
     "Cholmod cholespy": dx.Cholmod(library="cholespy"),
     "KLU": dx.KLU(),
+    "Pardiso": dx.Pardiso(),
     "Auto": dx.AutoSparseSolver(),
 }
 CHOLMODS = ("Cholmod sparsax", "Cholmod cholespy")
 CASES = {
-    "spd": (spd, (*CHOLMODS, "KLU", "Auto")),
-    "real": (unsymmetric, ("KLU", "Auto")),
-    "complex": (lambda: unsymmetric(complex_=True), ("KLU", "Auto")),
-    "indefinite": (indefinite, ("KLU", "Auto")),
+    "spd": (spd, (*CHOLMODS, "KLU", "Pardiso", "Auto")),
+    "real": (unsymmetric, ("KLU", "Pardiso", "Auto")),
+    "complex": (lambda: unsymmetric(complex_=True), ("KLU", "Pardiso", "Auto")),
+    "indefinite": (indefinite, ("KLU", "Pardiso", "Auto")),
 }
 
 
@@ -113,7 +115,7 @@ def test_value_and_gradient_against_a_dense_solve(case, name, jit):
                 assert_tree_allclose(run((values, b)), reference, rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("name", [*CHOLMODS, "KLU", "Auto"])
+@pytest.mark.parametrize("name", [*CHOLMODS, "KLU", "Pardiso", "Auto"])
 def test_float32_inputs_are_factored_in_float64(name):
     values, pattern, b = spd() if name in CHOLMODS else unsymmetric()
     v32, b32 = values.astype(jnp.float32), b.astype(jnp.float32)
@@ -129,8 +131,8 @@ def test_float32_inputs_are_factored_in_float64(name):
     assert_tree_allclose((value, grads), rounded, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", [*CHOLMODS, "KLU"])
-def test_precision_input_is_factored_in_float64_by_cholmod_and_klu(name):
+@pytest.mark.parametrize("name", [*CHOLMODS, "KLU", "Pardiso"])
+def test_precision_input_is_factored_in_float64_by_cholmod_klu_and_pardiso(name):
     # (SuperLU factors in float32 there: on this nearly singular matrix 2e-3 off, see docs/linear-solve.md)
     pattern = dx.SparsePattern(np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1]), 2)
     v32 = jnp.array([3.0, 1.0, 1.0, 1.0 / 3.0 + 1e-5], jnp.float32)  # symmetric positive definite
@@ -161,7 +163,7 @@ def test_precision_input_is_single_precision_with_the_automatic_solver():
 def test_transpose_is_the_plain_transpose_for_complex_matrices():
     values, pattern, b = unsymmetric(complex_=True)
     matrix = pattern._csc(np.asarray(values))
-    for solver in (dx.KLU(), dx.AutoSparseSolver()):
+    for solver in (dx.KLU(), dx.Pardiso(), dx.AutoSparseSolver()):
         factors = solver.factor(matrix)
         rhs = np.asarray(b)
         np.testing.assert_allclose(matrix.T @ solver.solve(factors, rhs, True), rhs, atol=1e-12)
@@ -171,7 +173,7 @@ def test_transpose_is_the_plain_transpose_for_complex_matrices():
 
 
 def test_an_indefinite_symmetric_matrix_gets_an_lu_and_the_right_answer(capfd, monkeypatch):
-    from deferax._host._solvers import _auto
+    from deferax._host._solvers import _auto, _pardiso
 
     values, pattern, b = indefinite()
     matrix = pattern._csc(np.asarray(values))
@@ -182,25 +184,35 @@ def test_an_indefinite_symmetric_matrix_gets_an_lu_and_the_right_answer(capfd, m
         ):
             dx.Cholmod(library=library).factor(matrix)
     assert "CHOLMOD warning: not positive definite" in "".join(capfd.readouterr())  # (cholespy's CHOLMOD prints)
-    # the automatic solver tries a CHOLMOD (symmetric entries, a positive diagonal), which fails: an LU
+    with pytest.raises(Exception, match="not symmetric positive definite: PARDISO's Cholesky found a pivot"):
+        _pardiso.factor(matrix, spd=True)
+    # (where its Cholesky fails, its LU, which perturbs pivots here: the matrix needs rows swapped; SuperLU's)
+    with pytest.raises(np.linalg.LinAlgError, match="PARDISO perturbed 4 pivots of this matrix"):
+        _pardiso.factor(matrix, spd=False)
+    lu = dx.Pardiso().factor(matrix)
+    assert not dx.Pardiso().symmetric(lu) and isinstance(lu, _pardiso._Fallback)
+    np.testing.assert_allclose(matrix @ dx.Pardiso().solve(lu, np.asarray(b), False), b, atol=1e-12)
+    # the automatic solver tries a Cholesky (symmetric entries, a positive diagonal), which fails: an LU
     used = []
     factor = _auto._factor
     monkeypatch.setattr(_auto, "_factor", lambda name, matrix: used.append(name) or factor(name, matrix))
     x = dx.sparse_solve(values, pattern, b, solver=dx.AutoSparseSolver())
-    assert used[0] == "CHOLMOD sparsax" and not any(u.startswith("CHOLMOD") for u in used[1:])
+    cholesky = ("CHOLMOD", "PARDISO Cholesky")
+    assert used[0] == "PARDISO Cholesky" and not any(u.startswith(cholesky) for u in used[1:])
     np.testing.assert_allclose(matrix @ np.asarray(x), np.asarray(b), atol=1e-12)
     for i in range(12):  # no CHOLMOD tried again; the LUs measured in turn
         x = dx.sparse_solve(values * (1.5 + i), pattern, b, solver=dx.AutoSparseSolver())
         np.testing.assert_allclose((1.5 + i) * matrix @ np.asarray(x), np.asarray(b), atol=1e-12)
-    assert not any(u.startswith("CHOLMOD") for u in used[1:]) and len(used) == 14
+    assert not any(u.startswith(cholesky) for u in used[1:]) and len(used) == 15
+    assert used.count("PARDISO LU") == 1  # (its pivots perturbed: not tried again on the pattern)
     label, seconds = dx.AutoSparseSolver().chosen(pattern)
     assert set(seconds) == {"KLU", "SuperLU COLAMD", "SuperLU MMD_AT_PLUS_A"}
     assert label == min(seconds, key=seconds.__getitem__)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_a_matrix_symmetric_but_for_one_entry_never_reaches_cholmod(monkeypatch, jit):
-    """Once CHOLMOD is the pattern's choice, a matrix of it that is symmetric but for one
+def test_a_matrix_symmetric_but_for_one_entry_never_reaches_a_cholesky(monkeypatch, jit):
+    """Once a Cholesky (CHOLMOD's or PARDISO's) is the pattern's choice, a matrix of it that is symmetric but for one
     off-diagonal entry (0.1 % off its mirror, still positive definite) is factored by an LU:
     CHOLMOD reads one triangle (sparsax's own solve does, and answers for the symmetric
     matrix of its upper triangle). Value and gradient against a dense solve, eagerly and under
@@ -209,9 +221,10 @@ def test_a_matrix_symmetric_but_for_one_entry_never_reaches_cholmod(monkeypatch,
 
     values, pattern, b = spd(m=30)
     solver = dx.AutoSparseSolver()
-    for i in range(10):  # (each candidate measured, then the fastest: a CHOLMOD, at this size)
+    cholesky = ("CHOLMOD", "PARDISO Cholesky")
+    for i in range(10):  # (each candidate measured, then the fastest: a Cholesky, at this size)
         dx.sparse_solve(values * (1.0 + 0.01 * i), pattern, b, solver=solver)
-    assert solver.chosen(pattern)[0].startswith("CHOLMOD")
+    assert solver.chosen(pattern)[0].startswith(cholesky)
     off = int(np.flatnonzero(pattern.rows < pattern.cols)[7])  # (one of the two entries at its position)
     nearly = values.at[off].multiply(1.002)
     matrix = pattern._csc(np.asarray(nearly)).toarray()
@@ -225,7 +238,7 @@ def test_a_matrix_symmetric_but_for_one_entry_never_reaches_cholmod(monkeypatch,
         got = (jax.jit(fn) if jit else fn)(nearly, b)
         want = jax.value_and_grad(reference, argnums=(0, 1))(nearly, b)
         assert_tree_allclose(got, (want[0], want[1][0]), rtol=1e-9, atol=1e-11)
-    assert used and not any(u.startswith("CHOLMOD") for u in used)
+    assert used and not any(u.startswith(cholesky) for u in used)
     upper = np.triu(matrix) + np.triu(matrix, 1).T  # (what one triangle says: 5e-5 off, past the tolerance above)
     assert np.abs(np.linalg.solve(upper, b) - np.linalg.solve(matrix, b)).max() > 1e-6
 
@@ -245,7 +258,7 @@ def test_an_spd_matrix_gets_the_fastest_of_cholmod_and_superlu_one_factorisation
         assert timeline.counts(steps=True) == {"factor": 1, "solve": 2}
         assert_tree_allclose(got, reference(v), rtol=1e-9, atol=1e-12)
     label, seconds = solver.chosen(pattern)
-    assert set(seconds) == {"CHOLMOD sparsax", "CHOLMOD cholespy", "SuperLU MMD_AT_PLUS_A"}
+    assert set(seconds) == {"PARDISO Cholesky", "CHOLMOD sparsax", "CHOLMOD cholespy", "SuperLU MMD_AT_PLUS_A"}
     assert label == min(seconds, key=seconds.__getitem__)
     assert solver.chosen(pattern, np.complex128) is None  # (kept by dtype too)
 
@@ -256,7 +269,7 @@ def test_the_choice_is_the_fastest_in_the_program_and_a_slow_candidate_is_droppe
     from deferax._host._solvers import _auto
 
     values, pattern, b = unsymmetric()
-    delay = {"KLU": 0.005, "SuperLU MMD_AT_PLUS_A": 0.05, "SuperLU COLAMD": 0.006}
+    delay = {"PARDISO LU": 0.007, "KLU": 0.005, "SuperLU MMD_AT_PLUS_A": 0.05, "SuperLU COLAMD": 0.006}
     used = []
     factor = _auto._factor
 
@@ -268,14 +281,16 @@ def test_the_choice_is_the_fastest_in_the_program_and_a_slow_candidate_is_droppe
         return factor(name, matrix)
 
     monkeypatch.setattr(_auto, "_factor", slow)
-    for i in range(12):
+    for i in range(16):
         x = dx.sparse_solve(values * (1.0 + i), pattern, b, where="host")  # (the default solver, on the host)
         np.testing.assert_allclose((1.0 + i) * pattern._csc(np.asarray(values)) @ np.asarray(x), b, atol=1e-12)
-    assert used[:6] == ["KLU", "SuperLU MMD_AT_PLUS_A", "SuperLU COLAMD"] * 2
+    assert used[:8] == ["PARDISO LU", "KLU", "SuperLU MMD_AT_PLUS_A", "SuperLU COLAMD"] * 2
     assert used.count("SuperLU MMD_AT_PLUS_A") == 2  # (50 ms against 5-6: not a third time)
     label, seconds = dx.AutoSparseSolver().chosen(pattern)
     assert label == min(seconds, key=seconds.__getitem__) != "SuperLU MMD_AT_PLUS_A"
-    assert seconds["SuperLU MMD_AT_PLUS_A"] > 0.05 > max(seconds["KLU"], seconds["SuperLU COLAMD"])
+    assert (
+        seconds["SuperLU MMD_AT_PLUS_A"] > 0.05 > max(seconds["KLU"], seconds["SuperLU COLAMD"], seconds["PARDISO LU"])
+    )
     assert used[-4:] == [label] * 4  # (the choice made: the fastest from then on)
 
 
@@ -288,7 +303,7 @@ def test_the_choice_is_overridden_by_solver():
         dx.sparse_solve(values, pattern, b, solver=dx.Cholmod())
 
 
-@pytest.mark.parametrize("name", [*CHOLMODS, "KLU", "Auto"])
+@pytest.mark.parametrize("name", [*CHOLMODS, "KLU", "Pardiso", "Auto"])
 @pytest.mark.parametrize("jit", [False, True])
 def test_one_factorisation_a_gradient(name, jit):
     values, pattern, b = spd() if name in CHOLMODS else unsymmetric(complex_=True)
@@ -308,7 +323,7 @@ def test_one_factorisation_a_gradient(name, jit):
         assert sparsax.factorization_count() - before == (name == "Cholmod sparsax")
     if name == "Auto":
         chosen = dx.AutoSparseSolver().chosen(pattern, np.complex128)
-        assert chosen is not None and chosen[0] in ("KLU", "SuperLU COLAMD", "SuperLU MMD_AT_PLUS_A")
+        assert chosen is not None and chosen[0] in ("PARDISO LU", "KLU", "SuperLU COLAMD", "SuperLU MMD_AT_PLUS_A")
 
 
 def test_nbytes():
@@ -319,13 +334,18 @@ def test_nbytes():
         assert cholmod.nbytes(cholmod.factor(matrix), np.dtype(np.float64)) == lower * 12  # (a lower bound)
     assert dx.KLU().nbytes(dx.KLU().factor(matrix), np.dtype(np.float64)) == matrix.nnz * 12
     auto = dx.AutoSparseSolver()
-    made = [auto.factor(matrix) for _ in range(6)][-1]  # (its trial measures SuperLU's fill: the estimates use it)
+    made = [auto.factor(matrix) for _ in range(8)][-1]  # (its trial measures SuperLU's fill: the estimates use it)
     assert "SuperLU MMD_AT_PLUS_A" in auto.chosen(pattern)[1]
     fill = dx.SuperLU(permc_spec="MMD_AT_PLUS_A").factor(matrix).nnz
     assert dx.KLU().nbytes(dx.KLU().factor(matrix), np.dtype(np.float64)) == fill * 12
     cholmod = dx.Cholmod().nbytes(dx.Cholmod().factor(matrix), np.dtype(np.float64))
     assert cholmod == (fill + pattern.n) // 2 * 12
     assert auto.nbytes(made, np.dtype(np.float64)) > 0
+    # PARDISO's: the factors' entries its analysis counts (at least the lower triangle's, at most
+    # the dense triangle's), a 12-byte entry each, and the lower triangle's entries, 8 bytes each
+    pardiso = dx.Pardiso().factor(matrix)
+    entries = (dx.Pardiso().nbytes(pardiso, np.dtype(np.float64)) - lower * 8) / 12
+    assert entries == int(entries) and lower <= entries <= pattern.n * (pattern.n + 1) // 2
 
 
 def test_solvers_pickle_and_run_on_a_process_pool():
@@ -335,7 +355,7 @@ def test_solvers_pickle_and_run_on_a_process_pool():
     w = jnp.cos(jnp.arange(pattern.n, dtype=jnp.float64))
     dense = losses(lambda v, b: jnp.linalg.solve(pattern.todense(v), b), w)["power"]
     with cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for solver in (dx.KLU(), dx.AutoSparseSolver()):
+        for solver in (dx.KLU(), dx.Pardiso(), dx.AutoSparseSolver()):
             ours = losses(lambda v, b, s=solver: dx.sparse_solve(v, pattern, b, solver=s, executor=pool), w)["power"]
             got = jax.value_and_grad(ours, argnums=(0, 1))(values, b)
             assert_tree_allclose(got, jax.value_and_grad(dense, argnums=(0, 1))(values, b), rtol=1e-9, atol=1e-11)

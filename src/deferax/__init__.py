@@ -11,6 +11,7 @@ from ._host._host import host as host
 from ._host._solvers._auto import AutoSparseSolver as AutoSparseSolver
 from ._host._solvers._cholmod import Cholmod as Cholmod
 from ._host._solvers._klu import KLU as KLU
+from ._host._solvers._pardiso import Pardiso as Pardiso
 from ._host._sparse_pattern import SparsePattern as SparsePattern
 from ._host._sparse_solve import sparse_solve as sparse_solve
 from ._host._sparse_solver import AbstractSparseSolver as AbstractSparseSolver

@@ -13,12 +13,15 @@ import numpy as np
 
 from ... import _runtime
 from .._sparse_solver import AbstractSparseSolver, SuperLU, _pattern_key, _structure
-from . import _cholmod, _fill, _klu
+from . import _cholmod, _fill, _klu, _pardiso
 from ._cholmod import Cholmod
 from ._klu import KLU
+from ._pardiso import Pardiso
 
 # The candidates, by the name `chosen` reports, and whether each can run here.
 _CANDIDATES = (
+    ("PARDISO Cholesky", Pardiso(), lambda: _pardiso.available()),
+    ("PARDISO LU", Pardiso(), lambda: _pardiso.available()),
     ("CHOLMOD sparsax", Cholmod(library="sparsax"), lambda: _cholmod.available("sparsax")),
     ("CHOLMOD cholespy", Cholmod(library="cholespy"), lambda: _cholmod.available("cholespy")),
     ("KLU", KLU(), _klu.available),
@@ -30,9 +33,11 @@ _CANDIDATES = (
 # On SPD matrices KLU and SuperLU with COLAMD took 1.3-3.2 times CHOLMOD's time in every
 # measurement (docs/linear-solve.md, "Which solver"): not tried there. sparsax's CHOLMOD
 # factors faster than cholespy's, but may factor again where it dropped the factors (`Cholmod`).
-_CHOLMODS = ("CHOLMOD sparsax", "CHOLMOD cholespy")
-_SPD = (*_CHOLMODS, "SuperLU MMD_AT_PLUS_A")
-_GENERAL = ("KLU", "SuperLU MMD_AT_PLUS_A", "SuperLU COLAMD")
+# PARDISO's Cholesky and LU factored the benchmarks' three matrices in a third to a half of the
+# time of the fastest of the others, once their pattern's analysis was made (`Pardiso`).
+_CHOLESKYS = ("PARDISO Cholesky", "CHOLMOD sparsax", "CHOLMOD cholespy")
+_SPD = (*_CHOLESKYS, "SuperLU MMD_AT_PLUS_A")
+_GENERAL = ("PARDISO LU", "KLU", "SuperLU MMD_AT_PLUS_A", "SuperLU COLAMD")
 # For a matrix in single precision (`precision="input"`), those that factor in it: SuperLU's.
 _SINGLE = ("SuperLU MMD_AT_PLUS_A", "SuperLU COLAMD")
 # Each candidate answers this many of a pattern's factorisations before the choice is made; its
@@ -144,7 +149,7 @@ class AutoSparseSolver(AbstractSparseSolver):
         key = (_pattern_key(matrix), np.dtype(matrix.dtype).str)
         with _LOCK:
             trial = _TRIALS.setdefault(key, _Trial())
-            spd_tried = not trial.failed.intersection(_CHOLMODS)
+            spd_tried = not trial.failed.intersection(_CHOLESKYS)
         if np.dtype(matrix.dtype).itemsize < (8 if np.isrealobj(matrix.data) else 16):
             order = _SINGLE
         else:
@@ -160,9 +165,13 @@ class AutoSparseSolver(AbstractSparseSolver):
             start = time.perf_counter()
             try:
                 factorisation = _factor(name, matrix)
-            except _cholmod.NotPositiveDefinite:  # (not positive definite: for each CHOLMOD alike)
+            except _cholmod.NotPositiveDefinite:  # (not positive definite: for each Cholesky alike)
                 with _LOCK:
-                    trial.failed.update(_CHOLMODS)
+                    trial.failed.update(_CHOLESKYS)
+                continue
+            except _pardiso.Perturbed:  # (singular or nearly: an LU that pivots by rows tells which)
+                with _LOCK:
+                    trial.failed.add(name)
                 continue
             seconds = time.perf_counter() - start
             if isinstance(solver, SuperLU) and measuring:
@@ -222,7 +231,9 @@ def _cholmod_may(matrix: Any) -> bool:
 
 
 def _factor(name: str, matrix: Any) -> Any:
-    """The candidate `name`'s factorisation of `matrix` (CHOLMOD's without its checks: `factor`
-    has made them)."""
+    """The candidate `name`'s factorisation of `matrix` (a Cholesky's without its checks:
+    `factor` has made them)."""
     solver = _candidate(name)
+    if isinstance(solver, Pardiso):
+        return _pardiso.factor(matrix, spd=name == "PARDISO Cholesky")
     return _cholmod.cholesky(matrix, solver.library) if isinstance(solver, Cholmod) else solver.factor(matrix)
