@@ -4,7 +4,8 @@ one factorisation, a forward solve and a transposed solve), for each solver `S`:
 
 - `dx.SuperLU()` (the ordering chosen by fill, as before `dx.AutoSparseSolver`), and SuperLU
   with `permc_spec="COLAMD"` and `"MMD_AT_PLUS_A"`;
-- `dx.KLU()` (klujax's handle API), and `dx.Cholmod()` (cholespy) on the SPD matrix;
+- `dx.KLU()` (klujax's handle API), `dx.Cholmod()` (sparsax's CHOLMOD where installed, else
+  cholespy's) on the SPD matrix, and `dx.Pardiso()` (MKL's PARDISO, through pypardiso's MKL);
 - `dx.AutoSparseSolver()` (the fastest of those, measured on the pattern's first calls:
   its trial runs in the warm-up rounds, and the choice it made is printed).
 
@@ -68,7 +69,9 @@ def solvers(spd: bool) -> dict[str, dx.AbstractSparseSolver]:
     if importlib.util.find_spec("klujax") is not None:
         out["KLU (klujax)"] = dx.KLU()
     if spd and importlib.util.find_spec("cholespy") is not None:
-        out["CHOLMOD (cholespy)"] = dx.Cholmod()
+        out["CHOLMOD"] = dx.Cholmod()
+    if importlib.util.find_spec("pypardiso") is not None:
+        out["PARDISO"] = dx.Pardiso()
     out["AutoSparseSolver"] = dx.AutoSparseSolver()
     return out
 

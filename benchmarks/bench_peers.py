@@ -7,8 +7,9 @@
 - JAX's `jax.experimental.sparse.linalg.spsolve` (SciPy's `spsolve` in a callback, with JAX's
   own VJP: two factorisations),
 - SciPy by hand (a `jax.custom_vjp` over `pure_callback`s: `splu` once, its factorisation
-  kept for the transposed solve: the best hand-written SciPy code), and cholespy and
-  sparsax's CHOLMOD (its NumPy entry points) by hand on the SPD matrix (the same, with CHOLMOD).
+  kept for the transposed solve: the best hand-written SciPy code), cholespy and
+  sparsax's CHOLMOD (its NumPy entry points) by hand on the SPD matrix (the same, with CHOLMOD),
+  and MKL's PARDISO by hand through pypardiso on the real matrices (its analysis made once).
 
 Cases: (a) the 180 x 60 MBB beam's stiffness (SPD, n = 22,020), (b) a real
 convection-diffusion operator (n = 22,500), (c) a complex Helmholtz operator (n = 22,500),
@@ -169,6 +170,34 @@ def sparsax_cholmod_by_hand(pattern, dtype):
     return by_hand(pattern, dtype, factor, solve, "sparsax CHOLMOD")
 
 
+def pardiso_by_hand(pattern, dtype, spd):
+    """MKL's PARDISO through pypardiso (real matrices only), as a careful user writes it: one
+    solver object, the pattern analysed with the first matrix (phase 12) and each later one
+    factored alone (phase 22, pypardiso's `_call_pardiso`, which its docstring points to), its
+    Cholesky on the SPD matrix (the upper triangle, by rows), its LU on the others (the CSC
+    matrix, which pypardiso reads as the transpose's CSR: the transposes swapped)."""
+    from pypardiso import PyPardisoSolver
+
+    solver = PyPardisoSolver(mtype=2 if spd else 11)
+    analysed = []
+
+    def factor(m):
+        a = scipy.sparse.triu(m, format="csr") if spd else m
+        a.sort_indices()
+        solver._check_A(a)
+        solver.set_phase(22 if analysed else 12)
+        solver._call_pardiso(a, np.zeros((a.shape[0], 1)))
+        analysed.append(True)
+        return a
+
+    def solve(a, r, t):
+        solver.set_iparm(12, 0 if spd or t else 1)
+        solver.set_phase(33)
+        return solver._call_pardiso(a, np.asfortranarray(r, np.float64))
+
+    return by_hand(pattern, dtype, factor, solve, "PARDISO")
+
+
 # ----------------------------------------------------------------------------- the library peers
 
 
@@ -228,6 +257,8 @@ def peers(pattern: dx.SparsePattern, spd: bool, complex_: bool) -> dict:
         out["cholespy by hand"] = cholespy_by_hand(pattern, dtype)
     if spd and installed("sparsax"):
         out["sparsax CHOLMOD by hand"] = sparsax_cholmod_by_hand(pattern, dtype)
+    if not complex_ and installed("pypardiso"):
+        out["PARDISO by hand"] = pardiso_by_hand(pattern, dtype, spd)
     return out
 
 
@@ -325,10 +356,11 @@ def main():
     )
     args = p.parse_args()
     repeats = args.repeats or (2 if args.small else 7)
-    warmup = 2 if args.small else 12  # (past deferax's measurement of the solvers: up to 9 calls)
+    warmup = 2 if args.small else 12  # (past deferax's measurement of the solvers: up to 12 calls)
     print(f"bench_peers: {machine()}")
     print(
-        f"  installed: sparsax {installed('sparsax')}, klujax {installed('klujax')}, cholespy {installed('cholespy')}"
+        f"  installed: sparsax {installed('sparsax')}, klujax {installed('klujax')}, cholespy {installed('cholespy')}, "
+        f"pypardiso {installed('pypardiso')}"
     )
     summary: list[str] = []
     rng = np.random.default_rng(1)

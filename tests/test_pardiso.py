@@ -7,6 +7,9 @@ errors. Answers against dense solves in NumPy and plain JAX."""
 import concurrent.futures as cf
 import gc
 import importlib.util
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +125,17 @@ def test_more_factorisations_alive_than_a_handle_holds():
         np.testing.assert_allclose(m @ dx.Pardiso().solve(f, b, False), b, atol=1e-12)
     del made, f
     gc.collect()
-    assert [len(a.free) for a in held] == [_pardiso._SLOTS] * 2
+    assert [len(a.free) for a in held] == [_pardiso._SLOTS] * 2 and not any(a.ended for a in held)
+    # a factorisation collected while its handle's lock is held (by the collector, on a thread
+    # inside a call): its slot is freed at the handle's next use, not waited for
+    f = dx.Pardiso().factor(matrices[0])
+    with held[0].lock:
+        del f
+        gc.collect()
+        assert len(held[0].ended) == 1 and len(held[0].free) == _pardiso._SLOTS - 1
+    g = dx.Pardiso().factor(matrices[1])
+    assert g.analysis is held[0] and not held[0].ended and len(held[0].free) == _pardiso._SLOTS - 1
+    np.testing.assert_allclose(matrices[1] @ dx.Pardiso().solve(g, b, False), b, atol=1e-12)
 
 
 def test_factorisations_on_four_threads_at_once():
@@ -157,6 +170,34 @@ def test_jacrev_and_vmap_solve_their_rows_together():
     )
 
 
+def test_the_threads_of_a_pattern_s_analysis_are_those_of_its_factorisations():
+    """PARDISO plans a factorisation for the threads of its analysis: factored on fewer, it
+    crashed the process. A pattern analysed on every core, then factored while MKL is limited
+    to one thread (as deferax's limit for host jobs at once, or threadpoolctl's, sets it), in a
+    process of its own."""
+    script = textwrap.dedent(
+        """
+        import numpy as np, scipy.sparse
+        from threadpoolctl import threadpool_limits
+        import deferax as dx
+
+        m = 60
+        d = scipy.sparse.diags([-1.2 * np.ones(m - 1), 2.0 * np.ones(m), -0.8 * np.ones(m - 1)], [-1, 0, 1])
+        matrix = (scipy.sparse.kronsum(d, d) + 1j * scipy.sparse.eye(m * m)).tocsc()
+        b = np.ones(m * m, complex)
+        f = dx.Pardiso().factor(matrix)
+        with threadpool_limits(1):
+            for scale in (2.0, 3.0):
+                g = dx.Pardiso().factor(matrix * scale)
+                assert g.analysis is f.analysis
+                assert np.abs(scale * matrix @ dx.Pardiso().solve(g, b, False) - b).max() < 1e-12
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
 def test_errors_are_named(monkeypatch):
     make, pattern = cycle(n=20)
     matrix = pattern._csc(np.asarray(make(2.0, 0.5)))
@@ -166,6 +207,7 @@ def test_errors_are_named(monkeypatch):
         def pardiso(*args):
             args[-1]._obj.value = code  # (the `error` argument, by reference)
 
+        pardiso.threads = lambda threads: 0
         return lambda: pardiso
 
     for code, kind, message in (

@@ -183,11 +183,12 @@ lam = ct_x` with the forward's factorisation |
     - `b`: the right-hand side, shape `(n,)`, real or complex. `x` has NumPy's result dtype
       of `values` and `b`.
     - `solver`: the sparse direct solver, a [`deferax.AbstractSparseSolver`][]; default
-      [`deferax.AutoSparseSolver`][]: the fastest for the pattern of CHOLMOD (symmetric
-      positive definite matrices), KLU and SuperLU with two orderings, as measured on the
-      pattern's first factorisations in this program (those installed: SciPy's SuperLU
-      always; cholespy and klujax with `pip install deferax[sparse]`). `dx.Cholmod()`,
-      `dx.KLU()` or `dx.SuperLU(...)` chooses yourself.
+      [`deferax.AutoSparseSolver`][]: the fastest for the pattern of PARDISO's and CHOLMOD's
+      Cholesky (symmetric positive definite matrices), PARDISO's LU, KLU and SuperLU with two
+      orderings, as measured on the pattern's first factorisations in this program (those
+      installed: SciPy's SuperLU always; pypardiso, sparsax, cholespy and klujax with
+      `pip install deferax[sparse]`). `dx.Pardiso()`, `dx.Cholmod()`, `dx.KLU()` or
+      `dx.SuperLU(...)` chooses yourself.
 
     When the matrix equals its transpose (checked exactly on the host, entries at one
     position summed first), an adjoint right-hand side that is a multiple `c b` of `b` (a

@@ -118,12 +118,14 @@ class AutoSparseSolver(AbstractSparseSolver):
     solvers installed, measured on each sparsity pattern in the program that uses it.
 
     The candidates, for a matrix that is real, equal to its transpose entry for entry and
-    with a positive diagonal: [`deferax.Cholmod`][] (CHOLMOD's Cholesky) through sparsax and
-    through cholespy, and [`deferax.SuperLU`][] with `"MMD_AT_PLUS_A"`; for any other, and one whose Cholesky
-    factorisation fails: [`deferax.KLU`][] and SuperLU with `"MMD_AT_PLUS_A"` and
-    `"COLAMD"`; for a matrix in single precision (`precision="input"`), SuperLU's two alone,
-    the others factoring in double precision. Those whose library is not installed
-    (sparsax, cholespy, klujax: `pip install deferax[sparse]`) are left out.
+    with a positive diagonal: [`deferax.Pardiso`][]'s Cholesky, [`deferax.Cholmod`][]
+    (CHOLMOD's Cholesky) through sparsax and through cholespy, and [`deferax.SuperLU`][] with
+    `"MMD_AT_PLUS_A"`; for any other, and one whose Cholesky factorisation fails: PARDISO's LU,
+    [`deferax.KLU`][] and SuperLU with `"MMD_AT_PLUS_A"` and `"COLAMD"`; for a matrix in single
+    precision (`precision="input"`), SuperLU's two alone, the others factoring in double
+    precision. Those whose library is not installed (pypardiso, sparsax, cholespy, klujax:
+    `pip install deferax[sparse]`) are left out, and PARDISO's LU is not tried again on a
+    pattern where it perturbed a pivot (the matrix is then factored by another candidate).
 
     Each factorisation is made once, by one candidate: a pattern's first factorisations (and
     dtype's) go to the candidates in turn, 3 each, and every one is timed with the solves
@@ -131,18 +133,18 @@ class AutoSparseSolver(AbstractSparseSolver):
     gradient's worth) took least answers every later factorisation (`chosen` says which,
     and each one's time). A candidate's first factorisation is not counted (klujax compiles
     its functions then), and one that took more than 1.5 times the fastest is not tried
-    again. So no call factors twice, the first 4-9 calls of a pattern may take
+    again. So no call factors twice, the first 4-12 calls of a pattern may take
     a slower solver, and the choice is measured where it will be used: among the program's
     own work, with its memory and threads (a factorisation timed alone can rank otherwise:
     docs/linear-solve.md, "Which solver"). Calls may be answered by different factorisations
     from one another: the same solution to rounding.
 
-    A matrix that is not symmetric positive definite never reaches CHOLMOD's answer: CHOLMOD
-    is tried only where the entries are symmetric with a positive diagonal, and where its
-    factorisation reports a pivot that is not positive (an indefinite matrix), the matrix is
-    factored by an LU instead, and CHOLMOD is not tried again on that pattern.
+    A matrix that is not symmetric positive definite never reaches a Cholesky's answer: a
+    Cholesky is tried only where the entries are symmetric with a positive diagonal, and where
+    its factorisation reports a pivot that is not positive (an indefinite matrix), the matrix
+    is factored by an LU instead, and no Cholesky is tried again on that pattern.
 
-    Pass `solver=dx.Cholmod()`, `dx.KLU()` or `dx.SuperLU(...)` to choose yourself.
+    Pass `solver=dx.Pardiso()`, `dx.Cholmod()`, `dx.KLU()` or `dx.SuperLU(...)` to choose yourself.
     """
 
     def factor(self, matrix: Any) -> Any:
@@ -206,8 +208,8 @@ class AutoSparseSolver(AbstractSparseSolver):
         dtype factored: float64 or complex128 by default, whatever the inputs'), and each
         candidate's time so far, in seconds: its median factorisation and two median solves;
         None before a counted factorisation (a candidate's second). The solver is one of
-        `"CHOLMOD sparsax"`, `"CHOLMOD cholespy"`, `"KLU"`, `"SuperLU MMD_AT_PLUS_A"` and
-        `"SuperLU COLAMD"`."""
+        `"PARDISO Cholesky"`, `"PARDISO LU"`, `"CHOLMOD sparsax"`, `"CHOLMOD cholespy"`,
+        `"KLU"`, `"SuperLU MMD_AT_PLUS_A"` and `"SuperLU COLAMD"`."""
         with _LOCK:
             trial = _TRIALS.get((_pattern_key(_structure(pattern)), np.dtype(dtype).str))
             if trial is None:

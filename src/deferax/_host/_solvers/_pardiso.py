@@ -11,9 +11,11 @@ factorisation is the numeric phase alone: 13-26 ms on those matrices, against 48
 CHOLMOD and 50-120 ms for KLU and SuperLU, on 2 cores.
 
 PARDISO does not pivot across its supernodes: where a pivot is too small it perturbs it (and
-the answer is then not a solution of the matrix given). A factorisation with a perturbed pivot is
-refused (`Perturbed`, a `numpy.linalg.LinAlgError`): the matrix is singular or close to it,
-and an LU with partial pivoting decides which (`AutoSparseSolver` then takes one).
+the answer is then not a solution of the matrix given). No perturbed factorisation is used
+(`Perturbed`, a `numpy.linalg.LinAlgError`): the matrix is analysed again on its own values,
+and where a pivot is still perturbed (a singular matrix, or one that needs rows swapped across
+supernodes), `Pardiso` factors it with SuperLU and `AutoSparseSolver` with another candidate.
+An LU's solutions are checked too (`_Factor`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ... import _runtime
+from ..._concurrency import _native_threads
 from .._sparse_solver import AbstractSparseSolver, SuperLU, _pattern_key
 from . import _cholmod
 
@@ -85,8 +88,8 @@ def _pardiso() -> Any:
 
     try:
         path: Any = pypardiso.PyPardisoSolver().libmkl
-        path = path._name
-        function = ctypes.CDLL(path).pardiso
+        library = ctypes.CDLL(path._name)
+        function, threads = library.pardiso, library.MKL_Set_Num_Threads_Local
     except (ImportError, OSError, AttributeError) as e:
         raise ImportError(_NOT_INSTALLED.format(why=f"MKL's runtime could not be loaded ({e})")) from None
     int32 = ctypes.POINTER(ctypes.c_int32)
@@ -94,14 +97,24 @@ def _pardiso() -> Any:
     function.argtypes = [ctypes.POINTER(ctypes.c_int64), *[int32] * 5, ctypes.c_void_p, *[int32] * 6]
     function.argtypes += [ctypes.c_void_p, ctypes.c_void_p, int32]
     function.restype = None
+    threads.argtypes, threads.restype = [ctypes.c_int], ctypes.c_int
+    function.threads = threads  # pyright: ignore[reportAttributeAccessIssue]  (`_Handle.call`'s)
     return function
 
 
 class _Handle:
-    """One PARDISO handle (`pt`) and its settings (`iparm`), for one pattern and matrix type."""
+    """One PARDISO handle (`pt`) and its settings (`iparm`), for one pattern and matrix type.
+
+    Each of its calls runs on `threads` MKL threads, set for the calling thread alone
+    (`mkl_set_num_threads_local`): PARDISO plans its factorisation for the threads of its
+    analysis, and a factorisation on fewer crashed the process (a segmentation fault: analysed
+    on 2 threads, factored on 1). deferax's limit on native threads while host jobs run at once
+    (`_concurrency._native_threads`), threadpoolctl's and the program's own would otherwise
+    change it between the phases."""
 
     def __init__(self, mtype: int, n: int, indptr: np.ndarray, indices: np.ndarray):
         self.mtype, self.n, self.indptr, self.indices = mtype, n, indptr, indices
+        self.threads = _native_threads.cores()
         self.pt = np.zeros(64, np.int64)
         self.iparm = np.zeros(64, np.int32)
         settings = {0: 1, 1: 2, 9: 8 if mtype == _SPD else 13, 17: -1, 34: 1}
@@ -115,26 +128,31 @@ class _Handle:
         i32 = ctypes.c_int32
         x = None if rhs is None else np.zeros_like(rhs)
         error = i32(0)
-        nrhs = 0 if rhs is None else 1 if rhs.ndim == 1 else rhs.shape[1]
+        nrhs = 1 if rhs is None or rhs.ndim == 1 else rhs.shape[1]
         pointer = ctypes.POINTER(i32)
-        _pardiso()(
-            self.pt.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
-            ctypes.byref(i32(_SLOTS)),
-            ctypes.byref(i32(mnum)),
-            ctypes.byref(i32(self.mtype)),
-            ctypes.byref(i32(phase)),
-            ctypes.byref(i32(self.n)),
-            None if data is None else data.ctypes.data,
-            self.indptr.ctypes.data_as(pointer),
-            self.indices.ctypes.data_as(pointer),
-            None,
-            ctypes.byref(i32(max(nrhs, 1))),
-            self.iparm.ctypes.data_as(pointer),
-            ctypes.byref(i32(0)),
-            None if rhs is None else rhs.ctypes.data,
-            None if x is None else x.ctypes.data,
-            ctypes.byref(error),
-        )
+        pardiso = _pardiso()
+        before = pardiso.threads(self.threads)
+        try:
+            pardiso(
+                self.pt.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
+                ctypes.byref(i32(_SLOTS)),
+                ctypes.byref(i32(mnum)),
+                ctypes.byref(i32(self.mtype)),
+                ctypes.byref(i32(phase)),
+                ctypes.byref(i32(self.n)),
+                None if data is None else data.ctypes.data,
+                self.indptr.ctypes.data_as(pointer),
+                self.indices.ctypes.data_as(pointer),
+                None,
+                ctypes.byref(i32(nrhs)),
+                self.iparm.ctypes.data_as(pointer),
+                ctypes.byref(i32(0)),
+                None if rhs is None else rhs.ctypes.data,
+                None if x is None else x.ctypes.data,
+                ctypes.byref(error),
+            )
+        finally:
+            pardiso.threads(before)
         if error.value:
             why = _CODES.get(error.value, "an error")
             if error.value == -4 and self.mtype == _SPD:
@@ -171,6 +189,7 @@ class _Analysis:
         )
         self.pick, self.lock = pick, threading.Lock()
         self.free = list(range(_SLOTS, 0, -1))
+        self.ended: collections.deque[int] = collections.deque()  # (slots whose factorisations were collected)
         self.stale = False  # (an LU of it was found inaccurate: no more matrices are factored on it)
         with self.lock:
             self.handle.call(11, 1, data)
@@ -179,11 +198,23 @@ class _Analysis:
 
     def take(self) -> int | None:
         with self.lock:
+            self._free_ended()
             return self.free.pop() if self.free else None
 
     def release(self, slot: int) -> None:
-        """Free the numeric factorisation in `slot` (phase 0), for another."""
-        with self.lock:
+        """Free the numeric factorisation in `slot` (phase 0), for another: now where the lock
+        is free, else at the next `take`. (A finalizer, which the collector may run on a thread
+        that holds the lock: it never waits for it.)"""
+        self.ended.append(slot)
+        if self.lock.acquire(blocking=False):
+            try:
+                self._free_ended()
+            finally:
+                self.lock.release()
+
+    def _free_ended(self) -> None:
+        while self.ended:
+            slot = self.ended.popleft()
             self.handle.call(0, slot, None)
             self.free.append(slot)
 
