@@ -23,8 +23,10 @@ Through it, a limit set from a job's thread was ignored once the main thread had
 and a pool thread that had set one kept control for good, so that the main thread's
 `threadpool_limits` did nothing afterwards. Setting the C function does not take that
 control: the program's own `threadpool_limits` keeps working. OpenMP's setting (and that of
-an OpenBLAS built on OpenMP) belongs to each thread: a limit set by the thread that submits
-the jobs does not reach the threads that run them; only `capped`, entered inside a job, does.
+an OpenBLAS built on OpenMP, and of MKL on its Intel or GNU threading layer, as pypardiso's
+MKL is) belongs to each thread: a limit set by the thread that submits the jobs does not reach
+the threads that run them; only `capped`, entered inside a job, does. PARDISO (`_solvers/
+_pardiso.py`) sets its own, for its calls alone: those of its pattern's analysis.
 """
 
 from __future__ import annotations

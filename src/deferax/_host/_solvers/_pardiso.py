@@ -46,16 +46,17 @@ _SLOTS = 16
 # The patterns whose analyses are kept (the latest); one dropped is freed with its last factorisation.
 _KEPT = 8
 
-_CODES = {
-    -1: "the input is inconsistent",
-    -2: "not enough memory",
-    -3: "a reordering problem",
-    -4: "a zero pivot",
-    -5: "an internal error",
-    -6: "the preordering failed",
-    -7: "the diagonal matrix is singular",
-    -8: "a 32-bit integer overflowed",
-}
+# PARDISO's error codes, and what each says
+_CODES = (
+    (-1, "the input is inconsistent"),
+    (-2, "not enough memory"),
+    (-3, "a reordering problem"),
+    (-4, "a zero pivot"),
+    (-5, "an internal error"),
+    (-6, "the preordering failed"),
+    (-7, "the diagonal matrix is singular"),
+    (-8, "a 32-bit integer overflowed"),
+)
 
 
 _PERTURBED = """`dx.Pardiso`: PARDISO perturbed {count} pivots of this matrix, so its factors would solve another: \
@@ -154,7 +155,7 @@ class _Handle:
         finally:
             pardiso.threads(before)
         if error.value:
-            why = _CODES.get(error.value, "an error")
+            why = dict(_CODES).get(error.value, "an error")
             if error.value == -4 and self.mtype == _SPD:
                 raise _cholmod.NotPositiveDefinite(
                     _cholmod._NOT_SPD.format(why=f"PARDISO's Cholesky found a pivot that is not positive ({why})")
