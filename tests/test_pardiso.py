@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.sparse
+import scipy.sparse.linalg
 
 import deferax as dx
 
@@ -74,6 +75,40 @@ def test_a_later_matrix_the_analysis_does_not_suit_gets_the_right_answer(jit):
         assert np.linalg.cond(pattern.todense(v)) < 1.01
         assert_tree_allclose(run(v, b), reference(v, b), rtol=1e-9, atol=1e-11)
         assert len(first) == 1 and first[0].stale  # (found not to suit: the next matrix is analysed afresh)
+
+
+def test_the_backward_error_of_several_solutions_at_once():
+    """`_backward_error` checks the columns through one random combination: against the
+    largest column's own error (`|b - A x| / (|A|_F |x| + |b|)`, each computed alone), within
+    `sqrt(k)` above it, and never far below it where one column is bad among good ones, its
+    solution huge (past 1e154, whose square overflows) or not finite."""
+    rng = np.random.default_rng(0)
+    matrix = scipy.sparse.random(50, 50, density=0.2, random_state=1, format="csc") + 3 * scipy.sparse.eye(50)
+    matrix = matrix.tocsc()
+    norm = float(scipy.sparse.linalg.norm(matrix))
+
+    def each(b, x):
+        r = b - matrix @ x
+        return np.linalg.norm(r, axis=0) / (norm * np.linalg.norm(x, axis=0) + np.linalg.norm(b, axis=0))
+
+    b = rng.normal(size=(50, 4))
+    good = np.asfortranarray(scipy.sparse.linalg.spsolve(matrix, b))
+    for bad, scale in ((None, 1.0), (2, 1.0), (0, 1e160), (1, 1e153), (3, 1e-160)):
+        x = good.copy()
+        if bad is not None:
+            x[:, bad] = scale * rng.normal(size=50)  # (not a solution)
+        got = _pardiso._backward_error(matrix, b, x, norm, False)
+        if bad is None:
+            assert got < 1e-14
+        elif scale == 1.0:
+            worst = max(each(b, x))
+            assert worst / 20 <= got <= 2 * worst, (bad, got, worst)
+        else:  # (a huge non-solution: NaN, its squares past float64's range; a tiny one: about 1/sqrt(k))
+            assert not got <= 1e-3, (bad, scale, got)
+    x = good.copy()
+    x[7, 1] = np.nan
+    assert np.isnan(_pardiso._backward_error(matrix, b, x, norm, False))
+    assert _pardiso._backward_error(matrix.T.tocsc(), b, good, norm, True) < 1e-14  # (the transpose's)
 
 
 def test_a_factorisation_that_solves_another_matrix_is_solved_by_superlu():
