@@ -123,6 +123,9 @@ def test_a_factorisation_that_solves_another_matrix_is_solved_by_superlu():
         x = dx.Pardiso().solve(f, b, transpose)
         np.testing.assert_allclose((matrix.T if transpose else matrix) @ x, b, atol=1e-12)
     assert f.fallback is not None and f.analysis.stale
+    fallback = f.fallback
+    np.testing.assert_allclose(matrix @ dx.Pardiso().solve(f, b, False), b, atol=1e-12)
+    assert f.fallback is fallback  # (SuperLU's factorisation made once, and used from then on)
     # PARDISO's own answer, unchecked: not a solution
     with f.analysis.lock:
         f.analysis.handle.iparm[11] = 2

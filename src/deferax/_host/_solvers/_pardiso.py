@@ -236,7 +236,7 @@ class _Factor:
         self.analysis, self.slot, self.data, self.dtype = analysis, slot, data, dtype
         self.spd = analysis.handle.mtype == _SPD
         self.norm = 0.0 if self.spd else float(np.linalg.norm(data))  # (Frobenius: `_backward_error`'s)
-        self.fallback: Any = None
+        self.fallback: _Fallback | None = None
         with analysis.lock:
             try:
                 analysis.handle.call(22, slot, data)
@@ -249,6 +249,8 @@ class _Factor:
             raise Perturbed(_PERTURBED.format(count=perturbed))
 
     def solve(self, rhs: np.ndarray, transpose: bool) -> np.ndarray:
+        if self.fallback is not None:  # (PARDISO's factors were found wrong once: not tried again)
+            return self.fallback.solve(rhs, transpose)
         handle = self.analysis.handle
         # (`k` right-hand sides: `rhs` is `(n, k)`, each column contiguous for PARDISO)
         b = np.asfortranarray(rhs, self.data.dtype)
@@ -260,8 +262,8 @@ class _Factor:
         if not self.spd and not _backward_error(self._matrix(), b, x, self.norm, transpose) <= _ACCURATE:
             self.analysis.stale = True  # (the pattern's next matrix is analysed afresh)
             if self.fallback is None:
-                self.fallback = SuperLU(permc_spec="MMD_AT_PLUS_A").factor(self._matrix())
-            x = SuperLU().solve(self.fallback, b, transpose)
+                self.fallback = _Fallback(self._matrix(), self.dtype)
+            return self.fallback.solve(b, transpose)
         return x.astype(self.dtype, copy=False)
 
     def _matrix(self) -> Any:
@@ -365,9 +367,12 @@ def factor(matrix: Any, spd: bool) -> _Factor:
 
 
 def _lower(matrix: Any) -> np.ndarray:
-    """The mask of the canonical CSC `matrix`'s stored entries on or below the diagonal."""
-    cols = np.repeat(np.arange(matrix.shape[0]), np.diff(matrix.indptr))
-    return np.asarray(matrix.indices) >= cols
+    """The mask of the canonical CSC `matrix`'s stored entries on or below the diagonal (from
+    `_cholmod._upper`'s, kept per pattern)."""
+    _, _, upper, diagonal = _cholmod._upper(matrix)
+    lower = ~upper
+    lower[diagonal] = True
+    return lower
 
 
 class Pardiso(AbstractSparseSolver):
@@ -412,26 +417,31 @@ class Pardiso(AbstractSparseSolver):
         try:
             return factor(matrix, spd=False)
         except Perturbed:  # (SuperLU's LU pivots by rows: it factors the matrix, or finds it singular)
-            work = np.promote_types(matrix.dtype, np.float64)
-            return _Fallback(SuperLU(permc_spec="MMD_AT_PLUS_A").factor(matrix.astype(work)), np.dtype(matrix.dtype))
+            return _Fallback(matrix, np.dtype(matrix.dtype))
 
     def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
-        f = factorisation
-        if isinstance(f, _Fallback):
-            return SuperLU().solve(f.lu, np.asarray(rhs, f.lu.L.dtype), transpose).astype(f.dtype, copy=False)
-        return f.solve(rhs, transpose)
+        return factorisation.solve(rhs, transpose)  # (a `_Factor`, or a `_Fallback`: SuperLU's)
 
     def symmetric(self, factorisation: Any) -> bool:
-        # (a Cholesky's matrix was checked to equal its transpose)
-        return isinstance(factorisation, _Factor) and factorisation.spd
+        return factorisation.spd  # (a Cholesky's matrix was checked to equal its transpose)
 
     def nbytes(self, factorisation: Any, dtype: np.dtype) -> int:
-        f = factorisation
-        return SuperLU().nbytes(f.lu, np.dtype(f.lu.L.dtype)) if isinstance(f, _Fallback) else f.nbytes
+        return factorisation.nbytes
 
 
 class _Fallback:
-    """SuperLU's factorisation (`lu`), where PARDISO perturbed a pivot; the matrix's dtype."""
+    """SuperLU's LU of a matrix PARDISO answered wrongly (a pivot perturbed, or a solution
+    whose backward error was past `_ACCURATE`), in float64 or complex128; the matrix's dtype."""
 
-    def __init__(self, lu: Any, dtype: np.dtype):
-        self.lu, self.dtype = lu, dtype
+    spd = False
+
+    def __init__(self, matrix: Any, dtype: np.dtype):
+        self.work = np.promote_types(matrix.dtype, np.float64)
+        self.lu, self.dtype = SuperLU(permc_spec="MMD_AT_PLUS_A").factor(matrix.astype(self.work)), dtype
+
+    def solve(self, rhs: np.ndarray, transpose: bool) -> np.ndarray:
+        return SuperLU().solve(self.lu, np.asarray(rhs, self.work), transpose).astype(self.dtype, copy=False)
+
+    @property
+    def nbytes(self) -> int:
+        return SuperLU().nbytes(self.lu, self.work)
