@@ -398,7 +398,7 @@ def test_a_call_outside_any_transformation_keeps_nothing(vmapped):
 
 
 def test_matrices_whose_entries_hash_alike_keep_their_own_factorisations():
-    """A factorisation's key hashes the entries' 64-bit words by their sum and exclusive or:
+    """A factorisation's key hashes the entries' 64-bit words by their sum:
     entries in another order hash alike, and are told apart by their words. Two such matrices
     in one gradient: each solved with its own factorisation, against a dense solve."""
     from deferax._host._sparse_host import _Entries
