@@ -287,3 +287,49 @@ def test_errors_are_named(monkeypatch):
     finally:
         _pardiso._pardiso.cache_clear()
         _auto._installed.cache_clear()
+
+
+def test_mkl_s_runtime_is_found_without_searching_the_whole_environment(monkeypatch, tmp_path):
+    """MKL's runtime is where its wheel puts it (the environment's `lib`), found without
+    pypardiso's search of the environment's whole tree (1.4 s each time, paid after every
+    `_runtime.reset`); `PYPARDISO_MKL_RT` is honoured first, and where neither finds it,
+    pypardiso's own search does. An analysis made before a reset is freed with the function it
+    was made with."""
+    import pypardiso
+
+    def searched(*args, **kwargs):
+        raise AssertionError("pypardiso's search of the whole tree")
+
+    monkeypatch.delenv("PYPARDISO_MKL_RT", raising=False)
+    monkeypatch.setattr(pypardiso.PyPardisoSolver, "__init__", searched)
+    found = _pardiso._mkl_runtime()
+    assert "mkl_rt" in found and ctypes_loads(found)
+    monkeypatch.setenv("PYPARDISO_MKL_RT", "/given/libmkl_rt.so")
+    assert _pardiso._mkl_runtime() == "/given/libmkl_rt.so"
+    monkeypatch.delenv("PYPARDISO_MKL_RT")
+    monkeypatch.setattr(_pardiso.sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(_pardiso.site, "USER_BASE", str(tmp_path))
+    with pytest.raises(AssertionError, match="search of the whole tree"):
+        _pardiso._mkl_runtime()
+    monkeypatch.undo()
+
+    matrix = scipy.sparse.random(30, 30, density=0.2, random_state=1, format="csc") + 30 * scipy.sparse.eye(30)
+    f = dx.Pardiso().factor(matrix.tocsc())
+    from deferax import _runtime
+
+    _runtime.reset()
+    monkeypatch.setattr(_pardiso, "_pardiso", searched)  # (a lookup now would fail the solve and the free)
+    unraised = []
+    monkeypatch.setattr(sys, "unraisablehook", unraised.append)  # (what a finalizer raises)
+    np.testing.assert_allclose(matrix @ dx.Pardiso().solve(f, np.ones(30), False), 1.0, atol=1e-12)
+    freed = len(_pardiso._ANALYSES)
+    del f
+    _pardiso._ANALYSES.clear()
+    gc.collect()
+    assert freed == 0 and not unraised, unraised
+
+
+def ctypes_loads(path):
+    import ctypes
+
+    return hasattr(ctypes.CDLL(path), "pardiso")

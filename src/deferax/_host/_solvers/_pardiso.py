@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import glob
 import importlib.util
+import os
+import site
 import sys
 import threading
 import weakref
@@ -85,11 +88,8 @@ def _pardiso() -> Any:
     where it cannot be."""
     if sys.platform == "darwin" or importlib.util.find_spec("pypardiso") is None:
         raise ImportError(_NOT_INSTALLED.format(why="pypardiso is not installed"))
-    import pypardiso
-
     try:
-        path: Any = pypardiso.PyPardisoSolver().libmkl
-        library = ctypes.CDLL(path._name)
+        library = ctypes.CDLL(_mkl_runtime())
         function, threads = library.pardiso, library.MKL_Set_Num_Threads_Local
     except (ImportError, OSError, AttributeError) as e:
         raise ImportError(_NOT_INSTALLED.format(why=f"MKL's runtime could not be loaded ({e})")) from None
@@ -101,6 +101,26 @@ def _pardiso() -> Any:
     threads.argtypes, threads.restype = [ctypes.c_int], ctypes.c_int
     function.threads = threads  # pyright: ignore[reportAttributeAccessIssue]  (`_Handle.call`'s)
     return function
+
+
+def _mkl_runtime() -> str:
+    """The path of MKL's runtime library: where pypardiso's `PYPARDISO_MKL_RT` says, else the
+    one MKL's wheel puts in the environment's library folder, else where pypardiso finds it.
+    pypardiso's own search (`PyPardisoSolver()`) globs the environment's whole tree: 1.4 s
+    each time on this machine, which every test after `_runtime.reset` paid."""
+    given = os.environ.get("PYPARDISO_MKL_RT")
+    if given:
+        return given
+    for prefix in dict.fromkeys(p for p in (sys.prefix, site.USER_BASE) if p):
+        found = glob.glob(os.path.join(prefix, "lib", "*mkl_rt*")) + glob.glob(
+            os.path.join(prefix, "Library", "bin", "*mkl_rt*")
+        )
+        if found:
+            return min(found, key=len)
+    import pypardiso
+
+    library: Any = pypardiso.PyPardisoSolver().libmkl
+    return library._name
 
 
 class _Handle:
@@ -116,6 +136,7 @@ class _Handle:
     def __init__(self, mtype: int, n: int, indptr: np.ndarray, indices: np.ndarray):
         self.mtype, self.n, self.indptr, self.indices = mtype, n, indptr, indices
         self.threads = _native_threads.cores()
+        self.pardiso = _pardiso()  # (kept: freed after `_runtime.reset`, it needs no search)
         self.pt = np.zeros(64, np.int64)
         self.iparm = np.zeros(64, np.int32)
         settings = {0: 1, 1: 2, 9: 8 if mtype == _SPD else 13, 17: -1, 34: 1}
@@ -131,7 +152,7 @@ class _Handle:
         error = i32(0)
         nrhs = 1 if rhs is None or rhs.ndim == 1 else rhs.shape[1]
         pointer = ctypes.POINTER(i32)
-        pardiso = _pardiso()
+        pardiso = self.pardiso
         before = pardiso.threads(self.threads)
         try:
             pardiso(
