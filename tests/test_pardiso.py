@@ -303,11 +303,16 @@ def test_mkl_s_runtime_is_found_without_searching_the_whole_environment(monkeypa
 
     monkeypatch.delenv("PYPARDISO_MKL_RT", raising=False)
     monkeypatch.setattr(pypardiso.PyPardisoSolver, "__init__", searched)
-    found = _pardiso._mkl_runtime()
+    found = _pardiso._mkl_runtime()._name
     assert "mkl_rt" in found and hasattr(ctypes.CDLL(found), "pardiso")
-    monkeypatch.setenv("PYPARDISO_MKL_RT", "/given/libmkl_rt.so")
-    assert _pardiso._mkl_runtime() == "/given/libmkl_rt.so"
+    monkeypatch.setenv("PYPARDISO_MKL_RT", found)
+    assert _pardiso._mkl_runtime()._name == found
+    monkeypatch.setenv("PYPARDISO_MKL_RT", str(tmp_path / "libmkl_rt.so"))  # (as given: not searched past)
+    with pytest.raises(OSError):
+        _pardiso._mkl_runtime()
     monkeypatch.delenv("PYPARDISO_MKL_RT")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libmkl_rt.a").write_bytes(b"not a shared library")  # (passed over)
     monkeypatch.setattr(_pardiso.sys, "prefix", str(tmp_path))
     monkeypatch.setattr(_pardiso.site, "USER_BASE", str(tmp_path))
     with pytest.raises(AssertionError, match="search of the whole tree"):

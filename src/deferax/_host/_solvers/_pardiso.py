@@ -89,7 +89,7 @@ def _pardiso() -> Any:
     if sys.platform == "darwin" or importlib.util.find_spec("pypardiso") is None:
         raise ImportError(_NOT_INSTALLED.format(why="pypardiso is not installed"))
     try:
-        library = ctypes.CDLL(_mkl_runtime())
+        library = _mkl_runtime()
         function, threads = library.pardiso, library.MKL_Set_Num_Threads_Local
     except (ImportError, OSError, AttributeError) as e:
         raise ImportError(_NOT_INSTALLED.format(why=f"MKL's runtime could not be loaded ({e})")) from None
@@ -103,24 +103,27 @@ def _pardiso() -> Any:
     return function
 
 
-def _mkl_runtime() -> str:
-    """The path of MKL's runtime library: where pypardiso's `PYPARDISO_MKL_RT` says, else the
-    one MKL's wheel puts in the environment's library folder, else where pypardiso finds it.
-    pypardiso's own search (`PyPardisoSolver()`) globs the environment's whole tree: 1.4 s
-    each time on this machine, which every test after `_runtime.reset` paid."""
+def _mkl_runtime() -> Any:
+    """MKL's runtime library, loaded: from where pypardiso's `PYPARDISO_MKL_RT` says, else the
+    first that loads of those MKL's wheel puts in the environment's library folder (shortest
+    name first, as pypardiso tries them), else from where pypardiso's own search finds it.
+    That search (`PyPardisoSolver()`) globs the environment's whole tree: 0.66 to 1.4 s each
+    time on this machine, which every test after `_runtime.reset` paid."""
     given = os.environ.get("PYPARDISO_MKL_RT")
     if given:
-        return given
+        return ctypes.CDLL(given)
     for prefix in dict.fromkeys(p for p in (sys.prefix, site.USER_BASE) if p):
         found = glob.glob(os.path.join(prefix, "lib", "*mkl_rt*")) + glob.glob(
             os.path.join(prefix, "Library", "bin", "*mkl_rt*")
         )
-        if found:
-            return min(found, key=len)
+        for path in sorted(found, key=len):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:  # (a static library, a file of another platform: the next)
+                pass
     import pypardiso
 
-    library: Any = pypardiso.PyPardisoSolver().libmkl
-    return library._name
+    return pypardiso.PyPardisoSolver().libmkl
 
 
 class _Handle:
