@@ -18,6 +18,9 @@ differ. Across the tested range (see `pyproject.toml`):
   `custom_vjp_parts` below: on jax 0.9-0.10 `out_trees()` returns `(out_tree, res_tree,
   input_fwds)`, `input_fwds` giving, for each residual, the operand (constants first) it
   is, or None for one the forward computes.
+- Inside `jax.shard_map`, the manual mesh axes a value varies along are `aval.vma` on jax 0.9
+  and `aval.manual_axis_type.varying` (a `jax._src.core.ManualAxisType`, which has no public
+  home) from jax 0.10; `varying_axes` and `with_varying` read and write either.
 - A forward rule that closes over a tracer of the trace the call was staged in (a value
   computed in the loss): up to jax 0.12.0 `fwd_jaxpr_thunk` returns that tracer among its
   constants; jax 0.12.1 raises `UnexpectedTracerError` instead. `_custom_vjp._forward`
@@ -63,6 +66,7 @@ from jax.extend.source_info_util import current_name_stack as current_name_stack
 from jax.extend.source_info_util import user_context as user_context
 from jax.interpreters.ad import JVPTrace as JVPTrace
 from jax.interpreters.ad import Zero as Zero
+from jax.interpreters.ad import is_undefined_primal as is_undefined_primal
 from jax.interpreters.partial_eval import dce_jaxpr as dce_jaxpr
 from jaxtyping import PyTree
 
@@ -112,6 +116,13 @@ def under_differentiation() -> bool:
 def is_eager() -> bool:
     """True when no transformation is active: operations run at once on concrete values."""
     return isinstance(current_trace(), EvalTrace)
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The mesh axes the code running now is manual over: inside `jax.shard_map`, its axes
+    (each shard runs the code on its own block); `()` elsewhere."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(getattr(mesh, "manual_axes", ()) or ())
 
 
 def has_ended(tracer: Tracer) -> bool:
@@ -323,12 +334,80 @@ def is_zero(t) -> bool:
 
 
 def instantiate(t, aval):
-    """A symbolic zero as an array of zeros; anything else unchanged."""
+    """A symbolic zero as an array of zeros (varying along the manual axes `aval` varies
+    along, inside `jax.shard_map`); anything else unchanged."""
     if type(t) is Zero:
         if aval.dtype == jax.dtypes.float0:
             return np.zeros(aval.shape, jax.dtypes.float0)
-        return jax.numpy.zeros(aval.shape, aval.dtype)
+        return vary(jax.numpy.zeros(aval.shape, aval.dtype), varying_axes(aval))
     return t
+
+
+# Inside `jax.shard_map` with `check_vma=True` (the default), a value's type names the manual
+# mesh axes along which it varies from shard to shard, its "vma": `aval.manual_axis_type.varying`
+# from jax 0.10 on, `aval.vma` in jax 0.9. A primitive's abstract evaluation must type its
+# outputs with theirs: typed invariant, an output that varies is taken for replicated (its
+# cotangent is then reduced over the shards twice, or one shard's value stands for all).
+# The operands of one equation share their vma (as for JAX's own primitives, `pvary` casts an
+# invariant operand first, `vary`), and a transpose returns each cotangent with its operand's
+# (`to_varying`): JAX transposes `pvary` to the `psum` that makes the cotangent of a replicated
+# input the sum of every shard's. Outside `shard_map`, or with `check_vma=False`, every value
+# is invariant and all of this is a no-op.
+
+
+def varying_axes(aval) -> frozenset:
+    """The manual mesh axes along which a value of type `aval` varies (empty outside `jax.shard_map`)."""
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", None) or ())  # jax 0.9
+
+
+def unreduced_axes(aval) -> frozenset:
+    """The mesh axes along which a value of type `aval` is an unreduced partial sum (each
+    shard holds a term of it: `jax.lax.pcast(x, axes, to="unreduced")`, `P(unreduced=...)`)."""
+    found = set(getattr(getattr(aval, "manual_axis_type", None), "unreduced", None) or ())
+    found |= set(getattr(getattr(getattr(aval, "sharding", None), "spec", None), "unreduced", None) or ())
+    return frozenset(found)
+
+
+def aval_of(x):
+    """The type of an operand of a primitive, in a transpose rule too (where a linear
+    operand is an undefined primal, known by its type alone)."""
+    return x.aval if is_undefined_primal(x) else jax.typeof(x)
+
+
+def with_varying(avals: Sequence[Any], operands: Sequence[Any]) -> list:
+    """The output types `avals` (a primitive's abstract evaluation) varying along every
+    manual axis that one of the operand types `operands` varies along: what an output
+    computed from them may do. Unchanged where none varies."""
+    axes = frozenset().union(*(varying_axes(a) for a in operands))
+    if not axes:
+        return list(avals)
+    mesh = next(a.sharding.mesh for a in operands if varying_axes(a))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if hasattr(ShapedArray, "manual_axis_type"):  # jax >= 0.10
+        mat = _core.ManualAxisType(varying=axes)
+        return [a.update(sharding=sharding, manual_axis_type=mat) for a in avals]
+    return [a.update(sharding=sharding, vma=axes) for a in avals]  # jax 0.9
+
+
+def vary(x, axes) -> Any:
+    """`x` cast to vary along the manual axes `axes` too (`jax.lax.pcast(..., to="varying")`,
+    JAX's `pvary`; a no-op for values that already do)."""
+    missing = tuple(a for a in axes if a not in varying_axes(jax.typeof(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def to_varying(x, axes) -> Any:
+    """A cotangent `x` typed to vary along exactly the manual axes `axes` (its operand's):
+    summed over the shards along the axes it varies along and the operand does not (the
+    operand is the same on all of them: its cotangent is the sum of theirs), cast along
+    those the operand varies along and it does not."""
+    extra = tuple(a for a in varying_axes(jax.typeof(x)) if a not in axes)
+    if extra:
+        x = jax.lax.psum(x, extra)
+    return vary(x, axes)
 
 
 def zero_tangent(aval):

@@ -28,6 +28,7 @@ import numpy as np
 from .. import _jaxpr, _runtime
 from .._checks import _messages
 from .._jaxpr import is_concrete, struct_of, zero_like
+from .._jaxpr._internals import aval_of, to_varying, unreduced_axes, vary, varying_axes, with_varying
 from ._forward_basis import forward_basis_jvp
 from ._spec import LINEAR, SITE, Spec, rebind_batched, split_fn_x
 
@@ -50,7 +51,8 @@ def _site_impl(*operands, spec: Spec):
 
 
 def _site_abstract(*avals, spec: Spec):
-    return spec.y_avals()
+    # (inside `jax.shard_map`, the output varies along the manual axes its operands vary along)
+    return with_varying(spec.y_avals(), avals)
 
 
 def _site_batch(args, dims, spec: Spec):
@@ -98,7 +100,7 @@ def _site_jvp_rule(primals, tangents, spec: Spec):
     d_tangents = [(x, t) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d]
     if all(_jaxpr.is_zero(t) for _, t in d_tangents):
         y = site_p.bind(*primals, spec=spec)
-        return y, [_jaxpr.zero_tangent(a) for a in spec.y_avals()]
+        return y, [_jaxpr.zero_tangent(jax.typeof(v)) for v in y]
     # (a backward pass may follow: the transpose of `lin_p` below)
     y = site_p.bind(*primals, spec=dataclasses.replace(spec, backward=True))
     ts = [_jaxpr.instantiate(t, jax.typeof(x)) for x, t in d_tangents]
@@ -213,7 +215,7 @@ def _linear_impl(*operands, spec: Spec):
 
 
 def _linear_abstract(*avals, spec: Spec):
-    return spec.t_avals()
+    return with_varying(spec.t_avals(), avals)
 
 
 def _linear_batch(args, dims, spec: Spec):
@@ -275,13 +277,20 @@ def _linear_transpose(cts, *operands, spec: Spec):
     nones = [None] * (len(operands) - len(t_leaves))
     if all(_jaxpr.is_zero(c) for c in cts):
         return [*nones, *[None] * len(t_leaves)]
-    cts = [_jaxpr.instantiate(c, a) for c, a in zip(cts, spec.t_avals(), strict=True)]
+    avals = [aval_of(o) for o in operands]
+    cts = [_jaxpr.instantiate(c, a) for c, a in zip(cts, with_varying(spec.t_avals(), avals), strict=True)]
     # an integer output's cotangent is `float0`; implementations get zeros of its dtype
     cts = [
-        jnp.zeros(y.shape, y.dtype) if getattr(c, "dtype", None) == jax.dtypes.float0 else c
+        vary(jnp.zeros(y.shape, y.dtype), varying_axes(jax.typeof(y)))
+        if getattr(c, "dtype", None) == jax.dtypes.float0
+        else c
         for c, y in zip(cts, y_leaves, strict=True)
     ]
-    return [*nones, *cotangents(spec, fn_leaves, x_leaves, y_leaves, cts)]
+    ct_x = cotangents(spec, fn_leaves, x_leaves, y_leaves, cts)
+    # Inside `jax.shard_map`, each cotangent is typed as its operand (`to_varying`): `bind_site`
+    # cast a replicated input to vary with the others, and JAX sums its cotangent over the shards.
+    t_axes = [varying_axes(a) for a in avals[len(nones) :]]
+    return [*nones, *[to_varying(c, axes) for c, axes in zip(ct_x, t_axes, strict=True)]]
 
 
 lin_p = _jaxpr.define_primitive(
@@ -337,5 +346,41 @@ def bind_site(fn: Any, x: Any) -> Any:
     spec = Spec(
         static, fn_tree, x_tree, x_structs, y_tree, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in y_leaves)
     )
+    fn_leaves, x_leaves = _varying_together(fn, x, fn_leaves, x_leaves)
     y = site_p.bind(*fn_leaves, *x_leaves, spec=spec)
     return jtu.tree_unflatten(y_tree, y)
+
+
+_UNREDUCED = """{call}: called on {what}, which is unreduced along the mesh axes {axes}
+(`jax.shard_map`): each shard holds one term of a sum that was never taken. The function must be given the value
+itself, the same on every shard that holds it, not a term of it. Reduce it first:
+
+    jax.lax.psum(x, {axes_arg})
+
+(or leave these axes out of the `unreduced=` of the `PartitionSpec` it came in with)."""
+
+
+def _varying_together(fn: Any, x: Any, fn_leaves: list, x_leaves: list) -> tuple[list, list]:
+    """The operands of a site, cast to vary along the same manual mesh axes inside
+    `jax.shard_map` (as JAX does for the operands of its own primitives): where one varies
+    from shard to shard, the output does (`_site_abstract`), and the cotangent of a replicated
+    input is the sum of every shard's (the transpose of the cast). Unchanged elsewhere. An
+    unreduced operand (a term of a sum on each shard) is refused."""
+    leaves = [*fn_leaves, *x_leaves]
+    avals = [jax.typeof(a) for a in leaves]
+    for i, a in enumerate(avals):
+        if unreduced := sorted(unreduced_axes(a), key=str):
+            if i < len(fn_leaves):
+                what = "an array its implementations hold"
+            else:
+                path = jtu.tree_flatten_with_path(x)[0][i - len(fn_leaves)][0]
+                what = f"its input `x{jtu.keystr(path)}`"
+            axes_arg = repr(unreduced[0]) if len(unreduced) == 1 else repr(tuple(unreduced))
+            raise TypeError(
+                _UNREDUCED.format(call=fn.title, what=what, axes=", ".join(map(repr, unreduced)), axes_arg=axes_arg)
+            )
+    axes = frozenset().union(*(varying_axes(a) for a in avals))
+    if not axes:
+        return fn_leaves, x_leaves
+    cast = [vary(a, axes) for a in leaves]
+    return cast[: len(fn_leaves)], cast[len(fn_leaves) :]
