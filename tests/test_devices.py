@@ -22,6 +22,17 @@ def test_halves_and_sites_on_different_devices():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
 
 
+def test_every_kind_of_site_with_inputs_sharded_over_eight_devices():
+    """The checks live in `scripts/sharded.py` (8 CPU devices, a fresh interpreter): a
+    JAX-native `ExpensiveFn`, a `dx.fuse`, a recognised custom_vjp, a host site and a sparse
+    solve, each eager, under `jax.jit` and with shardings: plain JAX's values and gradients.
+    (Before, the first three raised eagerly and aborted the process under `jit`.)"""
+    script = pathlib.Path(__file__).parent / "scripts" / "sharded.py"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
     "bad, found",
     [

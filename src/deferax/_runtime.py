@@ -46,6 +46,9 @@ class Switches:
 
     concurrent: bool = True  # `set_concurrency`: may two implementation calls run at once
     devices: list | None = None  # `set_devices`; None: every local device of the default backend
+    # the platform the placement of a site's halves is decided for; None: the devices' own
+    # (tests set it, to check each platform's decision on a CPU)
+    platform: str | None = None
 
 
 SWITCHES = Switches()
@@ -76,6 +79,11 @@ PLANNED: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_planned",
 # inside: the host functions run from stage 2's gathered callback, whose outputs leave as
 # NumPy arrays (no lease is taken on them: `_host/_host.py`, `_host/_factorisations.py`)
 IN_CALLBACK: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_in_callback", default=False)
+# the most devices one input of the call being analysed spans (eagerly: 2 or more for sharded
+# inputs; 0 under a trace, where it cannot be told): read by `_placement.halves_run`
+SPANS: contextvars.ContextVar[int] = contextvars.ContextVar("deferax_spans", default=0)
+# inside: `explain` plans a function compiled with `jax.jit` (its halves placed as under a trace)
+EXPLAINING_JITTED: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_explaining_jitted", default=False)
 # the host sites' functions whose derivative is being traced here (their JVP rule runs): one
 # met again inside is being differentiated twice (`_site/_primitive.py`)
 DIFFERENTIATED: contextvars.ContextVar[tuple] = contextvars.ContextVar("deferax_differentiated", default=())
@@ -96,6 +104,8 @@ CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     TIMED_OUTSIDE,
     PLANNED,
     IN_CALLBACK,
+    SPANS,
+    EXPLAINING_JITTED,
     DIFFERENTIATED,
     BACKWARD,
 )
@@ -233,7 +243,7 @@ def reset() -> None:
     now are live and stay; the libraries found are found again. For tests: not meant to be
     called while deferax runs something."""
     defaults = Switches()
-    SWITCHES.concurrent, SWITCHES.devices = defaults.concurrent, defaults.devices
+    SWITCHES.concurrent, SWITCHES.devices, SWITCHES.platform = defaults.concurrent, defaults.devices, defaults.platform
     for var in CONTEXT_VARS:
         var.set(_default(var))
     with NATIVE_LOCK:

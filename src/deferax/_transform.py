@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _jaxpr, _site
+from . import _jaxpr, _runtime, _site
 from ._analysis._analysis import analyse
 from ._checks import _checks, _messages
+from ._concurrency._placement import operands
 from ._jaxpr import is_concrete, shape_text, struct_of
 from ._plan._plan import Plan
 from ._recognise import BUILTINS, _registry
@@ -189,9 +190,10 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, re
         # `fused`, a callback) themselves: the standard schedule is what it can differentiate.
         schedule = "standard"
     eager = _jaxpr.is_eager() and is_concrete(ins)
-    analysis, compiled = _run.analysis_of(
-        traced.program, len(traced.consts), traced.has_diff(), schedule, max_basis, eager, _WHERE
-    )
+    with operands(ins):
+        analysis, compiled = _run.analysis_of(
+            traced.program, len(traced.consts), traced.has_diff(), schedule, max_basis, eager, _WHERE
+        )
     if analysis.plan.fallback is not None:
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
     outside = [s.spec.name for s in analysis.deferring if s.leaves_program] if differentiated else []
@@ -225,7 +227,8 @@ def _plan(fun, has_aux, schedule, max_basis, recognise, args, kwargs, explaining
     except _Untraceable as untraceable:
         _deferred_possible(schedule, untraceable)
         return Plan(sites=(), stages=(), requested=schedule, fallback=untraceable.reason)
-    plan = analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE).plan
+    with operands(traced.ins()):
+        plan = analyse(traced.program, len(traced.consts), schedule=schedule, max_basis=max_basis, where=_WHERE).plan
     return _registry.annotate(plan, traced.recognised)
 
 
@@ -412,10 +415,11 @@ def explain(fun, *args, **kwargs) -> Plan:
         assert plan.sites[0].schedule == "deferred"
         ```
     """
-    fun = _compiled_function(fun)
-    if isinstance(fun, _ValueAndGradWrapper | _GradWrapper):
-        return fun.plan(*args, **kwargs)
-    return _plan(fun, False, "auto", DEFAULT_MAX_BASIS, True, args, kwargs, explaining=True)
+    compiled = _compiled_function(fun)
+    with _jaxpr.setting(_runtime.EXPLAINING_JITTED, compiled is not fun):  # (halves placed as under `jit`)
+        if isinstance(compiled, _ValueAndGradWrapper | _GradWrapper):
+            return compiled.plan(*args, **kwargs)
+        return _plan(compiled, False, "auto", DEFAULT_MAX_BASIS, True, args, kwargs, explaining=True)
 
 
 def _identity(x):

@@ -1,6 +1,9 @@
 """Run by `tests/test_devices.py` in a subprocess with `XLA_FLAGS` forcing 4 CPU devices:
 where the deferred stage places each half of a `fused` made from `fwd` + `bwd`, and that
-values and gradients match the plain-JAX program. Prints `ok` at the end."""
+values and gradients match the plain-JAX program. Eagerly, the halves run on a pair of
+devices from two threads; under `jit`, in the program (no callback starts JAX work there),
+or, on the devices `dx.set_devices` names, one half a device in a `shard_map`. Prints `ok`
+at the end."""
 
 import os
 import threading
@@ -90,18 +93,22 @@ def one(sim, plain_=plain_a):
     return lambda x, w: jnp.sum(w * sim(x)), lambda x, w: jnp.sum(w * plain_(x))
 
 
-# one site: forward on device 0, adjoint on device 1; eager and under jit (through the callback)
+# one site: eagerly, forward on device 0, adjoint on device 1; under jit, in the program (no
+# half is started from a callback: nothing is seen running on concrete arrays)
 loss, reference = one(sim_a)
-for wrap in (lambda f: f, eqx.filter_jit, jax.jit):
-    grad = check(loss, reference, [("fwd", 0), ("bwd", 1)], wrap)
-    assert grad.devices() == {devices[0]}, grad.devices()
+grad = check(loss, reference, [("fwd", 0), ("bwd", 1)])
+assert grad.devices() == {devices[0]}, grad.devices()
+for wrap in (eqx.filter_jit, jax.jit):
+    check(loss, reference, [], wrap)
+    program = str(jax.make_jaxpr(wrap(dx.filter_value_and_grad(loss)))(x, w))
+    assert "callback" not in program, program
 
 # two sites of one step: the second on the next pair of devices
 both = lambda x, w: jnp.sum(w * sim_a(x)) + jnp.sum(w * sim_b(2 * x))  # noqa: E731
 both_ref = lambda x, w: jnp.sum(w * plain_a(x)) + jnp.sum(w * plain_b(2 * x))  # noqa: E731
 pairs = [("fwd", 0), ("bwd", 1), ("fwd", 2), ("bwd", 3)]
-for wrap in (lambda f: f, eqx.filter_jit):
-    check(both, both_ref, pairs, wrap)
+check(both, both_ref, pairs)
+check(both, both_ref, [], eqx.filter_jit)
 
 # dx.fuse: the same placement for its two jitted halves
 fused = dx.ExpensiveFn(
@@ -123,8 +130,24 @@ np.testing.assert_allclose(grad, jax.grad(reference)(x, w), rtol=1e-5, atol=1e-6
 # dx.set_devices: only the two given, in that order; one device keeps everything in place
 dx.set_devices([devices[2], devices[1]])
 check(both, both_ref, [("fwd", 2), ("bwd", 1), ("fwd", 2), ("bwd", 1)])
+# ... and under jit, one half a device of those named, inside the program: a `shard_map`
+# over them, no callback; the first site's halves on devices 2 and 1, the second's on 2 and 1
+# (a step is placed when it is traced: each loss below is a new function, so that neither
+# `jax.jit` nor `eqx.filter_jit` reuses a step traced under another setting)
+for wrap in (eqx.filter_jit, jax.jit):
+    check(lambda x, w: both(x, w), both_ref, [], wrap)
+    program = str(jax.make_jaxpr(wrap(dx.filter_value_and_grad(lambda x, w: both(x, w))))(x, w))
+    assert program.count("shard_map[") == 2 and "callback" not in program, program
+    with dx.record() as timeline:  # (each half of each site once a step, where it runs)
+        jax.block_until_ready(wrap(dx.filter_value_and_grad(lambda x, w: both(x, w)))(x, w))
+    assert timeline.counts() == {"fwd": 2, "bwd": 2}, timeline
+dx.set_devices(devices)
+check(lambda x, w: both(x, w), both_ref, [], jax.jit)
 dx.set_devices(devices[:1])
 check(both, both_ref, [("fwd", 0), ("bwd", 0), ("fwd", 0), ("bwd", 0)])
+check(lambda x, w: both(x, w), both_ref, [], jax.jit)  # (one device named: in the program, as with none)
+program = str(jax.make_jaxpr(jax.jit(dx.filter_value_and_grad(lambda x, w: both(x, w))))(x, w))
+assert "shard_map" not in program and "callback" not in program, program
 dx.set_devices(None)
 check(loss, reference, [("fwd", 0), ("bwd", 1)])
 print("ok")

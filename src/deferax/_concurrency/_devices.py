@@ -30,9 +30,17 @@ def set_devices(devices: Any = None) -> None:  # (`Any`: a wrong value must reac
     - `devices`: a list of `jax.Device`s to use, in order; `None` (the default) for all
       of `jax.local_devices()`. A list of one device keeps all the work on that device.
 
-    Like [`deferax.set_concurrency`][], the setting is the process's, for every thread
-    (it is read when the calls run, on deferax's threads), and holds for steps compiled
-    before it was called too.
+    Under `jax.jit` (or any trace), the halves run inside the compiled program: with two
+    or more devices named here, a `shard_map` over them runs the forward on one device and
+    the adjoint on the next (the step's arrays must then live on these devices, or be
+    uncommitted, as for any `shard_map` over them); without this call, or with one device,
+    one after the other, where the program runs (a host callback that started JAX work on
+    other devices could stall the program's collectives). See "Accelerators and several
+    devices" in the docs.
+
+    Like [`deferax.set_concurrency`][], the setting is the process's, for every thread. It is
+    read when eager calls run, and when a step is traced: a step compiled before keeps the
+    placement it was traced with.
     """
     if devices is None:
         _runtime.SWITCHES.devices = None

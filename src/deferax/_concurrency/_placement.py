@@ -3,6 +3,22 @@ thread-safe, and, for the one callback that gathers several sites under `jit`, i
 traced ahead. Stage 2 makes one `Placement` a site and runs the site's call inside
 `placed(placement)`; the two halves of a `Fused` (`_threads.concurrently`) read it there.
 
+Where the two halves of a JAX-native site run (`halves_run`), one decision with its reason,
+which `concurrently` follows and `explain` shows:
+
+- `"threads"`: eagerly, each half compiled and started from its own thread (on a CPU, two
+  cores; on several devices, a pair of them);
+- `"callback"`: under a trace, on one CPU device: one host callback starts both halves on
+  two threads (the only way two pieces of one XLA:CPU program use two cores);
+- `"program"`: inside the compiled program (or, eagerly, one after the other where the
+  inputs are): on an accelerator, which runs one program at a time and where JAX work
+  started from a callback is 200 times slower and can hang; with inputs sharded over
+  several devices; inside `shard_map`; under a trace on several devices that
+  `dx.set_devices` did not name. A loop of each half is stepped in one loop where they
+  are of equal length (`_jaxpr.together`);
+- `"devices"`: under a trace on the devices `dx.set_devices` named: a `shard_map` over
+  them runs the forward on one device and the adjoint on the next, in the program.
+
 Below, whether deferax may run two implementation calls at once (`set_concurrency`), the
 lock that keeps implementations that are not thread-safe apart, and whether a call takes it
 (`serialised`, `one_at_a_time`)."""
@@ -12,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.core
+import jax.tree_util as jtu
 
 from .. import _jaxpr, _runtime
 from ._devices import pair
@@ -58,6 +76,80 @@ class Placement:
     def running(self, prepared: Any) -> Placement:
         """This placement, running the `prepared` halves (inside the gathered callback)."""
         return dataclasses.replace(self, prepared=prepared)
+
+
+class Halves(NamedTuple):
+    """Where the two halves of a JAX-native site run (`where`), and why (`why`)."""
+
+    where: str  # "threads", "callback", "program" or "devices"
+    why: str
+
+    @property
+    def leave_program(self) -> bool:
+        """Whether the halves leave the compiled program (through a host callback)."""
+        return self.where == "callback"
+
+
+def platform() -> str:
+    """The platform the halves run on: `dx.set_devices`'s devices', else the default backend's
+    (a test may pretend another, `_runtime.SWITCHES.platform`)."""
+    if _runtime.SWITCHES.platform is not None:
+        return _runtime.SWITCHES.platform
+    chosen = _runtime.SWITCHES.devices
+    return chosen[0].platform if chosen else jax.default_backend()
+
+
+def spans(tree: Any) -> int:
+    """The most devices one concrete array of `tree` spans (0 for none)."""
+    arrays = [a for a in jtu.tree_leaves(tree) if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)]
+    return max((len(a.sharding.device_set) for a in arrays), default=0)
+
+
+def operands(tree: Any):
+    """Inside: the analysis of a call on `tree` (its inputs) places halves as for them
+    (`halves_run` without operands reads it: where they are sharded, in the program)."""
+    return _jaxpr.setting(_runtime.SPANS, spans(tree))
+
+
+def halves_run(tree: Any = None, *, eager: bool | None = None) -> Halves:
+    """Where the two halves of a JAX-native site run, called on `tree` (its operands: concrete
+    eagerly, tracers under a trace), or, without them, for a call `eager` or not."""
+    eager = _jaxpr.is_concrete(tree) and _jaxpr.is_eager() if eager is None else eager
+    manual = _jaxpr.manual_axes()
+    where = platform()
+    chosen = _runtime.SWITCHES.devices
+    devices = chosen if chosen is not None else jax.local_devices()
+    if manual:
+        axes = ", ".join(map(repr, manual))
+        return Halves("program", f"inside `shard_map` over {axes}: each shard runs its own halves")
+    spanned = (spans(tree) if tree is not None else _runtime.SPANS.get()) if eager else 0
+    if spanned > 1:
+        return Halves("program", f"its inputs are sharded over {spanned} devices: the halves run where they are")
+    if eager:
+        if len(devices) > 1:
+            return Halves("threads", f"on two of {len(devices)} {where} devices, from two threads")
+        if where == "cpu":
+            return Halves("threads", "on two threads (two CPU cores)")
+        return Halves(
+            "program",
+            f"one {where} device runs one program at a time: one half after the other "
+            "(under `jit`, a loop of each stepped in one where they are of equal length)",
+        )
+    if chosen is not None and len(chosen) > 1:
+        return Halves("devices", f"on two of the {len(chosen)} devices named by `dx.set_devices`, in the program")
+    if where != "cpu":
+        return Halves(
+            "program",
+            f"one {where} device runs one program at a time (no JAX work from a host callback there): "
+            "in the program, a loop of each half stepped in one where they are of equal length",
+        )
+    if len(jax.local_devices()) > 1:
+        return Halves(
+            "program",
+            f"{len(jax.local_devices())} CPU devices: a callback starting JAX work could stall the program's "
+            "collectives; `dx.set_devices` puts the halves on two devices in the program",
+        )
+    return Halves("callback", "one host callback starts both halves on two threads (two CPU cores)")
 
 
 _DEFAULT = Placement()

@@ -13,12 +13,13 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.core
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
 from .. import _jaxpr, _record, _runtime
-from .._jaxpr import is_concrete
+from .._jaxpr import is_concrete, zeros
 from . import _placement
 from ._devices import on
 from ._placement import one_at_a_time, serialised
@@ -225,7 +226,79 @@ def concurrently(
     # model passed through `jit`, or batched by `vmap`) enter the callback as operands;
     # concrete ones stay where they are.
     arrays, static = eqx.partition((fwd_fn, adjoint_fn), _is_tracer)
-    halves = _Halves(static, _dispatch if compiled else _direct, batched, names, where.devices())
+    runs = _placement.halves_run((arrays, x, ct)).where
+    devices = where.devices() if runs in ("threads", "callback", "devices") else (None, None)
+    halves = _Halves(static, _dispatch if compiled else _direct, batched, names, devices)
+    if runs == "program":
+        return _in_program(halves, arrays, x, ct)
+    if runs == "devices":
+        return _on_devices(halves, arrays, x, ct)
     if is_concrete((arrays, x, ct)):
         return _eager(halves, (fwd_fn, adjoint_fn), arrays, x, ct, compiled, where)
     return _traced(halves, arrays, x, ct, compiled, where)
+
+
+def _in_program(halves: _Halves, arrays: Any, x: PyTree, ct: PyTree) -> tuple[PyTree, PyTree]:
+    """Both halves where the program runs, no JAX work started from a callback: eagerly, one
+    after the other on the arrays where they are (sharded ones stay sharded); under a trace,
+    traced into the program, a loop of each stepped in one loop where both have one of the
+    same length."""
+    if is_concrete((arrays, x, ct)):
+        y = _record.recorded(halves.names[0], ft.partial(halves.fwd, arrays, x, None), False)
+        return y, _record.recorded(halves.names[1], ft.partial(halves.adjoint, arrays, x, ct, None), False)
+    fwd_in, fwd_tree = jtu.tree_flatten((arrays, x))
+    adjoint_in, adjoint_tree = jtu.tree_flatten((arrays, x, ct))
+    shapes: dict = {}
+
+    def fwd(*leaves):
+        arrays_, x_ = jtu.tree_unflatten(fwd_tree, leaves)
+        y = halves.fwd(arrays_, x_, None)
+        out, shapes["y"] = jtu.tree_flatten(y)
+        return out
+
+    def adjoint(*leaves):
+        arrays_, x_, ct_ = jtu.tree_unflatten(adjoint_tree, leaves)
+        partial = halves.adjoint(arrays_, x_, ct_, None)
+        out, shapes["partial"] = jtu.tree_flatten(partial)
+        return out
+
+    def both():
+        return _jaxpr.together(fwd, adjoint, fwd_in, adjoint_in)[:2]
+
+    ys, partials = _record.recorded(halves.names[0], both, True)
+    _record.recorded(halves.names[1], lambda: None, True)  # (counted where it runs, with the first)
+    return jtu.tree_unflatten(shapes["y"], ys), jtu.tree_unflatten(shapes["partial"], partials)
+
+
+_AXIS = "deferax_halves"
+
+
+def _on_devices(halves: _Halves, arrays: Any, x: PyTree, ct: PyTree) -> tuple[PyTree, PyTree]:
+    """Both halves inside the traced program, each on its own device: a `shard_map` over the
+    devices `dx.set_devices` named, whose body runs the forward on the site's first device
+    and the adjoint on its second (`lax.switch` on the device's index; the others do
+    nothing). Each device's results are stacked on a leading axis, and the forward's and the
+    adjoint's taken from their devices' rows."""
+    chosen = _runtime.SWITCHES.devices
+    assert chosen is not None  # (`halves_run` places halves on devices only where some are named)
+    first, second = (chosen.index(d) for d in halves.devices)
+    mesh = jax.sharding.Mesh(np.array(chosen), (_AXIS,))
+    y_struct = jax.eval_shape(ft.partial(halves.fwd, device=None), arrays, x)
+    partial_struct = jax.eval_shape(ft.partial(halves.adjoint, device=None), arrays, x, ct)
+
+    def body(arrays, x, ct):
+        index = jax.lax.axis_index(_AXIS)
+        branch = jnp.where(index == first, 0, jnp.where(index == second, 1, 2))
+        branches = [
+            lambda: (halves.fwd(arrays, x, None), zeros(partial_struct)),
+            lambda: (zeros(y_struct), halves.adjoint(arrays, x, ct, None)),
+            lambda: (zeros(y_struct), zeros(partial_struct)),
+        ]
+        return jtu.tree_map(lambda a: a[None], jax.lax.switch(branch, branches))
+
+    specs = jax.sharding.PartitionSpec()
+    rows = jax.sharding.PartitionSpec(_AXIS)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, specs, specs), out_specs=(rows, rows), check_vma=False)
+    ys, partials = _record.recorded(halves.names[0], lambda: mapped(arrays, x, ct), True)
+    _record.recorded(halves.names[1], lambda: None, True)  # (counted where it runs, with the first)
+    return jtu.tree_map(lambda a: a[first], ys), jtu.tree_map(lambda a: a[second], partials)

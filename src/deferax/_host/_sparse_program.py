@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _runtime
+from .._concurrency import _placement
 from .._plan import _cost
 from ._solvers import _sparsax
 from ._sparse_pattern import SparsePattern
@@ -38,6 +39,9 @@ def refusal(pattern: SparsePattern, dtype: np.dtype, by_cost: bool) -> str | Non
         return "sparsax (a tested release) is not installed"
     if not np.issubdtype(dtype, np.floating):
         return "sparsax solves real matrices only"
+    platform = _placement.platform()
+    if platform != "cpu":
+        return f"sparsax's solve is CPU code, and the program runs on {platform}"
     if jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
         return "sparsax factors in float64, which needs `jax_enable_x64`"
     if not by_cost:
@@ -45,7 +49,7 @@ def refusal(pattern: SparsePattern, dtype: np.dtype, by_cost: bool) -> str | Non
     t = trial_seconds(pattern)  # (`_sparse_solver.trial_seconds`)
     if t is None:
         return "a trial factorisation of its pattern failed (the pattern is structurally singular)"
-    if t > _ROUND_TRIPS * _cost.STAGE_SECONDS:
+    if t > _ROUND_TRIPS * _cost.round_trip_seconds():
         return f"a factorisation takes about {t * 1e3:.2g} ms here, which pays for a host site's round trips"
     return None
 

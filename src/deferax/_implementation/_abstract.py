@@ -20,6 +20,8 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .. import _jaxpr
+from .._concurrency._placement import halves_run
 from .._concurrency._threads import concurrently
 
 if TYPE_CHECKING:
@@ -86,7 +88,8 @@ class AbstractFused(AbstractImplementation):
 
     @property
     def jobs_at_once(self) -> int:
-        return 2  # (its two halves, on two threads)
+        # its two halves, on two threads or two devices; one after the other in the program
+        return 1 if halves_run(eager=_jaxpr.is_eager()).where == "program" else 2
 
     @abc.abstractmethod
     def half_names(self) -> tuple[str, str]:

@@ -16,6 +16,7 @@ tested JAX range is pinned in `pyproject.toml`. One file a concern:
 - `_linearity`: where a program stops being linear in an input;
 - `_example_axes`: which axis of a value indexes the examples of a batch;
 - `_custom_vjp`: a `jax.custom_vjp` call read as a site, its backward split in two;
+- `_loops`: two independent programs evaluated together, a loop of each stepped in one;
 - `_work`: how much work a program does, estimated from its equations;
 - `_keys`: cache keys equal for programs that compute the same thing.
 """
@@ -52,6 +53,7 @@ from ._internals import is_not_mapped as is_not_mapped
 from ._internals import is_primitive as is_primitive
 from ._internals import is_zero as is_zero
 from ._internals import local_config as local_config
+from ._internals import manual_axes as manual_axes
 from ._internals import move_to_front as move_to_front
 from ._internals import rule_functions as rule_functions
 from ._internals import setting as setting
@@ -68,6 +70,7 @@ from ._keys import structural_key as structural_key
 from ._linearity import frontier_size as frontier_size
 from ._linearity import linear_frontier as linear_frontier
 from ._linearity import nonlinear_uses as nonlinear_uses
+from ._loops import together as together
 from ._program import Found as Found
 from ._program import Nested as Nested
 from ._program import computing as computing

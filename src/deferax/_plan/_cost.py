@@ -55,19 +55,27 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from collections.abc import Hashable, Iterator
 from typing import Any
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import _runtime
+from .._concurrency import _placement
 
 # A host round trip between two stages (a `pure_callback` out of a compiled program and back,
 # and the executor's hand-off): a trivial `dx.host` site under `jit` took 3.0 ms deferred (one
 # stage) and 6.8 ms standard (two) on a 2-core CPU at load 13; less on an idle machine
 # (`benchmarks/bench_cost.py`'s "stage" case measures it: see `STAGE_SECONDS` there).
 STAGE_SECONDS = 1e-3
+# On an accelerator a round trip is the device's transfer to the host and back, which JAX's
+# callback makes slowly (a TPU v5e: 7.3 ms for 16 bytes, 8.5 ms for 2.8 MB in; 0.4 ms on a CPU):
+# measured once a process and platform, at first use (`round_trip_seconds`).
+_MEASURED_BYTES = 1 << 22  # (4 MB: the size whose time gives the price of a byte)
 SAMPLES = 3  # timings of a site's first calls, of which the least is kept
 DEFAULT_STAGE = 0.01  # (in units of one forward, with the equal-cost defaults)
 
@@ -292,6 +300,39 @@ def forget_timings() -> None:
 # ----------------------------------------------------------------------------- the estimates
 
 
+def round_trip_seconds(nbytes: int = 0) -> float:
+    """A host round trip's price where the halves run (`_placement.platform`), with `nbytes`
+    going to the host: on a CPU, `STAGE_SECONDS` (measured by `benchmarks/bench_cost.py`,
+    mostly the executor's hand-off); on an accelerator, measured here once a process (the
+    least of 5 jitted `jax.pure_callback` calls of 4 bytes, and of 4 MB for a byte's price)."""
+    platform = _placement.platform()
+    if platform == "cpu":
+        return STAGE_SECONDS
+    fixed, per_byte = _measured(platform)
+    return fixed + per_byte * nbytes
+
+
+@_runtime.cached(maxsize=8)
+def _measured(platform: str) -> tuple[float, float]:
+    """`(fixed, per byte)` seconds of a host round trip on the default device, measured now."""
+
+    def seconds(nbytes: int) -> float:
+        struct = jax.ShapeDtypeStruct((max(1, nbytes // 4),), np.float32)
+        trip = jax.jit(lambda a: jax.pure_callback(np.asarray, struct, a))
+        a = jax.block_until_ready(jnp.zeros(struct.shape, struct.dtype))
+        jax.block_until_ready(trip(a))  # (compiled, untimed)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            jax.block_until_ready(trip(a))
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    with jax.ensure_compile_time_eval():  # (run now, also when asked while a step is traced)
+        fixed = seconds(4)
+        return fixed, max(0.0, seconds(_MEASURED_BYTES) - fixed) / _MEASURED_BYTES
+
+
 def numbers(key: Hashable, shapes: tuple, hint: Cost, defaults: bool = False) -> tuple:
     """`(setup, fwd, bwd, stage, source)` for a site: its hint's numbers, else its timings,
     else the equal-cost defaults (all of them with `defaults`)."""
@@ -303,7 +344,9 @@ def numbers(key: Hashable, shapes: tuple, hint: Cost, defaults: bool = False) ->
     numbers = {"fwd": 1.0, "bwd": 1.0, "setup": 0.0} | measured | given
     source = "measured" if set(measured) - set(given) else "hint" if given else "defaults"
     stage = hint.stage if hint.stage is not None and not defaults else None
-    stage = stage if stage is not None else DEFAULT_STAGE if source == "defaults" else STAGE_SECONDS
+    # (the input's numbers go to the host: as float32, a lower bound)
+    nbytes = 4 * sum(math.prod(shape) for shape in shapes)
+    stage = stage if stage is not None else DEFAULT_STAGE if source == "defaults" else round_trip_seconds(nbytes)
     return numbers["setup"], numbers["fwd"], numbers["bwd"], stage, source
 
 

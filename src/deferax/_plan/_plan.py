@@ -38,6 +38,13 @@ class Site(eqx.Module):
       standard and the deferred (or deferred-basis) schedule, a [`deferax.Estimates`][];
       for a site with `jvp` or `jvp_batch` whose costs are known, the forward-basis
       strategy's beside them; `None` otherwise.
+    - `halves`: for a deferred site whose `fused` is two JAX-native halves (made from `fwd`
+      and `adjoint`, or by [`deferax.fuse`][]), where they run and why: `"threads: ..."`
+      (eagerly, two threads), `"callback: ..."` (one CPU device under `jit`: one host
+      callback starts both), `"program: ..."` (inside the compiled program: on an
+      accelerator, with sharded inputs, inside `shard_map`) or `"devices: ..."` (a
+      `shard_map` over the devices `dx.set_devices` named, one half a device); `None`
+      otherwise. See "Accelerators and several devices" in the docs.
     - `batch`: the sizes of the `jax.vmap` levels the call is made under, outermost first
       (`()` for a call on one example). A deferred site under `vmap` runs one `fused` call
       for the whole batch; `in_shapes` and `out_shapes` are those of one example.
@@ -54,6 +61,7 @@ class Site(eqx.Module):
     n: int | None = None
     batch: tuple[int, ...] = ()
     estimates: Estimates | None = None
+    halves: str | None = None
 
 
 class Recognised(eqx.Module):
@@ -210,6 +218,12 @@ deferred"
             out.append("recognised calls:")
             for r in self.recognised:
                 out.extend(_wrap(str(r), "  "))
+        # (listed where they do not run as on one CPU, from two threads: in the program, on devices)
+        placed = [s for s in self.sites if s.halves is not None and not s.halves.startswith(("threads", "callback"))]
+        if placed:
+            out.append("where the halves run:")
+            for s in placed:
+                out.extend(_wrap(s.halves, f"  #{s.index} "))  # pyright: ignore[reportArgumentType]  (not None: filtered)
         chosen = [s for s in self.sites if _estimates_listed(s)]
         if chosen:
             out.append("estimated wall time:")

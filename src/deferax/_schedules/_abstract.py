@@ -12,6 +12,8 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 
+from .. import _jaxpr, _runtime
+from .._concurrency._placement import halves_run
 from .._implementation._abstract import AbstractImplementation
 from .._jaxpr import shape_text
 from .._plan._cost import Estimates
@@ -29,6 +31,28 @@ def stage_label(spec: Spec, impl: str) -> str:
     """How a row of the plan's stages names one call: `"name: impl x4"` (under `vmap`)."""
     batch = f" x{'x'.join(map(str, spec.sizes))}" if spec.sizes else ""
     return f"{spec.name}: {impl}{batch}"
+
+
+def leaves_program(impl: Any, derived: bool) -> bool:
+    """Whether a traced call of `impl` (of a `fused` made from `fwd` and `adjoint` where
+    `derived`) leaves the compiled program: host functions always; two JAX-native halves
+    (`dx.fuse`, a derived `fused`) where they run from a host callback (`halves_run`), not
+    in the program."""
+    if isinstance(impl, AbstractImplementation) and impl.runs_on_host:
+        return True
+    return (derived or isinstance(impl, AbstractImplementation)) and halves_run(eager=False).leave_program
+
+
+def halves_text(impl: Any, derived: bool) -> str | None:
+    """Where the two halves of a call of `impl` (of a `fused` made from `fwd` and `adjoint`
+    where `derived`) run, and why (`deferax.Site.halves`); None for a call that is not two
+    JAX-native halves (a host function's, a user's `fused`)."""
+    if isinstance(impl, AbstractImplementation) and impl.runs_on_host:
+        return None
+    if not (derived or isinstance(impl, AbstractImplementation)):
+        return None
+    halves = halves_run(eager=_jaxpr.is_eager() and not _runtime.EXPLAINING_JITTED.get())
+    return f"{halves.where}: {halves.why}"
 
 
 class AbstractSchedule(eqx.Module):
@@ -65,6 +89,7 @@ class AbstractSchedule(eqx.Module):
     def row(self, index: int) -> Site:
         """The site's row of the plan, as call number `index` in program order."""
         spec = self.spec
+        job = self.ahead_job()
         return Site(
             index=index,
             name=spec.name,
@@ -77,6 +102,7 @@ class AbstractSchedule(eqx.Module):
             n=self.n,
             batch=spec.sizes,
             estimates=self.estimates,
+            halves=None if job is None else job.halves,
         )
 
     @abc.abstractmethod
@@ -125,8 +151,15 @@ class AbstractJob(eqx.Module):
         """Whether its call runs outside the XLA program anyway: on the host (`dx.host`), or
         as two compiled halves on threads (`dx.fuse`, or a `fused` made from `fwd` and
         `adjoint`/`bwd`). Such work leaves through a callback, which JAX cannot
-        differentiate. By default, whether `impl` is an implementation deferax made."""
-        return isinstance(self.impl, AbstractImplementation)
+        differentiate. By default, whether `impl` is an implementation deferax made that
+        does (`leaves_program`)."""
+        return leaves_program(self.impl, derived=False)
+
+    @property
+    def halves(self) -> str | None:
+        """Where the two halves of its call run and why, for two JAX-native halves
+        (`halves_text`); None otherwise."""
+        return halves_text(self.impl, derived=False)
 
     @abc.abstractmethod
     def call(self, operands: list, cts: Any) -> tuple:

@@ -19,7 +19,7 @@ from .._plan import _cost
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule
 from .._site import Spec
-from ._abstract import AbstractDeferring, returning, stage_label
+from ._abstract import AbstractDeferring, halves_text, leaves_program, returning, stage_label
 
 
 def _replayed_cotangents(args, ct_y):
@@ -164,7 +164,11 @@ class Deferred(AbstractDeferring):
 
     @property
     def leaves_program(self) -> bool:
-        return fused_is_derived(self.spec) or isinstance(self.impl, AbstractImplementation)
+        return leaves_program(self.impl, fused_is_derived(self.spec))
+
+    @property
+    def halves(self) -> str | None:
+        return halves_text(self.impl, fused_is_derived(self.spec))
 
     def call(self, operands: list, cts: Any) -> tuple:
         """`fused(x, ct_y)` over every batch level: output leaves, and the cotangents of the

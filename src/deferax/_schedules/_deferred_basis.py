@@ -14,13 +14,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _jaxpr, _site
-from .._implementation._abstract import AbstractImplementation
 from .._jaxpr import zero_like
 from .._plan._cost import Estimates
 from .._plan._plan import Schedule
 from .._site import Spec
 from . import _per_example
-from ._abstract import AbstractDeferring, returning
+from ._abstract import AbstractDeferring, halves_text, leaves_program, returning
 from ._deferred import estimate, fused_is_derived, fused_label
 
 
@@ -145,7 +144,11 @@ class DeferredBasis(AbstractDeferring):
 
     @property
     def leaves_program(self) -> bool:
-        return fused_is_derived(self.spec) or isinstance(self.impl, AbstractImplementation)
+        return leaves_program(self.impl, fused_is_derived(self.spec))
+
+    @property
+    def halves(self) -> str | None:
+        return halves_text(self.impl, fused_is_derived(self.spec))
 
     def call(self, operands: list, cts: Any) -> tuple:
         """The forward and `k` adjoints of a basis site in one job (`fused_batch`, or a `fused`

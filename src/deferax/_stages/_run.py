@@ -59,7 +59,8 @@ def analysis_of(
             # which inputs are constants and which are differentiated is not in the equations,
             # nor whether each `bwd` (traced now) lets a `fused` be made from it
             bwds = bwd_decisions(program)
-            key = (key, n_consts, schedule, max_basis, bwds, _timings(program))
+            # (and where the halves run: sharded inputs keep them in the program)
+            key = (key, n_consts, schedule, max_basis, bwds, _timings(program), _runtime.SPANS.get() > 1)
             with _CACHE_LOCK:
                 compiled = _CACHE.get(key)
                 if compiled is not None:
