@@ -268,6 +268,9 @@ def record() -> Iterator[Timeline]:
         assert timeline.counts() == {"fused": 1}
         ```
 
+    On leaving, it waits for the programs started inside to have run what they count
+    (`jax.effects_barrier`): on an accelerator, a jitted step returns before it has run.
+
     Calls with concrete arrays (outside `jit`) are timed until their results are ready
     (which makes each wait for its result: recording changes JAX's asynchronous dispatch).
     Under `jit`, the halves of a `dx.fuse` and host functions are timed where they leave
@@ -280,6 +283,9 @@ def record() -> Iterator[Timeline]:
     try:
         yield timeline
     finally:
+        # the counts of calls compiled into programs still running (an accelerator's dispatch
+        # returns before its program has run them) are in before the recording ends
+        jax.effects_barrier()
         with _LOCK:
             _ACTIVE.remove(timeline)
 

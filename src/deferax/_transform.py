@@ -169,8 +169,10 @@ def _check_value(value, explaining: bool = False):
 _DEFERRED_UNDER_DIFFERENTIATION = """{where}: schedule='deferred' was requested inside an enclosing differentiation \
 (`jax.grad`,
 `jax.jacrev`, `jax.jvp`, ...), which would differentiate the deferred calls themselves. These sites' deferred calls
-run outside the program, through a callback that JAX cannot differentiate (a `dx.fuse`, halves made from `fwd` and
-`bwd` or `adjoint`, or a host function): {sites}. Use schedule='auto': under differentiation it keeps them standard."""
+run outside the program, through a callback that JAX cannot differentiate, or (in the program, on an accelerator) as
+their implementations' halves, which JAX would differentiate in place of your rules (a `dx.fuse`, halves made from
+`fwd` and `bwd` or `adjoint`, or a host function): {sites}. Use schedule='auto': under differentiation it keeps them
+standard."""
 
 
 def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, recognise, x, args, kwargs):
@@ -196,7 +198,9 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, re
         )
     if analysis.plan.fallback is not None:
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
-    outside = [s.spec.name for s in analysis.deferring if s.leaves_program] if differentiated else []
+    # (JAX-native halves in the program too: JAX would differentiate the implementations, not their rules)
+    refused = [s.spec.name for s in analysis.deferring if s.leaves_program or s.halves is not None]
+    outside = refused if differentiated else []
     if outside:
         sites = ", ".join(f"`{name}`" for name in outside)
         raise ValueError(_DEFERRED_UNDER_DIFFERENTIATION.format(where=_WHERE, sites=sites))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import linecache
 import os
 import sysconfig
@@ -65,7 +66,19 @@ def _shown_path(path: str) -> str:
         return path
 
 
-_INSTALLED = tuple({p for p in (sysconfig.get_path("purelib"), sysconfig.get_path("platlib")) if p})
+def _package_dirs(*names: str) -> set[str]:
+    """The folders the packages `names` are installed in, wherever the environment puts them
+    (a site-packages, or a folder on `PYTHONPATH`, as on an accelerator's image)."""
+    found = set()
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            found.add(os.path.dirname(os.path.abspath(location)) + os.sep)
+    return found
+
+
+_SITE = {p for p in (sysconfig.get_path("purelib"), sysconfig.get_path("platlib")) if p}
+_INSTALLED = tuple(_SITE | _package_dirs("numpy", "jax", "equinox"))
 
 
 def _installed(path: str) -> bool:
