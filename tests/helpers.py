@@ -17,8 +17,36 @@ import numpy as np
 import deferax as dx
 from deferax._host import _factorisations
 
+# In float32 (the suite with `DEFERAX_TESTS_X64=0`, as on an accelerator), a comparison is made
+# to float32's accuracy: tolerances are at least these (see `float32_tolerances` in conftest.py).
+FLOAT32_RTOL, FLOAT32_ATOL = 1e-3, 1e-4
+# ... and central differences step by this much (float32's rounding of the loss, about 1e-7 of
+# it, divided by the step, stays under the tolerance; the truncation, the step squared, too).
+FLOAT32_EPS = 4e-3
+
+
+def float32() -> bool:
+    """Whether the suite runs in float32 (x64 off)."""
+    return not jax.config.jax_enable_x64
+
+
+# The default float and complex dtypes (what `jnp.array(1.0)` and `jnp.array(1j)` make):
+# float64 and complex128 with x64 on, float32 and complex64 in the float32 suite. A test about
+# "the default float" uses these, and checks the same thing in both suites. (Read at import: in a
+# process the tests spawn, where conftest.py did not turn x64 on, they are the float32 ones.)
+FLOAT = jnp.dtype(jnp.result_type(float))
+FLOAT_NAME = FLOAT.name
+COMPLEX = jnp.dtype(jnp.result_type(complex))
+COMPLEX_NAME = COMPLEX.name
+
+
+def tolerances(rtol: float, atol: float) -> tuple[float, float]:
+    """`(rtol, atol)`, at least float32's in the float32 suite."""
+    return (max(rtol, FLOAT32_RTOL), max(atol, FLOAT32_ATOL)) if float32() else (rtol, atol)
+
 
 def tree_allclose(a, b, *, rtol=1e-10, atol=1e-10) -> bool:
+    rtol, atol = tolerances(rtol, atol)
     return eqx.tree_equal(a, b, rtol=rtol, atol=atol) is True
 
 
@@ -38,8 +66,10 @@ def hlo_ops(fn, *args) -> collections.Counter:
     return collections.Counter(ops) + collections.Counter(f"custom_call @{t}" for t in targets)
 
 
-def finite_difference_grad(loss, x, eps=1e-6):
-    """Central differences of a real scalar `loss` with respect to every float leaf of `x`."""
+def finite_difference_grad(loss, x, eps=None):
+    """Central differences of a real scalar `loss` with respect to every float leaf of `x`
+    (a step of 1e-6, or `FLOAT32_EPS` in the float32 suite)."""
+    eps = eps if eps is not None else FLOAT32_EPS if float32() else 1e-6
     leaves, treedef = jtu.tree_flatten(x)
     grads = []
     for i, leaf in enumerate(leaves):
@@ -62,7 +92,9 @@ class Counter:
     """Counts how often implementations *execute*, through `jax.debug.callback`.
 
     A callback inside a traced function fires each time the compiled program runs the
-    operation, not each time it is traced.
+    operation, not each time it is traced. The counts are read, and reset, once every
+    program started has run its callbacks (`jax.effects_barrier`): on an accelerator a
+    call returns before its program has run.
     """
 
     def __init__(self):
@@ -75,12 +107,15 @@ class Counter:
         jax.debug.callback(bump, ordered=False)
 
     def __getitem__(self, key):
+        jax.effects_barrier()
         return self.counts[key]
 
     def reset(self):
+        jax.effects_barrier()
         self.counts.clear()
 
     def as_dict(self):
+        jax.effects_barrier()
         return {k: self.counts[k] for k in ("fwd", "bwd", "fused")}
 
 

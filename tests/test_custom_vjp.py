@@ -19,7 +19,7 @@ from jax.experimental import io_callback
 
 import deferax as dx
 
-from .helpers import assert_tree_allclose, hlo_ops, make, ref
+from .helpers import FLOAT, FLOAT_NAME, assert_tree_allclose, hlo_ops, make, ref
 
 HERE = os.path.relpath(__file__)
 
@@ -118,7 +118,10 @@ def test_the_seed_unchanged_is_a_deferred_site(counter):
     for jit in (False, True):
         step = dx.filter_value_and_grad(loss)
         step = jax.jit(step) if jit else step
-        jax.block_until_ready(step(x))  # (a first call compiles)
+        # (a first call compiles: inside a recording, so that the calls compiled into the program
+        # are counted, as where the halves run in it, on an accelerator: see `dx.record`)
+        with dx.record():
+            jax.block_until_ready(step(x))
         jax.effects_barrier()
         counter.reset()
         with dx.record() as timeline:
@@ -258,8 +261,9 @@ def test_a_backward_that_needs_the_forward_state_is_left_as_is():
     assert plan.sites == () and call.site is None
     line = _line_of("(u, u_prev), _ = lax.scan(lambda c")
     needs = (
-        r"its backward's work \(about .* operations, .* ms\) needs the residuals `res\[0\]` \(float64\[32, 32\]\) and "
-        rf"`res\[1\]` \(float64\[32, 32\]\) that its forward computes \(`scan` at {HERE}:{line} "
+        r"its backward's work \(about .* operations, .* ms\) needs the residuals "
+        rf"`res\[0\]` \({FLOAT_NAME}\[32, 32\]\) and "
+        rf"`res\[1\]` \({FLOAT_NAME}\[32, 32\]\) that its forward computes \(`scan` at {HERE}:{line} "
     )
     assert re.match(needs, call.reason), call.reason
     assert "so it cannot start before the forward ends: left as is (the standard schedule)" in call.reason
@@ -284,14 +288,14 @@ class _Problem:
 
 def _stateful(problem, kind: str):
     """`sin` whose backward reads, through a host callback (`kind`), what the forward wrote."""
-    out = jax.ShapeDtypeStruct((4,), jnp.float64)
+    out = jax.ShapeDtypeStruct((4,), FLOAT)
 
     @jax.custom_vjp
     def solve(p):
         return jnp.sin(p)
 
     def solve_fwd(p):
-        done = jax.pure_callback(problem.set_params, jax.ShapeDtypeStruct((), jnp.float64), p)
+        done = jax.pure_callback(problem.set_params, jax.ShapeDtypeStruct((), FLOAT), p)
         return jnp.sin(p) + 0.0 * done, None
 
     def solve_bwd(_, ct):
@@ -327,7 +331,7 @@ def test_a_backward_callback_is_left_as_is_unless_declared(kind):
     def independent(p):
         return jnp.sin(p)
 
-    out = jax.ShapeDtypeStruct((4,), jnp.float64)
+    out = jax.ShapeDtypeStruct((4,), FLOAT)
     independent.defvjp(
         lambda p: (jnp.sin(p), p), lambda p, ct: (jax.pure_callback(lambda a, b: np.cos(a) * b, out, p, ct),)
     )

@@ -14,7 +14,7 @@ import pytest
 import deferax as dx
 import deferax._analysis._analysis
 
-from .helpers import Counter, assert_tree_allclose, finite_difference_grad, make
+from .helpers import COMPLEX, FLOAT, FLOAT_NAME, Counter, assert_tree_allclose, finite_difference_grad, make
 
 
 def ref(x):
@@ -73,8 +73,7 @@ LINEAR = {
     "slicing": lambda y, p: jnp.sum(y[1:3]) - y[0] + jnp.sum(p),
     "reshape_transpose": lambda y, p: jnp.sum(jnp.reshape(y, (2, 2)).T * jnp.array([[1.0, 2.0], [3.0, 4.0]])),
     "real_imag": lambda y, p: (
-        jnp.sum(jnp.real(y.astype(jnp.complex128) * (1 + 2j)))
-        + jnp.sum(jnp.imag(y.astype(jnp.complex128) * (0.5 + 1j)))
+        jnp.sum(jnp.real(y.astype(COMPLEX) * (1 + 2j))) + jnp.sum(jnp.imag(y.astype(COMPLEX) * (0.5 + 1j)))
     ),
     "fft": lambda y, p: jnp.sum(jnp.real(jnp.fft.fft(y)) * W) + jnp.sum(jnp.imag(jnp.fft.fft(y))),
     "concatenate": lambda y, p: jnp.sum(jnp.concatenate([y, 2.0 * y, p]) * jnp.arange(12.0)),
@@ -345,7 +344,7 @@ def test_deferred_input_from_standard_site_is_not_deferred():
 
 
 def ref_tree(x):
-    return {"field": jnp.sin(x["a"]) * x["b"][0], "power": jnp.cos(x["a"]).astype(jnp.complex128) * (1 + 1j)}
+    return {"field": jnp.sin(x["a"]) * x["b"][0], "power": jnp.cos(x["a"]).astype(COMPLEX) * (1 + 1j)}
 
 
 def test_pytree_inputs_and_outputs_and_complex(counter):
@@ -521,7 +520,7 @@ def test_no_reanalysis_on_repeated_calls(monkeypatch, counter):
     for _ in range(3):
         step(P0)
     assert len(calls) == 1
-    step(jnp.ones(4, dtype=jnp.float64) * 0.5)
+    step(jnp.ones(4, dtype=FLOAT) * 0.5)
     assert len(calls) == 1
     jitted = eqx.filter_jit(step)
     for _ in range(3):
@@ -562,13 +561,16 @@ def test_error_has_aux_without_a_pair():
         TypeError,
         match=re.escape(
             "`deferax.filter_value_and_grad`: with `has_aux=True` the differentiated function must return a pair \
-`(value, aux)`, but it returned float64[]."
+`(value, aux)`, "
+            f"but it returned {FLOAT_NAME}[]."
         ),
     ):
         dx.filter_value_and_grad(lambda p: jnp.sum(p), has_aux=True)(P0)
     with pytest.raises(
         TypeError,
-        match=re.escape("must return a pair `(value, aux)`, but it returned (float64[], float64[], float64[])."),
+        match=re.escape(
+            f"must return a pair `(value, aux)`, but it returned ({FLOAT_NAME}[], {FLOAT_NAME}[], {FLOAT_NAME}[])."
+        ),
     ):
         dx.filter_value_and_grad(lambda p: (jnp.sum(p), p[0], p[1]), has_aux=True)(P0)
 
@@ -579,7 +581,8 @@ def test_error_non_scalar_loss():
         TypeError,
         match=re.escape(
             "`deferax.filter_value_and_grad`: the differentiated function must return a real scalar, but it \
-returned float64[4]."
+returned "
+            f"{FLOAT_NAME}[4]."
         ),
     ):
         dx.filter_value_and_grad(lambda p: f(p))(P0)
@@ -590,8 +593,11 @@ def test_error_wrong_out_declared():
     Equinox reports it (which runs `fwd` first), eager and under `jit`, not as the shape
     mismatch it caused; a trace error with a right `out=` stands as it is."""
     wrong = jax.ShapeDtypeStruct((5,), P0.dtype)
-    expected = "`ExpensiveFn(name='declared')`: `fwd` returned an output that does not match the output \
-structure.\nExpected float64[5], found float64[4]."
+    expected = (
+        "`ExpensiveFn(name='declared')`: `fwd` returned an output that does not match the output \
+structure.\n"
+        f"Expected {FLOAT_NAME}[5], found {FLOAT_NAME}[4]."
+    )
     f = dx.ExpensiveFn(fwd=ref, fused=lambda x, ct: (ref(x), ct), out=wrong, name="declared")
     loss = lambda p: jnp.sum(W * f(p))  # noqa: E731
     for transform in (
@@ -812,8 +818,8 @@ def test_typed_prng_keys_in_inputs_outputs_and_aux(counter, square):
     site = dx.explain(dx.filter_value_and_grad(loss, has_aux=True), params, data_key).sites[0]
     assert (site.schedule, site.in_shapes, site.out_shapes) == (
         "standard" if square else "deferred",
-        "(float64[4], key<fry>[])",
-        "(key<fry>[], float64[4])",
+        f"({FLOAT_NAME}[4], key<fry>[])",
+        f"(key<fry>[], {FLOAT_NAME}[4])",
     )
     expected_counts = {"fwd": 1, "bwd": 1, "fused": 0} if square else {"fwd": 0, "bwd": 0, "fused": 1}
 

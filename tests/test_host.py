@@ -17,14 +17,21 @@ import pytest
 
 import deferax as dx
 
-from .helpers import assert_tree_allclose, finite_difference_grad, load_example, plain_fdfd_design, plain_fdfd_objective
+from .helpers import (
+    COMPLEX,
+    assert_tree_allclose,
+    finite_difference_grad,
+    load_example,
+    plain_fdfd_design,
+    plain_fdfd_objective,
+)
 
 A0 = np.array([[4.0 + 1.0j, 1.0, 0.5j], [0.3, 3.0 - 0.5j, 1.0], [0.2j, -0.7, 5.0 + 0.2j]])  # not symmetric
 SOURCE = np.array([1.0, -0.5j, 2.0])
 X0 = jnp.array([0.3, -0.2, 0.8])
 M1 = jnp.array([1.0 + 1.0j, 0.5 + 0.0j, -1.0j])
 W = jnp.array([1.0 - 1.0j, 2.0, 0.5j])
-FIELD = jax.ShapeDtypeStruct((3,), jnp.complex128)
+FIELD = jax.ShapeDtypeStruct((3,), COMPLEX)
 
 
 class Runs:
@@ -56,7 +63,7 @@ class Runs:
 
 
 def reference(x):
-    return jnp.linalg.solve(jnp.asarray(A0) + jnp.diag(x.astype(jnp.complex128)), jnp.asarray(SOURCE))
+    return jnp.linalg.solve(jnp.asarray(A0) + jnp.diag(x.astype(COMPLEX)), jnp.asarray(SOURCE))
 
 
 def solver(runs=None, barrier=None, **kwargs):
@@ -65,14 +72,14 @@ def solver(runs=None, barrier=None, **kwargs):
             runs.tick("fwd", x)
         if barrier is not None:
             barrier.wait()
-        return np.linalg.solve(A0 + np.diag(x), SOURCE)
+        return np.linalg.solve(A0 + np.diag(x), SOURCE).astype(FIELD.dtype)
 
     def solve_adjoint(x, ct):
         if runs is not None:
             runs.tick("adjoint", ct)
         if barrier is not None:
             barrier.wait()
-        return np.linalg.solve((A0 + np.diag(x)).T, ct)
+        return np.linalg.solve((A0 + np.diag(x)).T, ct).astype(FIELD.dtype)
 
     def combine(x, e, lam):
         return -jnp.real(e * lam)

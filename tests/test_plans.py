@@ -15,12 +15,13 @@ import pytest
 import deferax as dx
 from deferax._plan import _cost
 
-from .helpers import assert_tree_allclose
+from .helpers import COMPLEX as DEFAULT_COMPLEX
+from .helpers import FLOAT, assert_tree_allclose
 from .test_host import M1, X0, Runs, W, reference, solver
 from .test_sparse_solve import COMPLEX, MODE, dense
 
 SLEEP = 0.030  # seconds: a slow forward beside quick adjoints
-OUT = jax.ShapeDtypeStruct((4,), jnp.float64)
+OUT = jax.ShapeDtypeStruct((4,), FLOAT)
 X = jnp.linspace(0.1, 1.0, 4)
 
 
@@ -86,7 +87,7 @@ def test_the_same_host_functions_share_their_timings_whatever_the_name():
     settle(power(dx.host(slow_sin, adjoint=quick_adjoint, out=OUT, cost=cost, name="first")))
     again = dx.host(slow_sin, adjoint=quick_adjoint, out=OUT, cost=cost, name="second")
     assert dx.explain(power(again), X).sites[0].estimates.source == "measured"
-    wider = dx.host(slow_sin, adjoint=quick_adjoint, out=jax.ShapeDtypeStruct((5,), jnp.float64), name="first")
+    wider = dx.host(slow_sin, adjoint=quick_adjoint, out=jax.ShapeDtypeStruct((5,), FLOAT), name="first")
     assert dx.explain(power(wider), jnp.linspace(0.1, 1.0, 5)).sites[0].estimates.source == "defaults"
 
 
@@ -127,7 +128,7 @@ def test_under_vmap_a_sparse_solves_plan_changes_at_most_once():
     the timings after, with one change."""
     values, pattern, b = COMPLEX
     rhs = jnp.stack([b * (1.0 + 0.5 * j) for j in range(4)])
-    mode = MODE.astype(jnp.complex128)
+    mode = MODE.astype(DEFAULT_COMPLEX)
 
     def loss(solve):
         return lambda v: jnp.sum(jnp.abs(jax.vmap(lambda r: solve(v, r))(rhs) @ mode) ** 2)
@@ -174,7 +175,14 @@ def overlaps(f, *modes):
     return loss
 
 
-def test_a_linear_adjoint_site_follows_its_cost_hint_to_the_basis_schedule():
+@pytest.fixture
+def cpu_round_trip(monkeypatch):
+    """A CPU's round trip between stages, wherever the test runs (an accelerator's is measured
+    where it runs, and moves the estimates these tests state)."""
+    monkeypatch.setattr(_cost, "round_trip_seconds", lambda nbytes=0: _cost.STAGE_SECONDS)
+
+
+def test_a_linear_adjoint_site_follows_its_cost_hint_to_the_basis_schedule(cpu_round_trip):
     """k = 4 of a complex output with a complex-linear adjoint is m = 2 solves: the forward
     and two adjoints on four workers take one solve's time, the standard schedule two. The
     hint decides (no hidden `max_basis=2` keeps it standard)."""
@@ -190,7 +198,7 @@ def test_a_linear_adjoint_site_follows_its_cost_hint_to_the_basis_schedule():
     assert runs.as_dict("fwd", "adjoint") == {"fwd": 1, "adjoint": 2}  # (the multiples not solved again)
 
 
-def test_a_linear_adjoint_site_estimated_slower_says_so_not_max_basis():
+def test_a_linear_adjoint_site_estimated_slower_says_so_not_max_basis(cpu_round_trip):
     """One worker and an expensive setup in every job: the deferred-basis schedule's four
     jobs cost twice the standard schedule's two. The reason names the estimates; the user
     set no `max_basis`, so none is named."""

@@ -127,6 +127,8 @@ for name, (loss, reference) in cases.items():
     if name in ("JAX-native ExpensiveFn", "dx.fuse", "custom_vjp site"):
         (site,) = plan.sites
         assert site.schedule == "deferred" and site.halves.startswith("program: its inputs are sharded"), plan
+
+
 # dx.filter_value_and_grad inside `shard_map` (check_vma=False: see docs/accelerators.md), a site's
 # halves per shard in the shard's program: each shard's value and gradient are plain JAX's
 def per_shard(step):
