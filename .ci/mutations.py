@@ -167,7 +167,20 @@ MUTATIONS = [
                 "return devices[first], devices[first]",
             )
         ],
-        ["tests/test_devices.py"],
+        ["tests/test_devices.py::test_halves_and_sites_on_different_devices", "tests/test_devices.py"],
+    ),
+    (
+        "an accelerator's halves started from a host callback",
+        [("halves_run", 'if where != "cpu":', 'if where == "none":')],
+        ["tests/test_placement.py"],
+    ),
+    (
+        "a loop run backwards stepped forwards beside the other",
+        [("_one_loop", "xs_g = [lax.rev(x, (0,)) for x in xs_g]", "xs_g = list(xs_g)")],
+        [
+            "tests/test_placement.py::test_a_loop_run_backwards_is_stepped_with_one_run_forwards",
+            "tests/test_placement.py",
+        ],
     ),
     (
         "an ExpensiveFn's configuration arrays marked trainable",

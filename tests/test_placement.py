@@ -132,7 +132,8 @@ def test_loops_of_different_lengths_run_one_after_the_other(monkeypatch):
     step = dx.filter_value_and_grad(loss_of(site))
     program = str(jax.make_jaxpr(step)(x0))
     assert program.count("scan[") >= 3 and "callback" not in program  # (vjp's loops, and the longer one)
-    np.testing.assert_allclose(step(x0)[1], jax.grad(reference)(x0), rtol=1e-9, atol=1e-12)
+    for run in (jax.jit(step), step):  # (in the program, and eagerly: one half after the other)
+        np.testing.assert_allclose(run(x0)[1], jax.grad(reference)(x0), rtol=1e-9, atol=1e-12)
 
 
 def test_a_loop_run_backwards_is_stepped_with_one_run_forwards(monkeypatch):
@@ -152,7 +153,8 @@ def test_a_loop_run_backwards_is_stepped_with_one_run_forwards(monkeypatch):
     step = dx.filter_value_and_grad(loss_of(site))
     program = str(jax.make_jaxpr(step)(x0))
     assert program.count("scan[") == 1, program
-    np.testing.assert_allclose(step(x0)[1], jax.grad(reference)(x0), rtol=1e-9, atol=1e-12)
+    for run in (jax.jit(step), step):  # (the one loop in the program; eagerly, one half after the other)
+        np.testing.assert_allclose(run(x0)[1], jax.grad(reference)(x0), rtol=1e-9, atol=1e-12)
 
 
 def test_the_reasons_given_for_each_placement(monkeypatch):

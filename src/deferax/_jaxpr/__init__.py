@@ -41,6 +41,7 @@ from ._dependence import stranded_rule as stranded_rule
 from ._dependence import uses_refs as uses_refs
 from ._example_axes import example_axes as example_axes
 from ._internals import apply_config as apply_config
+from ._internals import aval_of as aval_of
 from ._internals import carry_context as carry_context
 from ._internals import custom_vjp_call_primitive as custom_vjp_call_primitive
 from ._internals import define_primitive as define_primitive
@@ -62,7 +63,12 @@ from ._internals import shaped as shaped
 from ._internals import stacked as stacked
 from ._internals import struct_of as struct_of
 from ._internals import structs as structs
+from ._internals import to_varying as to_varying
 from ._internals import under_differentiation as under_differentiation
+from ._internals import unreduced_axes as unreduced_axes
+from ._internals import vary as vary
+from ._internals import varying_axes as varying_axes
+from ._internals import with_varying as with_varying
 from ._internals import zero_like as zero_like
 from ._internals import zero_tangent as zero_tangent
 from ._internals import zeros as zeros

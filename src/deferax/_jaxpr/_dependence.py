@@ -77,8 +77,10 @@ def _package_dirs(*names: str) -> set[str]:
     return found
 
 
-_SITE = {p for p in (sysconfig.get_path("purelib"), sysconfig.get_path("platlib")) if p}
-_INSTALLED = tuple(_SITE | _package_dirs("numpy", "jax", "equinox"))
+_INSTALLED = tuple(
+    {p for p in (sysconfig.get_path("purelib"), sysconfig.get_path("platlib")) if p}
+    | _package_dirs("numpy", "jax", "equinox")
+)
 
 
 def _installed(path: str) -> bool:

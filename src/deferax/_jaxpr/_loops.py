@@ -64,7 +64,7 @@ def together(
 # Calls whose primal is a nested program: a user's custom rule (the forward of a recognised
 # `jax.custom_vjp` is its call). Stage 2 evaluates the halves, it does not differentiate them:
 # their primal is what runs.
-_PRIMAL = {"custom_vjp_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr"}
+_PRIMAL = ("custom_vjp_call", "custom_jvp_call")  # (each holds its primal as `call_jaxpr`)
 
 
 def _flattened(closed):
@@ -75,7 +75,7 @@ def _flattened(closed):
     if _core.under_differentiation():
         return closed
     handlers = {
-        i: (lambda eqn, ins: interpret(eqn.params[_PRIMAL[str(eqn.primitive)]], ins))
+        i: (lambda eqn, ins: interpret(eqn.params["call_jaxpr"], ins))
         for i, eqn in enumerate(closed.jaxpr.eqns)
         if str(eqn.primitive) in _PRIMAL and contains(eqn, {"scan"})
     }

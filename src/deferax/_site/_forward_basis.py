@@ -11,7 +11,6 @@ import numpy as np
 
 from .. import _jaxpr, _record
 from .._checks import _messages
-from .._jaxpr._internals import with_varying
 from ._spec import FORWARD_BASIS, Spec, rebind_batched, split_fn_x
 from ._tangents import flatten_tangent
 
@@ -37,7 +36,7 @@ def _basis_impl(*operands, spec: Spec):
 
 
 def _basis_abstract(*avals, spec: Spec):
-    return with_varying(_basis_avals(spec), avals)
+    return _jaxpr.with_varying(_basis_avals(spec), avals)
 
 
 def _basis_batch(args, dims, spec: Spec):

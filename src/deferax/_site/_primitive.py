@@ -27,8 +27,17 @@ import numpy as np
 
 from .. import _jaxpr, _runtime
 from .._checks import _messages
-from .._jaxpr import is_concrete, struct_of, zero_like
-from .._jaxpr._internals import aval_of, to_varying, unreduced_axes, vary, varying_axes, with_varying
+from .._jaxpr import (
+    aval_of,
+    is_concrete,
+    struct_of,
+    to_varying,
+    unreduced_axes,
+    vary,
+    varying_axes,
+    with_varying,
+    zero_like,
+)
 from ._forward_basis import forward_basis_jvp
 from ._spec import LINEAR, SITE, Spec, rebind_batched, split_fn_x
 
