@@ -398,6 +398,7 @@ for check_vma in (True, False):
 # shard runs `fwd` and `bwd` once (counted by `jax.debug.callback`, which JAX runs inside a
 # `shard_map` in compiled programs only). A host function runs once a shard, each call.
 
+JAX_KEEPS_EAGER_FORWARD = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 expected_traced = {
     "fwd+bwd": {"fwd": 2, "bwd": 1},
     "fwd+adjoint": {"fwd": 2, "adjoint": 1},
@@ -422,7 +423,12 @@ for layout in (LAYOUTS[0], LAYOUTS[2]):  # the input sharded, and replicated
                     assert counts(key) == {"fwd": 8, "adjoint": 8}, (layout, name, again, counts(key))
                     continue
                 expected = traced if not again else {} if jitted else {impl: 1 for impl in traced}
-                assert counts(key) == expected, (layout, variant, name, again, counts(key), expected)
+                found = counts(key)
+                if again and not jitted and "fwd" in expected and JAX_KEEPS_EAGER_FORWARD:
+                    # (jax >= 0.12 keeps the forward's trace of an eager `shard_map` between calls:
+                    # the forward is not traced again)
+                    expected = {impl: n for impl, n in expected.items() if impl != "fwd"}
+                assert found == expected, (layout, variant, name, again, found, expected)
                 if jitted:
                     assert runs(key) == {impl: 8 for impl in traced}, (layout, variant, name, again, runs(key))
 

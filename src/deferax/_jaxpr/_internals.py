@@ -13,6 +13,8 @@ differ. Across the tested range (see `pyproject.toml`):
   the configuration states, `convert_constvars_jaxpr` before 0.12, the type of a
   `jax.Ref`'s value, the effects of an `io_callback`, `partial_eval_jaxpr_nounits`) are
   taken from `jax._src`, so a JAX upgrade that moves them breaks this file only.
+- A `scan` equation counts its constants and carried values as `num_consts` and `num_carry`
+  up to jax 0.11, and as the groups of `ft_in` (a `FlatTree`) in jax 0.12 (`scan_sizes`).
 - A `custom_vjp_call` equation's parameters (`call_jaxpr`, `fwd_jaxpr_thunk`, `bwd`,
   `out_trees`, `num_consts`, `symbolic_zeros`) are JAX's own record of the call, read by
   `custom_vjp_parts` below: on jax 0.9-0.10 `out_trees()` returns `(out_tree, res_tree,
@@ -123,6 +125,18 @@ def manual_axes() -> tuple[str, ...]:
     (each shard runs the code on its own block); `()` elsewhere."""
     mesh = jax.sharding.get_abstract_mesh()
     return tuple(getattr(mesh, "manual_axes", ()) or ())
+
+
+def scan_sizes(eqn) -> tuple[int, int]:
+    """`(constants, carried values)`: how many of a `scan` equation's operands are each, the
+    stacked inputs after them (jax <= 0.11: `num_consts`, `num_carry`; jax 0.12: one entry
+    an operand in each group of `ft_in`, constants, carry, stacked inputs)."""
+    params = eqn.params
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    # (a `FlatTree` of the operands: its three groups, with the operands' positions as values)
+    consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+    return len(list(consts)), len(list(carry))
 
 
 def has_ended(tracer: Tracer) -> bool:

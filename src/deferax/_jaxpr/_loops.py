@@ -122,7 +122,7 @@ def _outputs(env: dict, closed) -> list:
 
 def _split(eqn, ins: list) -> tuple[list, list, list]:
     """A `scan` equation's operands: `(consts, initial carry, stacked inputs)`."""
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    n_consts, n_carry = _core.scan_sizes(eqn)
     return ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
 
 
