@@ -270,9 +270,10 @@ def part_compliance(args, results: list[str], problems: list[str]):
 
 
 def seed_program(n: int, steps: int):
-    """The seed's program and its variants: `(loss, losses, floor)`, where `loss` is the
+    """The seed's program and its variants: `(loss, losses, floor, halves)`, where `loss` is the
     unchanged program (the stepper as a `jax.custom_vjp`), `losses` the same loss through
-    two `dx.ExpensiveFn` sites, and `floor(x) -> (value, grad)` the hand-written floor."""
+    two `dx.ExpensiveFn` sites, `floor(x) -> (value, grad)` the hand-written floor, and
+    `halves` the forward and the adjoint, each jitted alone."""
     c2, g = material(n), wavelet(steps)
     w = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
 
@@ -330,7 +331,9 @@ def seed_program(n: int, steps: int):
         ((u, _), (_, _, acc)), _ = lax.scan(step, ((zero, zero), (w, zero, zero)), (g, g[::-1]))
         return jnp.sum(w * u) + 1e-3 * jnp.sum(x**2), acc + 2e-3 * x
 
-    return loss_of(f), {name: loss_of(site) for name, site in sites.items()}, floor
+    # (the two halves alone, each jitted: the forward, and the adjoint of the loss's cotangent `w`)
+    halves = (jax.jit(forward), jax.jit(lambda x: adjoint(x, w)))
+    return loss_of(f), {name: loss_of(site) for name, site in sites.items()}, floor, halves
 
 
 def agree(got, want) -> tuple[float, float]:
@@ -346,7 +349,7 @@ def part_seed(args, results: list[str], problems: list[str]):
     print("== seed: the wave stepper as a jax.custom_vjp, a loss affine in its output, float32, jitted")
     for n, steps in sizes:
         repeats = args.repeats or (2 if args.small else 11 if n <= 256 else 5)
-        loss, site_losses, floor = seed_program(n, steps)
+        loss, site_losses, floor, _ = seed_program(n, steps)
         case = f"seed {n}x{n}"
         print(f"-- {case}, {steps} steps")
         x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
@@ -401,7 +404,7 @@ def part_devices(args, results: list[str], problems: list[str]):
         return
     n, steps = (64, 200) if args.small else (128, 1500)
     repeats = args.repeats or (3 if args.small else 15)
-    loss, _, _ = seed_program(n, steps)
+    loss, _, _, halves = seed_program(n, steps)
     x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     plain = jax.jit(jax.value_and_grad(loss))
     dx.set_devices(devices[:2])  # (read when the step is traced: at its first call, below)
@@ -410,7 +413,6 @@ def part_devices(args, results: list[str], problems: list[str]):
     jax.block_until_ready(on_devices(x))
     dx.set_devices(None)
     print(f"   deferax: {plan.sites[0].schedule}; {plan.sites[0].halves}")
-    halves = seed_halves(n, steps)
     pool = concurrent.futures.ThreadPoolExecutor(2)
 
     def two_threads():
@@ -455,32 +457,6 @@ def part_devices(args, results: list[str], problems: list[str]):
             "plain JAX",
         )
     )
-
-
-def seed_halves(n: int, steps: int):
-    """The seed's forward and adjoint, each jitted alone (on the default device)."""
-    c2, g = material(n), wavelet(steps)
-    w = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-
-    @jax.jit
-    def forward(x):
-        def step(carry, gk):
-            u, u_prev = carry
-            return (2 * u - u_prev + c2 * laplacian(u) + gk * x, u), None
-
-        zero = jnp.zeros_like(x)
-        return lax.scan(step, (zero, zero), g)[0][0]
-
-    @jax.jit
-    def adjoint(x):
-        def step(carry, gk):
-            b, b_next, acc = carry
-            return (2 * b - b_next + laplacian(c2 * b), b, acc + gk * b), None
-
-        zero = jnp.zeros_like(w)
-        return lax.scan(step, (w, zero, zero), g[::-1])[0][2] + 0 * x
-
-    return forward, adjoint
 
 
 # ---------------------------------------------------------------------------- supervised
