@@ -63,6 +63,7 @@ from _common import (
     load,
     load_example,
     machine,
+    make_wave,
     material,
     median,
     parser,
@@ -248,10 +249,7 @@ def part_compliance(args, results: list[str], problems: list[str]):
         print(f"   deferax against hand-written: value {value_error:.1e}, gradient {grad_error:.1e}")
         if value_error > 1e-4 or grad_error > 1e-3:  # (180 x 60 on a CPU: 0 and 8e-5)
             problems.append(f"{case}: deferax against hand-written: value {value_error:.1e}, gradient {grad_error:.1e}")
-        sides = {name: (lambda fn=fn, x=x: fn(x)) for name, fn in fns.items()}
-        times = interleaved(sides, repeats)
-        for name, ts in times.items():
-            print(f"   {name:22s}: {describe(ts)}")
+        times = timed({name: (lambda fn=fn, x=x: fn(x)) for name, fn in fns.items()}, repeats, 22)
         new = median(times["deferax"])
         results.append(
             result_line(
@@ -274,28 +272,9 @@ def seed_program(n: int, steps: int):
     unchanged program (the stepper as a `jax.custom_vjp`), `losses` the same loss through
     two `dx.ExpensiveFn` sites, `floor(x) -> (value, grad)` the hand-written floor, and
     `halves` the forward and the adjoint, each jitted alone."""
-    c2, g = material(n), wavelet(steps)
+    forward, adjoint = make_wave(n, steps)  # (the seed's stepper, as the other benchmarks have it)
+    c2, g = material(n), wavelet(steps)  # (for the floor below)
     w = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-
-    def forward(x):
-        def step(carry, gk):
-            u, u_prev = carry
-            return (2 * u - u_prev + c2 * laplacian(u) + gk * x, u), None
-
-        zero = jnp.zeros_like(x)
-        (u, _), _ = lax.scan(step, (zero, zero), g)
-        return u
-
-    def adjoint(x, v):
-        del x  # (linear: the adjoint needs neither x nor f(x))
-
-        def step(carry, gk):
-            b, b_next, acc = carry
-            return (2 * b - b_next + laplacian(c2 * b), b, acc + gk * b), None
-
-        zero = jnp.zeros_like(v)
-        (_, _, acc), _ = lax.scan(step, (v, zero, zero), g[::-1])
-        return acc
 
     @jax.custom_vjp
     def f(x):
@@ -334,6 +313,14 @@ def seed_program(n: int, steps: int):
     # (the two halves alone, each jitted: the forward, and the adjoint of the loss's cotangent `w`)
     halves = (jax.jit(forward), jax.jit(lambda x: adjoint(x, w)))
     return loss_of(f), {name: loss_of(site) for name, site in sites.items()}, floor, halves
+
+
+def timed(sides: dict, repeats: int, width: int) -> dict[str, list[float]]:
+    """Each side timed `repeats` times, interleaved (`_common.interleaved`), each printed."""
+    times = interleaved(sides, repeats)
+    for name, ts in times.items():
+        print(f"   {name:{width}s}: {describe(ts)}")
+    return times
 
 
 def agree(got, want) -> tuple[float, float]:
@@ -377,10 +364,7 @@ def part_seed(args, results: list[str], problems: list[str]):
             )
             if not ok:
                 problems.append(f"{case} {name}: value {value:.1e}, gradient {grad:.1e} against plain JAX")
-        sides = {name: (lambda fn=fn, x=x: fn(x)) for name, fn in fns.items()}
-        times = interleaved(sides, repeats)
-        for name, ts in times.items():
-            print(f"   {name:26s}: {describe(ts)}")
+        times = timed({name: (lambda fn=fn, x=x: fn(x)) for name, fn in fns.items()}, repeats, 26)
         old = median(times["plain JAX"])
         for name in fns:
             if name != "plain JAX":
@@ -431,9 +415,7 @@ def part_devices(args, results: list[str], problems: list[str]):
         "one after the other": lambda: (halves[0](x), halves[1](x)),
         "deferax, two devices": lambda: on_devices(x),
     }
-    times = interleaved(sides, repeats)
-    for name, ts in times.items():
-        print(f"   {name:22s}: {describe(ts)}")
+    times = timed(sides, repeats, 22)
     floor = median(times["two-thread floor"])
     results.append(
         result_line(
@@ -492,9 +474,7 @@ def part_supervised(args, results: list[str], problems: list[str]):
             "equinox": sup.make_step(eqx.filter_value_and_grad, opt),
         }
         operands = (model, state, xs, ts)
-        times = interleaved({name: (lambda s=s, operands=operands: s(*operands)) for name, s in steps.items()}, repeats)
-        for name, ts_ in times.items():
-            print(f"   {name:8s}: {describe(ts_)}")
+        times = timed({name: (lambda s=s, operands=operands: s(*operands)) for name, s in steps.items()}, repeats, 8)
         new, old = median(times["deferax"]), median(times["equinox"])
         results.append(result_line(BENCH, f"supervised {case}", new, old, target, "deferax", "equinox"))
 

@@ -199,8 +199,9 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, re
     if analysis.plan.fallback is not None:
         return eqx.filter_value_and_grad(fun, has_aux=has_aux)(x, *args, **kwargs)
     # (JAX-native halves in the program too: JAX would differentiate the implementations, not their rules)
-    refused = [s.spec.name for s in analysis.deferring if s.leaves_program or s.halves is not None]
-    outside = refused if differentiated else []
+    outside = (
+        [s.spec.name for s in analysis.deferring if s.leaves_program or s.halves is not None] if differentiated else []
+    )
     if outside:
         sites = ", ".join(f"`{name}`" for name in outside)
         raise ValueError(_DEFERRED_UNDER_DIFFERENTIATION.format(where=_WHERE, sites=sites))

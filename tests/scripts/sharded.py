@@ -135,24 +135,21 @@ def per_shard(step):
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("i"), out_specs=(P("i"), P("i")), check_vma=False))
 
 
-def shard_loss(xs):
-    return jnp.sum(jnp.sin(xs) * native(xs))
-
-
-def shard_reference(xs):
-    return jnp.sum(jnp.sin(xs) * forward_small(xs))
-
-
-def forward_small(xs):  # (what `native` computes on a shard's block: its own stepper)
-    return native_small.fwd(xs)
-
-
-native_small = dx.ExpensiveFn(
+per_shard_site = dx.ExpensiveFn(
     fwd=lambda x: lax.scan(lambda u, _: (jnp.tanh(0.5 * u) + u, None), x, None, length=4)[0],
-    bwd=lambda x, y, ct: jax.vjp(native_small.fwd, x)[1](ct)[0],
+    bwd=lambda x, y, ct: jax.vjp(per_shard_site.fwd, x)[1](ct)[0],
     name="per shard",
 )
-native = native_small
+
+
+def shard_loss(xs):
+    return jnp.sum(jnp.sin(xs) * per_shard_site(xs))
+
+
+def shard_reference(xs):  # the same in plain JAX: the site's forward, differentiated by JAX
+    return jnp.sum(jnp.sin(xs) * per_shard_site.fwd(xs))
+
+
 ours = per_shard(lambda xs: (lambda v, g: (v[None], g))(*dx.filter_value_and_grad(shard_loss)(xs)))
 theirs = per_shard(lambda xs: (lambda v, g: (v[None], g))(*jax.value_and_grad(shard_reference)(xs)))
 (value, grad), (ref_value, ref_grad) = ours(x), theirs(x)

@@ -73,7 +73,7 @@ from .._concurrency import _placement
 # (`benchmarks/bench_cost.py`'s "stage" case measures it: see `STAGE_SECONDS` there).
 STAGE_SECONDS = 1e-3
 # On an accelerator a round trip is the device's transfer to the host and back, which JAX's
-# callback makes slowly (a TPU v5e: 7.3 ms for 16 bytes, 8.5 ms for 2.8 MB in; 0.4 ms on a CPU):
+# callback makes slowly (1 MB took 9.1 ms on a TPU v5e, 0.4 ms on a CPU; docs/accelerators.md):
 # measured once a process and platform, at first use (`round_trip_seconds`).
 _MEASURED_BYTES = 1 << 22  # (4 MB: the size whose time gives the price of a byte)
 SAMPLES = 3  # timings of a site's first calls, of which the least is kept
