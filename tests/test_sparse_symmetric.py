@@ -217,6 +217,58 @@ def test_a_zero_right_hand_side_is_not_taken_for_a_multiple(beam):
     assert_tree_allclose(got, (jnp.sum(DENSITIES**2), 2 * DENSITIES))
 
 
+@pytest.mark.parametrize("epsilons", [0, 1, 10, 1000])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_float32_cotangent_near_a_multiple_of_b_is_solved(epsilons, jit):
+    """An adjoint right-hand side equal to `2 b` but for one entry `epsilons` float32 epsilons
+    larger: the shortcut `lam = 2 x` is taken only where each entry is `2 b`'s up to rounding,
+    so every entry of the gradient is at float32's accuracy against a float64 dense solve of
+    the same float32 inputs, and the adjoint is solved (a second column) past rounding. (Before,
+    100 epsilons on the whole row took the 1000-epsilon row for a multiple, and the gradient's
+    entries near the moved one were hundreds of epsilons off.)"""
+    n = 400
+    rng = np.random.default_rng(5)
+    scale = rng.uniform(0.9, 1.1, (n, n))
+    band = 4.0 * np.eye(n) - np.eye(n, k=1) - np.eye(n, k=-1) + 0.5 * np.eye(n, k=7) + 0.5 * np.eye(n, k=-7)
+    a = band * (scale + scale.T)
+    rows, cols = np.nonzero(a)
+    pattern = dx.SparsePattern(rows, cols, n)
+    values = jnp.asarray(a[rows, cols], jnp.float32)  # (symmetric: the shortcut's case)
+    b = jnp.asarray(rng.uniform(1.0, 2.0, n), jnp.float32)
+    eps = np.finfo(np.float32).eps
+    m = 123
+    weight = (2 * b).at[m].multiply(np.float32(1 + epsilons * eps))  # (float32: 2 b, one entry moved)
+    assert (float(weight[m]) - 2 * float(b[m])) / (2 * float(b[m])) == pytest.approx(epsilons * eps, rel=0.5)
+
+    columns = []
+
+    class Columns(dx.AbstractSparseSolver):  # (SuperLU, counting the right-hand sides it solves)
+        def factor(self, matrix):
+            return dx.SuperLU().factor(matrix)
+
+        def solve(self, factorisation, rhs, transpose):
+            columns.append(1 if rhs.ndim == 1 else rhs.shape[1])
+            return dx.SuperLU().solve(factorisation, rhs, transpose)
+
+    def loss(values, b):
+        return jnp.dot(weight, dx.sparse_solve(values, pattern, b, solver=Columns(), where="host"))
+
+    fn = dx.filter_value_and_grad(lambda vb: loss(*vb))
+    (value, (g_values, g_b)), steps = counted(jax.jit(fn) if jit else fn, (values, b))
+    assert steps == {"factor": 1, "solve": 1 if epsilons <= 1 else 2}
+    assert columns[-steps["solve"] :] == [1] * steps["solve"]  # (`b` alone, then the adjoint alone)
+
+    # the same float32 inputs in float64, densely
+    dense_a = np.zeros((n, n))
+    np.add.at(dense_a, (rows, cols), np.asarray(values, np.float64))
+    x = np.linalg.solve(dense_a, np.asarray(b, np.float64))
+    lam = np.linalg.solve(dense_a.T, np.asarray(weight, np.float64))
+    for got, want in ((value, weight.astype(np.float64) @ x), (g_b, lam), (g_values, -lam[rows] * x[cols])):
+        got = np.asarray(got, np.float64)
+        assert got.dtype == np.float64 and np.asarray(got).shape == np.shape(want)
+        np.testing.assert_array_less(np.abs(got - want), 8 * eps * np.abs(want) + 1e-30)
+
+
 # ----------------------------------------------------------------------------- the ordering
 
 
