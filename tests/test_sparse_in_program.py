@@ -16,7 +16,7 @@ import sparsax  # (in the tests extra)
 import deferax as dx
 from deferax._host import _sparse_program
 
-from .helpers import assert_tree_allclose
+from .helpers import assert_tree_allclose, float32
 
 
 def operator(m, spd=False):
@@ -142,6 +142,28 @@ def test_float32_inputs_are_solved_in_float64_and_rounded():
     assert value.dtype == jnp.float32 and grads[0].dtype == grads[1].dtype == jnp.float32
     want_value, want_grads = jax.value_and_grad(losses(dense)["power"], argnums=(0, 1))(VALUES, B)
     assert_tree_allclose((value, grads), (want_value, want_grads), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(float32(), reason="inside the program sparsax factors in float64, which needs x64 (off here)")
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+def test_half_precision_inputs_are_solved_in_float64_and_rounded(dtype, jit):
+    """float16 and bfloat16 (real, both) are promoted to float64 inside the program, and the
+    value and gradients rounded back: against a dense float32 solve of the same rounded entries,
+    to the half precision's accuracy (a few of its epsilons)."""
+    v16, b16 = VALUES.astype(dtype), B.astype(dtype)
+    loss = losses(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan", where="program"))["power"]
+    fn = jax.value_and_grad(loss, argnums=(0, 1))
+    fn = jax.jit(fn) if jit else fn
+    with Counted() as counted:
+        got = jax.block_until_ready(fn(v16, b16))
+    assert (counted.factorisations, counted.jobs) == (1, 0)
+    assert all(a.dtype == dtype for a in jax.tree.leaves(got))
+    want = jax.value_and_grad(losses(dense)["power"], argnums=(0, 1))(v16.astype(jnp.float32), b16.astype(jnp.float32))
+    eps = float(jnp.finfo(dtype).eps)
+    for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        w = np.asarray(w, np.float64)
+        np.testing.assert_allclose(np.asarray(a, np.float64), w, rtol=4 * eps, atol=4 * eps * np.abs(w).max())
 
 
 def test_symmetric_true_solves_the_adjoint_with_the_matrix_itself_as_the_host_does():
@@ -273,6 +295,33 @@ def test_a_nan_entry_gives_nan_inside_and_raises_on_the_host(jit):
     message = "`ExpensiveFn(name='fe')`: the host function `fwd` raised ValueError: `values` holds 1 NaN or infinite"
     with pytest.raises(jax.errors.JaxRuntimeError if jit else dx.HostError, match=re.escape(message)):
         jax.block_until_ready(wrap(lambda v: dx.sparse_solve(v, PATTERN, B, name="fe"))(values))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("where", ["auto", "program", "host"])
+def test_a_nan_in_one_block_gives_nan_everywhere_on_every_path(where, jit):
+    """A block-diagonal matrix with a NaN in its first block, and a loss of the second block's
+    solution alone: the value, both gradients and a tangent are NaN on every path, as the docs
+    promise for `nonfinite="nan"`, so that a NaN guard sees the step whatever the system's size.
+    (Inside the program KLU gave NaN in the first block only, and the loss was finite.)"""
+    two = jax.scipy.linalg.block_diag(PATTERN.todense(VALUES), PATTERN.todense(VALUES))
+    values, pattern = dx.SparsePattern.from_scipy(scipy.sparse.csc_matrix(np.asarray(two)))
+    values = jnp.asarray(values).at[0].set(jnp.nan)  # (column 0: the first block)
+    b = jnp.concatenate([B, B])
+
+    def loss(v, b):
+        return jnp.sum(dx.sparse_solve(v, pattern, b, nonfinite="nan", where=where)[N:] ** 2)
+
+    wrap = jax.jit if jit else (lambda f: f)
+    with Counted() as counted:
+        value, (g_values, g_b) = wrap(jax.value_and_grad(loss, (0, 1)))(values, b)
+        _, tangent = wrap(lambda v, t: jax.jvp(lambda v: loss(v, b), (v,), (t,)))(values, jnp.ones_like(values))
+    assert (counted.jobs > 0) == (where == "host")  # (inside the program: no host job)
+    assert np.isnan(value) and np.isnan(g_values).all() and np.isnan(g_b).all() and np.isnan(tangent)
+    # the same matrix without the NaN: the loss of the second block, finite, as a dense solve gives it
+    finite = jnp.asarray(dx.SparsePattern.from_scipy(scipy.sparse.csc_matrix(np.asarray(two)))[0])
+    want = jax.value_and_grad(lambda v, b: jnp.sum(jnp.linalg.solve(pattern.todense(v), b)[N:] ** 2), (0, 1))(finite, b)
+    assert_tree_allclose(wrap(jax.value_and_grad(loss, (0, 1)))(finite, b), want)
 
 
 @pytest.mark.timeout(120)

@@ -56,22 +56,23 @@ def refusal(pattern: SparsePattern, dtype: np.dtype, by_cost: bool) -> str | Non
 
 def solve(values: jax.Array, b: jax.Array, pattern: SparsePattern, symmetric: bool):
     """`x = A^-1 b` inside the program, in float64, rounded to the inputs' result dtype. A NaN
-    or infinite entry gives NaN where the solution depends on it (KLU's answer: `nonfinite="nan"`)."""
+    or infinite entry of `values` gives NaN for all of `x` and every derivative, as the host
+    path's `nonfinite="nan"` does (KLU alone gives NaN only where the solution depends on the
+    entry: a block of a block-diagonal matrix, and a loss of the other blocks would be finite)."""
     dtype = jnp.result_type(values, b)
     values, b = values.astype(jnp.float64), b.astype(jnp.float64)
     fixed = jax.lax.stop_gradient(values)  # (the derivatives with respect to `values` come from `matvec`)
+    broken = ~jnp.all(jnp.isfinite(fixed))
 
     forward, transposed = _solver(pattern, 0), _solver(pattern, 0 if symmetric else 1)
 
     def matvec(x):
         return jax.ops.segment_sum(values * x[pattern.cols], pattern.rows, pattern.n)
 
-    x = jax.lax.custom_linear_solve(
-        matvec,
-        b,
-        solve=lambda _, r: forward(fixed, r),
-        transpose_solve=lambda _, r: transposed(fixed, r),
-    )
+    def poisoned(solver):  # (each solve, and so `x`, its tangent and the cotangents: NaN)
+        return lambda _, r: jnp.where(broken, jnp.nan, solver(fixed, r))
+
+    x = jax.lax.custom_linear_solve(matvec, b, solve=poisoned(forward), transpose_solve=poisoned(transposed))
     return x.astype(dtype)
 
 
