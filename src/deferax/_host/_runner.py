@@ -104,8 +104,7 @@ def _multiples(rows: list, partial_struct: PyTree) -> tuple[list[tuple[int | Non
             norms.append(math.nan)
             continue
         kind = np.finfo(np.result_type(*[leaf.dtype for leaf in ls]))
-        tol = _ROUNDINGS * kind.eps
-        floor = tol * kind.tiny / scales[j]  # (subnormal entries: their rounding is absolute)
+        tol = _ROUNDINGS * float(kind.eps)
         # `<w, v>` for this row `v` and every unique row `w` so far, summed by NumPy: not BLAS
         # (`np.vdot`, `@`), whose threads wait for cores on a loaded machine (0.8 s for 6 rows
         # of 22,500 entries with one `np.vdot` a pair, at a load of 8 on 2 cores).
@@ -114,6 +113,7 @@ def _multiples(rows: list, partial_struct: PyTree) -> tuple[list[tuple[int | Non
         if scales[j] == 0.0:
             recipe.append((None, 0.0))
             continue
+        floor = tol * float(kind.tiny) / float(scales[j])  # (subnormal entries: their rounding is absolute)
         for u, (i, w2, d) in enumerate(zip(unique, norms, dots[1:], strict=True)):
             if not abs(d) ** 2 >= 0.5 * w2 * norm2:  # far from parallel (a multiple has `|<w, v>| = |w| |v|`)
                 continue
