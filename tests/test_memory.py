@@ -397,6 +397,51 @@ def test_a_call_outside_any_transformation_keeps_nothing(vmapped):
         assert_tree_allclose(x, want, rtol=1e-10, atol=1e-12)
 
 
+AUX_LOSSES = {
+    "standard": lambda x: jnp.sum(x**2),  # (the forward's factorisation waits for the adjoint)
+    "deferred": lambda x: jnp.sum(x),  # (one job: factor, solve both)
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("schedule", list(AUX_LOSSES))
+def test_an_aux_that_returns_the_solution_keeps_no_factorisation(schedule, jit):
+    """Five steps whose aux returns the solution `x`, every aux kept by the caller: once
+    `dx.filter_value_and_grad` has returned, no backward pass of its own can come, so the store
+    holds nothing (eagerly the forward's factorisation was leased to `x` for as long as the
+    caller held it: five steps held five). One factorisation a step; plain JAX's answers."""
+    tally = Tally()
+    v, p = SITES[0]
+    term = AUX_LOSSES[schedule]
+
+    def loss(v, solve):
+        x = solve(v)
+        return term(x), x
+
+    fn = dx.filter_value_and_grad(
+        lambda v: loss(v, lambda v: dx.sparse_solve(v, p, B, solver=CountingLU(tally))), has_aux=True
+    )
+    assert dx.explain(fn, v).sites[0].schedule == schedule
+    step = jax.jit(fn) if jit else fn
+    want = jax.jit(jax.value_and_grad(lambda v: loss(v, lambda v: dense(v, p)), has_aux=True))
+    kept = []
+    for n in range(5):
+        scale = 1.0 + 0.01 * n  # (a new matrix each step)
+        tally.factor = 0
+        got = step(scale * v)
+        kept.append(got)
+        assert_tree_allclose(got, want(scale * v), rtol=1e-10, atol=1e-12)
+        assert tally.factor == 1, n
+        assert len(_factorisations.FACTORISATIONS) == 0, n
+    # a `jax.vjp` function may still be called later: its forward's lease lasts while `x` lives
+    x, pullback = jax.vjp(lambda v: dx.sparse_solve(v, p, B, solver=CountingLU(tally)), v)
+    assert len(_factorisations.FACTORISATIONS) == 1
+    tally.factor = 0
+    for _ in range(2):
+        assert_tree_allclose(pullback(x), jax.vjp(lambda v: dense(v, p), v)[1](x), rtol=1e-10, atol=1e-12)
+    assert tally.factor == 0  # (the forward's factorisation, found twice)
+
+
 def test_matrices_whose_entries_hash_alike_keep_their_own_factorisations():
     """A factorisation's key hashes the entries' 64-bit words by their sum:
     entries in another order hash alike, and are told apart by their words. Two such matrices

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import contextvars
 import dataclasses
 import functools as ft
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -91,6 +92,11 @@ DIFFERENTIATED: contextvars.ContextVar[tuple] = contextvars.ContextVar("deferax_
 # (`Spec.backward`, `_site/_primitive.py: outputs`); `dx.sparse_solve` keeps a forward's
 # factorisation for it only then (`_host/_sparse_host.py`). Outside a site's rules, True.
 BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_backward", default=True)
+# inside a `dx.filter_value_and_grad` call: the ends of the leases its eager forward passes
+# took on their outputs (`_host/_factorisations.py: Store.lease`), run when the call returns,
+# since no backward pass of its own can follow then; None outside one (a lease then lasts as
+# long as its output, for a `jax.vjp` function called later)
+LEASES: contextvars.ContextVar[list | None] = contextvars.ContextVar("deferax_leases", default=None)
 
 CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     TYPECHECKING,
@@ -108,6 +114,7 @@ CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     EXPLAINING_JITTED,
     DIFFERENTIATED,
     BACKWARD,
+    LEASES,
 )
 
 # ----------------------------------------------------------------------------- thread pools
@@ -234,6 +241,20 @@ def cached(maxsize: int | None) -> Callable[[_F], _F]:
         return wrapped  # pyright: ignore[reportReturnType]  (an lru_cache wrapper calls as `fn`)
 
     return decorate
+
+
+@contextlib.contextmanager
+def leases_end_on_return() -> Iterator[None]:
+    """Around one `dx.filter_value_and_grad` call: the leases its forward passes take end
+    when it returns (`LEASES`)."""
+    ends: list = []
+    token = LEASES.set(ends)
+    try:
+        yield
+    finally:
+        LEASES.reset(token)
+        for end in ends:
+            end()
 
 
 def reset() -> None:

@@ -252,9 +252,10 @@ class _ValueAndGradWrapper(eqx.Module):
         if not args:
             raise TypeError(_NO_ARGS.format(where=_WHERE))
         x, *rest = args
-        return _value_and_grad(
-            self._fun, self._has_aux, self._schedule, self._max_basis, self._recognise, x, tuple(rest), kwargs
-        )
+        with _runtime.leases_end_on_return():  # (its backward pass has run: an aux keeps no factorisation)
+            return _value_and_grad(
+                self._fun, self._has_aux, self._schedule, self._max_basis, self._recognise, x, tuple(rest), kwargs
+            )
 
     def plan(self, *args, **kwargs) -> Plan:
         """The schedule that `self(*args, **kwargs)` would run (see [`deferax.explain`][])."""

@@ -189,13 +189,17 @@ class Store:
                 entry.holds += 1
 
     def lease(self, key: Any, owner: Any) -> None:
-        """A hold of `key` becomes a lease on `owner`: released when `owner` is collected."""
+        """A hold of `key` becomes a lease on `owner`: released when `owner` is collected, or
+        when the `dx.filter_value_and_grad` call that took it returns (`_runtime.LEASES`:
+        its backward pass has run, and an aux that returns `owner` keeps nothing)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.holds == 0:
                 return
             entry.holds -= 1
-        weakref.finalize(owner, self._drop_lease, key, entry)
+        end = weakref.finalize(owner, self._drop_lease, key, entry)
+        if (ends := _runtime.LEASES.get()) is not None:
+            ends.append(end)
 
     def _drop_lease(self, key: Any, entry: _Entry) -> None:
         self._ended.append((key, entry))  # (no lock here: see the class's docstring)
@@ -354,7 +358,7 @@ def nbytes_of(solve: Any) -> tuple[int, bool]:
         measured = _MEASURED.get(solve)
     if measured is not None:
         return measured, True
-    return _positions(solve.pattern) * solve.work.itemsize, False
+    return _positions(solve.pattern) * solve.matrix_dtype.itemsize, False
 
 
 _NOT_KEPT_PROCESSES = """its jobs run on {where}, which cannot send the backward job to the process that \
