@@ -1,5 +1,5 @@
-"""The discussion deferax grew from, as its author wrote it: a `jax.custom_vjp` whose backward
-never reads `f(x)`, in a loss whose cotangent does not need `f(x)` either.
+"""A user's program as its author wrote it: a `jax.custom_vjp` whose backward never reads
+`f(x)`, in a loss whose cotangent does not need `f(x)` either.
 
 `f` is a wave stepper (leapfrog on a 128 x 128 grid, 1500 `lax.scan` steps): linear in its
 source pattern `x`, so its adjoint is a second stepper run backwards on the cotangent alone.

@@ -8,7 +8,9 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON_FOLDERS = ("src", "tests", "benchmarks", "examples", ".ci")
 FORMATTER_ESCAPE = re.compile(r"#\s*fmt:\s*(skip|off)")
-HISTORY = re.compile(r"\b(in|this|last|next|previous|earlier) (round|session)s?\b|\bround \d", re.IGNORECASE)
+HISTORY = re.compile(
+    r"\b(in|this|last|next|previous|earlier) (round|session)s?\b|\bround \d|\bgrew (out of|from)\b", re.IGNORECASE
+)
 
 
 def python_files():
