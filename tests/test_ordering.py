@@ -153,3 +153,24 @@ def test_a_patterns_matrix_is_scipys_coo_conversion(dtype):
             np.testing.assert_allclose(got.data, want.data, rtol=tol, atol=tol)
             sorted_within = all(np.all(np.diff(got.indices[a:b]) > 0) for a, b in itertools.pairwise(got.indptr))
             assert sorted_within
+
+
+@pytest.mark.parametrize("solver", [dx.SuperLU(), dx.AutoSparseSolver()], ids=["SuperLU", "Auto"])
+def test_chosen_answers_for_a_scipy_matrix_of_either_index_dtype(solver):
+    """`chosen` of a SciPy matrix answers as for the `SparsePattern` made from it, whether its
+    indices are int64 (`coo_array(...).tocsr()` keeps them) or int32 (`csr_matrix` makes them):
+    the pattern's key is its structure, not its index dtype."""
+    a = laplacian(6).tocoo()
+    wide = scipy.sparse.coo_array((a.data, (a.row.astype(np.int64), a.col.astype(np.int64))), shape=a.shape).tocsr()
+    narrow = scipy.sparse.csr_matrix((a.data, (a.row.astype(np.int32), a.col.astype(np.int32))), shape=a.shape)
+    assert (wide.indices.dtype, wide.indptr.dtype) == (np.int64, np.int64)  # (the premise)
+    assert (narrow.indices.dtype, narrow.indptr.dtype) == (np.int32, np.int32)
+    values, pattern = dx.SparsePattern.from_scipy(wide)
+    b = jnp.asarray(np.linspace(-1.0, 1.0, pattern.n))
+    assert solver.chosen(wide) is None and solver.chosen(narrow) is None
+    for scale in range(1, 9):  # (the automatic solver's candidates in turn)
+        dx.sparse_solve(jnp.asarray(values) * scale, pattern, b, solver=solver)
+    chosen = solver.chosen(pattern)
+    assert chosen is not None
+    assert solver.chosen(wide) == chosen and solver.chosen(narrow) == chosen
+    assert solver.chosen(wide.tocsc()) == chosen and solver.chosen(wide.tocoo()) == chosen

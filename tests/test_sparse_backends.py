@@ -10,6 +10,7 @@ import copy
 import multiprocessing
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.sparse
+import scipy.sparse.linalg
 
 import deferax as dx
 
@@ -69,6 +71,35 @@ def indefinite(n=30):
     return jnp.asarray(values), dx.SparsePattern(rows, cols, n), jnp.asarray(np.linspace(-1.0, 1.0, n))
 
 
+def spd_complex_b(m=6):
+    """`spd`'s real matrix with a complex right-hand side."""
+    values, pattern, b = spd(m)
+    return values, pattern, jax.lax.complex(b, 0.5 * jnp.roll(b, 1))
+
+
+def laplacian_alone(m=8):
+    """`spd`'s matrix without its positive shift, entries rounded to float32 (the same matrix in
+    the float32 suite): a weighted graph Laplacian, symmetric with a positive diagonal, positive
+    semidefinite and singular (constants in its null space), whose rounding leaves a pivot of
+    about 1e-16: CHOLMOD's is not positive (at m = 8, through both wheels), SuperLU's not
+    exactly zero."""
+    values, pattern, b = spd(m)
+    values = values.at[: pattern.n].set(0.0).astype(jnp.float32).astype(values.dtype)
+    return values, pattern, b
+
+
+def path_laplacian(n=5):
+    """The Laplacian of a path with unit weights: symmetric, a positive diagonal, singular, and
+    every ordering's elimination meets an exactly zero pivot (integers and halves)."""
+    i = np.arange(n)
+    rows = np.concatenate([i, i[:-1], i[1:]])
+    cols = np.concatenate([i, i[1:], i[:-1]])
+    diagonal = np.full(n, 2.0)
+    diagonal[[0, -1]] = 1.0
+    values = np.concatenate([diagonal, -np.ones(n - 1), -np.ones(n - 1)])
+    return jnp.asarray(values), dx.SparsePattern(rows, cols, n), jnp.asarray(np.linspace(-1.0, 1.0, n))
+
+
 SOLVERS = {
     "Cholmod sparsax": dx.Cholmod(library="sparsax"),
     "Cholmod cholespy": dx.Cholmod(library="cholespy"),
@@ -82,6 +113,7 @@ CASES = {
     "real": (unsymmetric, ("KLU", "Pardiso", "Auto")),
     "complex": (lambda: unsymmetric(complex_=True), ("KLU", "Pardiso", "Auto")),
     "indefinite": (indefinite, ("KLU", "Pardiso", "Auto")),
+    "spd, complex b": (spd_complex_b, (*CHOLMODS, "KLU", "Pardiso", "Auto")),
 }
 
 
@@ -105,7 +137,7 @@ def test_value_and_gradient_against_a_dense_solve(case, name, jit):
     w = jnp.cos(jnp.arange(pattern.n, dtype=jnp.float64))
     solver = SOLVERS[name]
     ours = losses(lambda v, b: dx.sparse_solve(v, pattern, b, solver=solver), w)
-    dense = losses(lambda v, b: jnp.linalg.solve(pattern.todense(v), b), w)
+    dense = losses(lambda v, b: jnp.linalg.solve(pattern.todense(v).astype(b.dtype), b), w)
     for loss in ours:
         reference = jax.value_and_grad(lambda vb, f=dense[loss]: f(*vb))((values, b))
         for transform in (jax.value_and_grad, dx.filter_value_and_grad):
@@ -381,6 +413,108 @@ def test_errors():
     singular = scipy.sparse.csc_matrix(np.array([[1.0, 2.0], [2.0, 4.0]]))
     with pytest.raises(np.linalg.LinAlgError, match="the matrix is singular: KLU found a zero pivot"):
         dx.KLU().factor(singular)
+
+
+@pytest.mark.parametrize("library", ["sparsax", "cholespy"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_cholmod_solves_a_complex_b_with_one_real_factorisation(library, jit):
+    """A real SPD matrix with a complex `b`: `dx.Cholmod` factors the real matrix once a value
+    and gradient and solves `b`'s real and imaginary parts as two right-hand sides; value and
+    gradients (of the real entries: the real part; of `b`) against a dense complex solve in
+    plain JAX, on the standard and the deferred schedule."""
+    values, pattern, b = spd_complex_b()
+    solver = dx.Cholmod(library=library)
+    w = jnp.cos(jnp.arange(pattern.n)).astype(values.dtype)
+    ours = losses(lambda v, b: dx.sparse_solve(v, pattern, b, solver=solver), w)
+    dense = losses(lambda v, b: jnp.linalg.solve(pattern.todense(v).astype(b.dtype), b), w)
+    # (the deferred linear loss solves `b` and its adjoint in one call: the matrix equals its transpose)
+    expected = {
+        (jax.value_and_grad, "linear"): ({"fwd": 1, "bwd": 1}, {"factor": 1, "solve": 2}),
+        (jax.value_and_grad, "power"): ({"fwd": 1, "bwd": 1}, {"factor": 1, "solve": 2}),
+        (dx.filter_value_and_grad, "linear"): ({"fused": 1}, {"factor": 1, "solve": 1}),
+        (dx.filter_value_and_grad, "power"): ({"fwd": 1, "bwd": 1}, {"factor": 1, "solve": 2}),
+    }
+    for (transform, name), (jobs, steps) in expected.items():
+        run = transform(lambda vb, f=ours[name]: f(*vb))
+        run = jax.jit(run) if jit else run
+        for i in range(2):
+            scale = 1.0 + 0.01 * i  # (new values each time: no factorisation found again)
+            with dx.record() as timeline:
+                got = jax.block_until_ready(run((values * scale, b)))
+            assert (timeline.counts(), timeline.counts(steps=True)) == (jobs, steps), (transform, name)
+            want = jax.value_and_grad(lambda vb, f=dense[name]: f(*vb))((values * scale, b))
+            assert got[1][0].dtype == values.dtype and got[1][1].dtype == b.dtype
+            assert_tree_allclose(got, want, rtol=1e-9, atol=1e-11)
+
+
+_NOT_SPD_RAISED = (
+    "`ExpensiveFn(name='sparse_solve')`: the host function `{fn}` raised NotPositiveDefinite: `dx.Cholmod`: the "
+    "matrix is not symmetric positive definite: CHOLMOD found a pivot that is not positive ("
+)
+_NOT_SINGULAR_NOTE = (
+    "`singular={singular!r}` gives NaN for a singular matrix, and this one is not singular (an LU factors it): "
+    "the solver is wrong for it, and `singular=` does not apply."
+)
+
+
+@pytest.mark.parametrize("library", ["sparsax", "cholespy"])
+@pytest.mark.parametrize("singular", ["nan", "warn"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_cholmod_with_singular_nan_raises_for_a_nonsingular_matrix_that_is_not_spd(library, singular, jit):
+    """`singular="nan"` (or `"warn"`) is about singular matrices: a nonsingular symmetric
+    indefinite matrix given to `dx.Cholmod` raises its not-SPD error, as with the default
+    `singular="raise"`, eagerly and under `jit`, in the forward (`fwd`) and the deferred job
+    (`fused`), and gives no NaN."""
+    values, pattern, b = indefinite()
+    solver = dx.Cholmod(library=library)
+
+    def solve(v):
+        return dx.sparse_solve(v, pattern, b, solver=solver, singular=singular)
+
+    error = jax.errors.JaxRuntimeError if jit else dx.HostError
+    wrap = jax.jit if jit else (lambda f: f)
+    for fn, call in (("fwd", solve), ("fused", dx.filter_grad(lambda v: jnp.dot(b, solve(v))))):
+        message = (
+            re.escape(_NOT_SPD_RAISED.format(fn=fn))
+            + "(?s:.*)"
+            + re.escape(_NOT_SINGULAR_NOTE.format(singular=singular))
+        )
+        with pytest.raises(error, match=message):
+            jax.block_until_ready(wrap(call)(values))
+    with pytest.raises(error, match=re.escape(_NOT_SPD_RAISED.format(fn="fwd"))) as raised:  # (the default)
+        jax.block_until_ready(wrap(lambda v: dx.sparse_solve(v, pattern, b, solver=solver))(values))
+    assert "`singular=" not in str(raised.value)
+
+
+@pytest.mark.parametrize("case", ["zero pivot", "rounding"])
+@pytest.mark.parametrize("library", ["sparsax", "cholespy"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_cholmod_with_singular_nan_gives_nan_for_a_singular_matrix(case, library, jit):
+    """A singular positive semidefinite matrix that `dx.Cholmod` refuses (a pivot that is not
+    positive) gives NaN with `singular="nan"`: the value and both gradients, eagerly and under
+    `jit`; an exactly zero pivot (the path's Laplacian), and one of rounding's size (a weighted
+    Laplacian: SuperLU's smallest pivot about 1e-16, under `n eps max|a_ij|`). With the default
+    `singular="raise"`, CHOLMOD's not-SPD error."""
+    from deferax._host._solvers import _cholmod
+
+    values, pattern, b = path_laplacian() if case == "zero pivot" else laplacian_alone()
+    matrix = pattern._csc(np.asarray(values, np.float64))
+    assert np.linalg.matrix_rank(matrix.toarray()) < pattern.n and (matrix.diagonal() > 0).all()
+    with pytest.raises(_cholmod.NotPositiveDefinite, match="CHOLMOD found a pivot that is not positive"):
+        dx.Cholmod(library=library).factor(matrix)  # (the premise: CHOLMOD refuses it)
+    if case == "rounding":  # (the premise: no exactly zero pivot in an LU)
+        pivots = np.abs(scipy.sparse.linalg.splu(matrix, permc_spec="MMD_AT_PLUS_A").U.diagonal())
+        assert 0 < pivots.min() < 1e-13
+    solver = dx.Cholmod(library=library)
+    loss = jax.value_and_grad(
+        lambda v, b: jnp.sum(dx.sparse_solve(v, pattern, b, solver=solver, singular="nan") ** 2), argnums=(0, 1)
+    )
+    value, grads = (jax.jit(loss) if jit else loss)(values, b)
+    assert bool(jnp.isnan(value)) and all(bool(jnp.isnan(g).all()) for g in grads)
+    error = jax.errors.JaxRuntimeError if jit else dx.HostError
+    with pytest.raises(error, match=re.escape(_NOT_SPD_RAISED.format(fn="fwd"))):
+        solve = lambda v: dx.sparse_solve(v, pattern, b, solver=solver)  # noqa: E731
+        jax.block_until_ready((jax.jit(solve) if jit else solve)(values))
 
 
 def test_klu_leaves_the_process_jax_config_as_it_was():

@@ -24,6 +24,7 @@ from .._checks import _checks
 from .._plan import _cost
 from ._factorisations import FACTORISATIONS, record_nbytes
 from ._runner import StackedRows, _multiples
+from ._solvers import _cholmod
 from ._sparse_pattern import SparsePattern
 from ._sparse_solver import AbstractSparseSolver
 
@@ -40,6 +41,9 @@ Find where they come from, for example with `jax.config.update("jax_debug_nans",
 TREATMENTS = ("raise", "nan", "warn")
 
 _GIVES_NAN = """{call}: {why}, so its solution and derivatives are NaN (`{what}={treatment!r}`)."""
+
+_NOT_SINGULAR = """`singular={singular!r}` gives NaN for a singular matrix, and this one is not singular (an LU \
+factors it): the solver is wrong for it, and `singular=` does not apply."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,12 +143,20 @@ class _Solve:
     # Whether the program that calls the host functions has `jax_enable_x64` on (they may run
     # in a process where it is off): the dtypes it can hold.
     x64: bool = True
+    # Whether `values` are real while `b` is complex: the matrix is factored real (`matrix_dtype`,
+    # as `dx.Cholmod` needs), and a complex right-hand side is solved as its real and imaginary parts.
+    real_matrix: bool = False
 
     @property
     def work(self) -> np.dtype:
-        """The dtype the solver factors and solves in."""
+        """The dtype the solver solves in (of the right-hand sides and solutions)."""
         least = np.float64 if self.precision == "double" else np.float32
         return np.promote_types(self.dtype, least)
+
+    @property
+    def matrix_dtype(self) -> np.dtype:
+        """The dtype the solver factors in: `work`, or its real counterpart (`real_matrix`)."""
+        return np.finfo(self.work).dtype if self.real_matrix else self.work
 
     def _factor(self, values: np.ndarray) -> Any:
         if not np.isfinite(values).all():  # (SuperLU would report a zero pivot, or return NaN without a word)
@@ -163,13 +175,18 @@ class _Solve:
                     col=self.pattern.cols[first],
                 )
             )
-        matrix = self.pattern._csc(values.astype(self.work, copy=False))
+        matrix = self.pattern._csc(values.astype(self.matrix_dtype, copy=False))
         start = time.perf_counter()
         try:
             lu = self.solver.factor(matrix)
         except np.linalg.LinAlgError as e:
             if self.singular == "raise":
                 raise
+            if isinstance(e, _cholmod.NotPositiveDefinite):  # (a wrong solver, unless the matrix is singular too)
+                if not _cholmod.singular(matrix):
+                    raise _cholmod.NotPositiveDefinite(f"{e}\n{_NOT_SINGULAR.format(singular=self.singular)}") from None
+                why = f"its solver raised NotPositiveDefinite: {_first_line(e)}, and an LU finds it singular"
+                return self._unfactored("singular", why)
             return self._unfactored("singular", f"its solver raised LinAlgError: {_first_line(e)}")
         end = time.perf_counter()
         _cost.observe(self, self._shapes, setup=end - start)
@@ -221,7 +238,7 @@ class _Solve:
         kept for the plan: `nbytes_of`)."""
         if isinstance(lu, _Unfactored):  # (nothing held; not this solve's bytes, for the plan)
             return 0
-        nbytes = int(self.solver.nbytes(lu, self.work))
+        nbytes = int(self.solver.nbytes(lu, self.matrix_dtype))
         record_nbytes(self, nbytes)
         return nbytes
 
@@ -251,7 +268,14 @@ class _Solve:
         if isinstance(lu, _Unfactored):
             return np.full(rhs.shape, complex(np.nan, np.nan) if self.work.kind == "c" else np.nan, self.work)
         start = time.perf_counter()
-        out = self.solver.solve(lu, rhs.T if rhs.ndim == 2 else rhs, transpose)
+        if self.real_matrix:  # (a real factorisation: the parts of `k` complex right-hand sides, `2k` real ones)
+            real, imag = np.real(rhs), np.imag(rhs)
+            parts = np.concatenate([real, imag]) if rhs.ndim == 2 else np.stack([real, imag])
+            solved = np.asarray(self.solver.solve(lu, parts.T, transpose)).T
+            out = (solved[: len(parts) // 2] + 1j * solved[len(parts) // 2 :]).T
+            out = out if rhs.ndim == 2 else out[:, 0]
+        else:
+            out = self.solver.solve(lu, rhs.T if rhs.ndim == 2 else rhs, transpose)
         end = time.perf_counter()
         _record.step("solve", start, end)
         per_rhs = (end - start) / (rhs.shape[0] if rhs.ndim == 2 else 1)

@@ -37,7 +37,7 @@ def refusal(pattern: SparsePattern, dtype: np.dtype, by_cost: bool) -> str | Non
     program, or (`by_cost`) should not; None where it runs there."""
     if _sparsax.module() is None:
         return "sparsax (a tested release) is not installed"
-    if not np.issubdtype(dtype, np.floating):
+    if not jnp.issubdtype(dtype, jnp.floating):  # (JAX's: bfloat16 is real too, and not NumPy's `np.floating`)
         return "sparsax solves real matrices only"
     platform = _placement.platform()
     if platform != "cpu":

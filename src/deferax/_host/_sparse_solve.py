@@ -204,8 +204,10 @@ lam = ct_x` with the forward's factorisation |
     - `name`: shown in errors and in [`deferax.explain`][].
     - `max_basis`: as for [`deferax.ExpensiveFn`][].
     - `precision`: `"double"` (the default) factors and solves in float64 (complex128 for
-      complex inputs), whatever the inputs' dtype, and rounds `x` and the cotangents and
-      tangents to the inputs' dtype: a float32 program gets answers accurate to float32.
+      complex inputs; a real matrix with a complex `b` is factored real, and `b`'s real and
+      imaginary parts are solved as two right-hand sides), whatever the inputs' dtype, and
+      rounds `x` and the cotangents and tangents to the inputs' dtype: a float32 program gets
+      answers accurate to float32.
       `"input"` factors in the inputs' own dtype (at least float32), as SciPy would: half
       the memory and somewhat faster, but a factorisation in single precision loses
       digits with the matrix's condition number (a float32 finite-element stiffness came
@@ -219,6 +221,8 @@ lam = ct_x` with the forward's factorisation |
       as `"nan"`, with a `scipy.sparse.linalg.MatrixRankWarning`, as SciPy's `spsolve` warns.
     - `singular`: the same for a matrix that the solver finds singular (its `factor` raises
       `numpy.linalg.LinAlgError`: SuperLU's zero pivot). `"raise"` (the default) raises it.
+      A matrix that [`deferax.Cholmod`][] refuses as not symmetric positive definite gives NaN
+      only where an LU finds it singular; otherwise the error is raised (the solver is wrong for it).
     - `symmetric`: `True` takes the matrix as symmetric without checking it, as a library
       that assumes so (jax_fdm's `sparse_solve`): the adjoint solves with `A` itself,
       `lam = A^-1 ct_x`, and the self-adjoint shortcut above applies without the check.
@@ -309,7 +313,8 @@ lam = ct_x` with the forward's factorisation |
     else:  # (a process pool: a backward job may land in any of its processes)
         kept = "none"
     x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
-    solve = _Solve(pattern, solver, dtype, name, precision, kept, nonfinite, singular, symmetric, x64)
+    real_matrix = not jnp.issubdtype(values.dtype, jnp.complexfloating) and np.issubdtype(dtype, np.complexfloating)
+    solve = _Solve(pattern, solver, dtype, name, precision, kept, nonfinite, singular, symmetric, x64, real_matrix)
     site = _solve_site(solve, timeout, name, max_basis, cost, _factorisations.not_kept(solve, executor))
     fn = on_executor(site, executor)
     return fn((values, b))

@@ -53,10 +53,11 @@ class AbstractSparseSolver(eqx.Module):
         """Factor `matrix`, a square `scipy.sparse.csc_matrix`, and return the factorisation
         (any object). Raise `numpy.linalg.LinAlgError` for a singular matrix.
 
-        `matrix` is float64 or complex128 whatever the dtype of the program's values, unless
-        the solve asked for `precision="input"` (then float32 or complex64 for single-precision
-        inputs): a solver must factor in the dtype it is given, not lower. Its entries are
-        finite (`dx.sparse_solve` rejects NaN and infinity before it calls `factor`)."""
+        `matrix` is float64 (for real values, whatever `b`) or complex128 whatever the dtype of
+        the program's values, unless the solve asked for `precision="input"` (then float32 or
+        complex64 for single-precision inputs): a solver must factor in the dtype it is given,
+        not lower. Its entries are finite (`dx.sparse_solve` rejects NaN and infinity before it
+        calls `factor`)."""
 
     @abc.abstractmethod
     def solve(self, factorisation: Any, rhs: np.ndarray, transpose: bool) -> np.ndarray:
@@ -109,9 +110,10 @@ _DIGESTS: dict[tuple[int, int], tuple[tuple, tuple]] = _runtime.store({})
 
 
 def _pattern_key(matrix: Any) -> tuple:
-    """The identity of the CSC `matrix`'s pattern (its shape and a digest of its structure),
-    by which the ordering chosen for it is kept. Computed once for the read-only structure
-    that `dx.sparse_solve` shares between the matrices of a pattern (O(nnz) otherwise)."""
+    """The identity of the CSC `matrix`'s pattern (its shape and a digest of its structure,
+    whatever its index dtype), by which the ordering chosen for it is kept. Computed once for
+    the read-only structure that `dx.sparse_solve` shares between the matrices of a pattern
+    (O(nnz) otherwise)."""
     import hashlib
 
     arrays = (matrix.indptr, matrix.indices)
@@ -120,9 +122,12 @@ def _pattern_key(matrix: Any) -> tuple:
     known = _DIGESTS.get(ident)
     if known is not None and all(r() is o for r, o in zip(known[0], owners, strict=True)):
         return known[1]
+    # (the indices digested as int32 where they fit, as `SparsePattern._csc` holds them, else int64:
+    # a SciPy matrix's int64 indices and a pattern's int32 ones are one structure, one key)
+    fits = max(matrix.shape[0], matrix.indices.size) <= np.iinfo(np.int32).max
     digest = hashlib.blake2b(digest_size=16)
     for a in arrays:
-        digest.update(np.ascontiguousarray(a).tobytes())
+        digest.update(np.ascontiguousarray(a, np.int32 if fits else np.int64).tobytes())
     key = (matrix.shape, digest.hexdigest())
     if all(o is not None for o in owners):
         refs = tuple(weakref.ref(o, lambda _, ident=ident: _DIGESTS.pop(ident, None)) for o in owners)

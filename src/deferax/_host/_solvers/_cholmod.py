@@ -16,7 +16,7 @@ import equinox as eqx
 import numpy as np
 
 from ... import _record, _runtime
-from .._sparse_solver import AbstractSparseSolver, _pattern_key
+from .._sparse_solver import AbstractSparseSolver, SuperLU, _pattern_key
 from . import _fill, _sparsax
 
 _NOT_INSTALLED = """`dx.Cholmod(library={library!r})`: {missing} installed, and this solver calls it. Install it: \
@@ -101,6 +101,24 @@ def positive_diagonal(matrix: Any) -> bool:
     `matrix.diagonal()` alone."""
     diagonal = _upper(matrix)[3]
     return diagonal.size == matrix.shape[0] and bool((matrix.data[diagonal] > 0).all())
+
+
+def singular(matrix: Any) -> bool:
+    """Whether `matrix` (canonical CSC, one that a Cholesky factorisation refused) is singular to
+    working precision: SuperLU's LU (partial pivoting: every multiplier at most 1) meets a zero
+    pivot, or one at most `n * eps * max|a_ij|`, as `numpy.linalg.matrix_rank` counts a singular
+    value (with the largest entry for the largest singular value). For `A = P L U Q` with
+    `|l_ij| <= 1`, the least singular value of `A` is at most `n` times the least pivot, so a
+    matrix found singular is within `n^2 eps max|a_ij|` of a singular one; an indefinite
+    nonsingular matrix's pivots are far from it. One LU, on the error path alone: a singular
+    positive semidefinite matrix (a stiffness with a free body) fails a Cholesky as an
+    indefinite one does, by a pivot of zero or of rounding's size, and only an LU tells them apart."""
+    try:
+        lu = SuperLU(permc_spec="MMD_AT_PLUS_A").factor(matrix)
+    except np.linalg.LinAlgError:  # (a zero pivot)
+        return True
+    least = float(np.abs(lu.U.diagonal()).min(initial=np.inf))
+    return bool(least <= matrix.shape[0] * np.finfo(matrix.dtype).eps * np.abs(matrix.data).max(initial=0.0))
 
 
 def cholesky(matrix: Any, library: str = "auto") -> Any:
@@ -244,7 +262,10 @@ class Cholmod(AbstractSparseSolver):
     diagonal, then factors; it raises `numpy.linalg.LinAlgError` if the matrix is not symmetric
     positive definite (CHOLMOD's own check, on a pivot). It factors in float64, also a float32
     matrix (`precision="input"`), and solves in float64, the solution returned in the
-    matrix's dtype; complex matrices are refused.
+    matrix's dtype; complex matrices are refused (a real one with a complex `b` is factored
+    real: [`deferax.sparse_solve`][] solves `b`'s real and imaginary parts as two right-hand
+    sides). With `dx.sparse_solve(..., singular="nan")`, a matrix it refuses gives NaN only
+    where an LU finds it singular, and raises its error otherwise.
 
     sparsax keeps the factors itself, found again by the matrix's values: those it factored
     last on each pattern (one set of values a pattern in sparsax 0.9, the Python 3.11 release;
