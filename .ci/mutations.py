@@ -470,8 +470,12 @@ def run(planted: dict[str, str], tests) -> tuple[bool, str]:
             "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
             "DEFERAX_MUTATION_CHECK": "1",
         }
+        # (where `import deferax` would load it from, found without importing JAX: a second a mutation)
         probe = subprocess.run(
-            [sys.executable, "-c", "import deferax; print(deferax.__file__)"], env=env, capture_output=True, text=True
+            [sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('deferax').origin)"],
+            env=env,
+            capture_output=True,
+            text=True,
         )
         if not probe.stdout.startswith(str(src)):
             return False, f"the mutated copy is not the one imported: {probe.stdout.strip()} {probe.stderr.strip()}"
