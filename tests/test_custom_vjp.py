@@ -576,6 +576,147 @@ def test_python_in_the_rules_runs_as_jax_runs_it():
         assert (runs["fwd"], runs["bwd"]) == (1, 1), name
 
 
+# Programs whose `custom_vjp` rules count their Python runs, each called as plain JAX calls it:
+# at the top level; under `vmap` in the loss (JAX batches the rules, a new backward function
+# every trace); beside an input nothing differentiates (the residuals JAX passes the backward
+# depend on which inputs are perturbed); with rules defined in the loss (new every trace); after
+# a deferred site, whose backward pass the analysis traces through the call; read by the aux
+# alone (JAX never calls the backward); and with `symbolic_zeros`, an output unread (JAX passes
+# the backward a symbolic zero for it).
+
+
+def _counted(runs):
+    """`f(x, c) = sin(x) * c`, a `custom_vjp` whose rules count their Python runs in `runs`
+    (its backward gives twice the derivative: plain JAX's gradient is the rule's)."""
+
+    @jax.custom_vjp
+    def f(x, c):
+        return jnp.sin(x) * c
+
+    def f_fwd(x, c):
+        runs["fwd"] += 1
+        return jnp.sin(x) * c, (x, c)
+
+    def f_bwd(res, ct):
+        runs["bwd"] += 1
+        x, c = res
+        return 2.0 * ct * c * jnp.cos(x), 2.0 * ct * jnp.sin(x)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def _counted_scale(runs):
+    """`g(x) = 3 x`, a `custom_vjp` counting as `_counted`, whose backward (`6 ct`) reads nothing
+    of the forward: a site's output through it may be deferred."""
+
+    @jax.custom_vjp
+    def g(x):
+        return 3.0 * x
+
+    def g_fwd(x):
+        runs["fwd"] += 1
+        return 3.0 * x, None
+
+    def g_bwd(_, ct):
+        runs["bwd"] += 1
+        return (6.0 * ct,)
+
+    g.defvjp(g_fwd, g_bwd)
+    return g
+
+
+def _counted_pair(runs):
+    """`h(x) = (sin x, cos x)`, a `custom_vjp` with `symbolic_zeros` counting as `_counted`."""
+
+    @jax.custom_vjp
+    def h(x):
+        return jnp.sin(x), jnp.cos(x)
+
+    def h_fwd(x):
+        runs["fwd"] += 1
+        return (jnp.sin(x.value), jnp.cos(x.value)), x.value
+
+    def h_bwd(x, cts):
+        runs["bwd"] += 1
+        ct_sin, ct_cos = (0.0 if isinstance(ct, jax.custom_derivatives.SymbolicZero) else ct for ct in cts)
+        return (2.0 * (ct_sin * jnp.cos(x) - ct_cos * jnp.sin(x)),)
+
+    h.defvjp(h_fwd, h_bwd, symbolic_zeros=True)
+    return h
+
+
+C = jnp.array([1.0, 2.0, 0.5, -1.0])
+CUBE = dx.ExpensiveFn(fwd=lambda x: x**3, bwd=lambda x, y, ct: 3.0 * x**2 * ct, name="cube")
+COUNTED = [
+    "at the top level",
+    "under vmap",
+    "beside a constant",
+    "defined in the loss",
+    "after a deferred site",
+    "read by the aux alone",
+    "with symbolic zeros",
+]
+
+
+def _counted_loss(program: str, runs):
+    """`(loss, has_aux)` of `program` (one of `COUNTED`), its rules counting in `runs`."""
+    f, g, h = _counted(runs), _counted_scale(runs), _counted_pair(runs)
+    losses = {
+        "at the top level": lambda p: jnp.sum(W * f(p, p)),
+        "under vmap": lambda p: jnp.sum(W * jax.vmap(f)(p, p)),
+        "beside a constant": lambda p: jnp.sum(W * f(p, C)),
+        "defined in the loss": lambda p: jnp.sum(W * _counted(runs)(p, p)),
+        "after a deferred site": lambda p: jnp.sum(W * g(CUBE(p))),
+        "read by the aux alone": lambda p: (jnp.sum(W * p**2), f(p, p)),
+        "with symbolic zeros": lambda p: jnp.sum(W * h(p)[0]),
+    }
+    return losses[program], program == "read by the aux alone"
+
+
+def _runs_when_called(step, runs) -> dict:
+    """How often the rules' Python runs (`runs`) for each of two calls of `step` on `P0`, and
+    of two on a stack of two inputs under `vmap`, eagerly and under `eqx.filter_jit`."""
+    found = {}
+    ways = {
+        "eager": (step, P0),
+        "jit": (eqx.filter_jit(step), P0),
+        "vmap": (jax.vmap(step), jnp.stack([P0, 0.5 * P0])),
+        "vmap under jit": (jax.jit(jax.vmap(step)), jnp.stack([P0, 0.5 * P0])),
+    }
+    for way, (call, x) in ways.items():
+        found[way] = []
+        for scale in (1.0, 2.0):
+            runs.clear()
+            jax.block_until_ready(call(scale * x))
+            found[way].append((runs["fwd"], runs["bwd"]))
+    return found
+
+
+# (With recognise="always", a call that only the aux reads is a site all the same, and the split
+# traces its backward rule, which JAX never runs there.)
+RECOGNISED = [(p, r) for p in COUNTED for r in (True, False, "always") if (p, r) != ("read by the aux alone", "always")]
+
+
+@pytest.mark.parametrize(("program", "recognise"), RECOGNISED)
+def test_python_in_the_rules_runs_as_often_as_in_plain_jax(program, recognise):
+    """The forward rule's and the backward rule's Python run as often as under plain JAX's
+    `jax.value_and_grad` (and Equinox's) on the same program called the same way: once a call
+    eagerly, a first call included, and once a trace under `jit`, at the top level and under
+    `vmap`, whether or not the calls are recognised. (The check that a rule can run outside
+    the trace that made it runs the backward rule once; the stages evaluate that run's trace.)"""
+    runs = collections.Counter()
+    loss, has_aux = _counted_loss(program, runs)
+    want = _runs_when_called(jax.value_and_grad(loss, has_aux=has_aux), runs)
+    assert _runs_when_called(eqx.filter_value_and_grad(loss, has_aux=has_aux), runs) == want
+    assert want["eager"][0][0] == 1 and want["jit"][1] == (0, 0)  # (the call is differentiated, traced once)
+    step = dx.filter_value_and_grad(loss, has_aux=has_aux, recognise=recognise)
+    assert _runs_when_called(step, runs) == want, (program, recognise)
+    if program == "after a deferred site" and recognise != "always":  # (recognised, the call is a site too)
+        assert [s.schedule for s in dx.explain(step, P0).sites] == ["deferred"]  # (its backward pass went through it)
+    assert_tree_allclose(step(P0), jax.value_and_grad(loss, has_aux=has_aux)(P0))
+
+
 # ----------------------------------------------------------------------------- only where it pays
 
 

@@ -194,7 +194,7 @@ NATIVE = Native()
 
 # the eager path's compiled stages, by program key, least recently used first (`_transform.py`)
 EAGER_CACHE: collections.OrderedDict = collections.OrderedDict()
-# the backward programs found to run alone (`_jaxpr/_dependence.py`)
+# the backward rules found to run alone (`_jaxpr/_replay.py`)
 REPLAY_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # `dx.SuperLU()`'s column ordering chosen for each sparsity pattern, by (shape, digest of the
 # pattern): the ordering and the fill of each one tried (`_host/_sparse_solver.py`)

@@ -105,8 +105,25 @@ class _Choice:
         self._substituted = None
         self._candidates: list[int] = []  # (the sites that may run ahead of the value)
         self.why_not_deferred: dict[int, str] = {}  # (each basis site's reason to stay standard, by position)
-        self.fallback = _fallback(program)
+        self.program, self.fallback = self._rules()
         self.still = self._undifferentiated()  # (positions of the sites that nothing differentiates)
+
+    def _rules(self) -> tuple[Any, str | None]:
+        """The program the stages run, its custom rules checked to run outside the trace of
+        the function (`_jaxpr.check_rules`; a `custom_vjp`'s backward rule is replayed there
+        from its first run), and why it cannot be evaluated again outside that trace, where it
+        cannot: then the whole call runs as Equinox's would. The stages differentiate the
+        arguments (the inputs after the constants) and the sites' outputs; under
+        schedule='standard' (an enclosing differentiation) the constants too."""
+        labels = [None if i < self.n_consts and self.schedule != "standard" else "x" for i in range(self.n_in)]
+        rules = _jaxpr.check_rules(self.program, labels, self.eqn_labels)
+        if rules.stranded is None:
+            return rules.program, None
+        kind, location = rules.stranded
+        return rules.program, (
+            f"a {kind} rule {location.where()} closes over a value computed in the function, so it cannot run "
+            "outside the trace that made it"
+        )
 
     # ------------------------------------------------------------------ the order of the plan
 
@@ -430,17 +447,6 @@ class _Choice:
         at_once = [p is not None and p in together for p, _, _ in entries]
         rows = tuple(job.stage2_row() for job in ahead)
         return Plan.assemble(every, at_once, rows, requested=self.schedule, fallback=self.fallback, where=self.where)
-
-
-def _fallback(program) -> str | None:
-    """Why the program cannot be evaluated again outside the trace of the function (the
-    stages do): then the whole call runs as Equinox's would."""
-    stranded = _jaxpr.stranded_rule(program)
-    if stranded is None:
-        return None
-    kind, location = stranded
-    return f"a {kind} rule {location.where()} closes over a value computed in the function, so it cannot run \
-outside the trace that made it"
 
 
 def _once_reason(what: str, found) -> str:

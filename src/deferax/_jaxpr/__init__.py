@@ -13,6 +13,7 @@ tested JAX range is pinned in `pyproject.toml`. One file a concern:
   rewriting chosen equations into other code (recognised calls);
 - `_dependence`: which values depend on which sources, and the user line that made it so;
   what cannot run outside the trace that made it, or must run once;
+- `_replay`: a `custom_vjp`'s backward rule run once (traced at its first call, evaluated after);
 - `_linearity`: where a program stops being linear in an input;
 - `_example_axes`: which axis of a value indexes the examples of a batch;
 - `_custom_vjp`: a `jax.custom_vjp` call read as a site, its backward split in two;
@@ -26,6 +27,8 @@ from ._custom_vjp import Split as Split
 from ._custom_vjp import Unreadable as Unreadable
 from ._custom_vjp import program as program
 from ._custom_vjp import split_custom_vjp as split_custom_vjp
+from ._dependence import Rules as Rules
+from ._dependence import check_rules as check_rules
 from ._dependence import dependencies as dependencies
 from ._dependence import effect_dependencies as effect_dependencies
 from ._dependence import escaping as escaping
@@ -37,11 +40,11 @@ from ._dependence import needed_equations as needed_equations
 from ._dependence import once_only as once_only
 from ._dependence import opaque_call as opaque_call
 from ._dependence import raised_at as raised_at
-from ._dependence import stranded_rule as stranded_rule
 from ._dependence import uses_refs as uses_refs
 from ._example_axes import example_axes as example_axes
 from ._internals import apply_config as apply_config
 from ._internals import aval_of as aval_of
+from ._internals import backward_rule as backward_rule
 from ._internals import carry_context as carry_context
 from ._internals import custom_vjp_call_primitive as custom_vjp_call_primitive
 from ._internals import define_primitive as define_primitive

@@ -1,7 +1,7 @@
 """Which values depend on which sources, and the user line that made them so.
 
 Below, what cannot be replayed: custom rules bound to the trace that made them, and effects
-that must happen once a call (`stranded_rule`, `once_only`). The stages evaluate the traced
+that must happen once a call (`check_rules`, `once_only`). The stages evaluate the traced
 program again, in other traces (stage 1's backward pass, stage 3 under `jax.vjp`). A
 `custom_vjp` or `custom_jvp` rule is kept in the program as a Python function, called only
 when the program is differentiated; one that closes over a value computed in the traced
@@ -13,7 +13,6 @@ the value sees), a write to a `jax.Ref` from outside would happen twice.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import linecache
@@ -21,12 +20,10 @@ import os
 import sysconfig
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
-import jax
-import numpy as np
-
-from .. import _runtime
 from . import _internals as _core
+from . import _replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,91 +338,79 @@ def _named(location: Location, named_by: Sequence[Location]) -> Location:
 _RULES = {"custom_vjp_call": "custom_vjp", "custom_vjp_call_jaxpr": "custom_vjp", "custom_jvp_call": "custom_jvp"}
 
 
-def stranded_rule(closed) -> tuple[str, Location] | None:
-    """The first custom rule of `closed` (at any depth) that cannot be differentiated
-    outside the trace that made it, as `(kind, location)`; `None` when there is none.
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """A program's custom rules, checked (`check_rules`)."""
 
-    Each rule is differentiated on abstract values in a fresh trace, as the stages would
-    differentiate it: a rule holding a tracer of an ended trace fails there, or takes it in
-    as a constant (one holding a value of an enclosing `jit`, still tracing, is fine)."""
-    for eqn in _equations(closed.jaxpr):
-        kind = _RULES.get(str(eqn.primitive))
-        if kind is not None and not _differentiable_alone(eqn):
-            return kind, _location(eqn)
-    return None
+    program: Any  # the program, its `custom_vjp` backward rules replayed from their first run
+    stranded: tuple[str, Location] | None  # `(kind, location)` of the first that cannot run outside its trace
+
+
+def check_rules(closed, in_labels: Sequence[object], eqn_labels=None) -> Rules:
+    """The custom rules of `closed` (at any depth) that the stages may run, checked to run
+    outside the trace that made them. The stages differentiate its first output (the value)
+    with respect to the inputs labelled in `in_labels` and the outputs of the equations in
+    `eqn_labels` (see `dependencies`): a rule runs where an input depends on them (JAX
+    evaluates the function of any other), a backward rule where the value reads an output.
+
+    Each is differentiated on abstract values in a fresh trace, with the inputs perturbed and
+    the outputs read that the stages perturb and read (all of them inside another construct):
+    a rule holding a tracer of an ended trace fails there, or takes it in as a constant (one
+    holding a value of an enclosing `jit`, still tracing, is fine). In the program returned, a
+    `custom_vjp`'s backward rule is replayed from its first run (`_replay`), this one or, for
+    a rule seen to run alone before, the stages' first trace of it, so that its Python runs as
+    often as in plain JAX. Inside another construct only this run is kept: JAX compiles a
+    `jit`'s body once a program object, and a body rebuilt every call would be compiled every
+    call."""
+    found = [(eqn, _RULES[str(eqn.primitive)]) for eqn in _equations(closed.jaxpr) if str(eqn.primitive) in _RULES]
+    if not found:
+        return Rules(closed, None)
+    jaxpr = closed.jaxpr
+    marks = dict(zip(map(id, jaxpr.eqns), input_marks(closed, in_labels, eqn_labels), strict=True))
+    read = _read_by_value(jaxpr)
+    replayed = {}
+    for eqn, kind in found:
+        top = id(eqn) in marks
+        perturbed = _perturbed(eqn, marks.get(id(eqn)))
+        if not any(perturbed):
+            continue
+        alone, rule = _replay.differentiable_alone(eqn, perturbed, [not top or v in read for v in eqn.outvars])
+        if not alone:
+            return Rules(closed, (kind, _location(eqn)))
+        if rule is None and kind == "custom_vjp" and top:
+            rule = _replay.Replayed(eqn.params["bwd"])  # (not run here: the stages' first trace of it is kept)
+        if rule is not None:
+            replayed[id(eqn)] = rule
+    return Rules(_replay.replaying(closed, replayed), None)
+
+
+def _read_by_value(jaxpr) -> set:
+    """The variables of `jaxpr` that its first output (the value) depends on."""
+    value = [v for v in jaxpr.outvars[:1] if not isinstance(v, _core.Literal)]
+    read = set(value)
+    for eqn, needed in zip(jaxpr.eqns, needed_equations(jaxpr, value), strict=True):
+        read.update(v for v in eqn.invars if needed and not isinstance(v, _core.Literal))
+    return read
 
 
 def _equations(jaxpr):
+    """The equations of `jaxpr`, at any depth but inside a custom rule's own function, which
+    is never differentiated (its rules are)."""
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in _core.jaxprs_in_params(eqn.params):
-            yield from _equations(sub)
+        if str(eqn.primitive) not in _RULES:
+            for sub in _core.jaxprs_in_params(eqn.params):
+                yield from _equations(sub)
 
 
-def _cotangent(aval):
-    if jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
-        return jax.numpy.zeros(aval.shape, aval.dtype)
-    return np.zeros(aval.shape, jax.dtypes.float0)
-
-
-def _differentiable_alone(eqn) -> bool:
-    """Cheaply where a rule's trace is memoized on the equation (differentiation reuses it):
-    a `custom_jvp` rule, a `custom_vjp`'s forward rule (traced as when every input has a
-    tangent) take what they close over as constants. A `custom_vjp`'s backward rule by
-    differentiating the equation in a fresh trace, once for a backward function seen to run
-    alone before (the same function object holds the same values; one defined in the loss
-    is new every trace, and checked every time)."""
-    params = eqn.params
-    try:
-        if "jvp_jaxpr_fun" in params:
-            _, consts, _ = params["jvp_jaxpr_fun"].call_wrapped(*([False] * len(eqn.invars)))
-            return not any(_stale(c) for c in consts)
-        if "fwd_jaxpr_thunk" in params:
-            _, consts = params["fwd_jaxpr_thunk"].call_wrapped(
-                *([True] * (len(eqn.invars) - params.get("num_consts", 0)))
-            )
-            if any(_stale(c) for c in consts):
-                return False
-    except Exception:  # noqa: BLE001 - whatever it raises here, it would raise in the stages
-        return False
-    backward = getattr(params.get("bwd"), "f", None)
-    with contextlib.suppress(TypeError):  # (not every callable can be weakly referenced)
-        if backward in _ALONE:
-            return True
-
-    # The closed-over constants come first among the operands. They are held fixed: JAX
-    # differentiates a custom_vjp with respect to its explicit inputs only (and refuses the
-    # constants), as the stages do (a constant reaching the call from a differentiated input
-    # is refused there by JAX as it is under Equinox).
-    held = params.get("num_consts", 0)
-
-    def pullback(*args):
-        consts = args[:held]
-        outs, vjp = jax.vjp(lambda *a: _core.bind_equation(eqn, (*consts, *a)), *args[held:])
-        return vjp([_cotangent(jax.typeof(o)) for o in outs])
-
-    structs = [
-        v.aval if is_ref(v) else jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-        for v in eqn.invars
-    ]
-    try:
-        closed = jax.make_jaxpr(pullback)(*structs)
-    except Exception:  # noqa: BLE001 - whatever it raises there, it would raise in the stages
-        return False
-    # (a tracer of an ended trace may also be taken in as a constant, to fail when run)
-    if any(_stale(c) for c in closed.consts):
-        return False
-    with contextlib.suppress(TypeError):
-        _ALONE[backward] = True
-    return True
-
-
-_ALONE = _runtime.REPLAY_ALONE
-
-
-def _stale(value) -> bool:
-    """A tracer of a trace that has ended."""
-    return isinstance(value, _core.Tracer) and _core.has_ended(value)
+def _perturbed(eqn, marks) -> list[bool]:
+    """Which of a rule's explicit inputs (after the values a `custom_vjp`'s function closes
+    over, which JAX never perturbs) the stages perturb: those of a floating dtype that depend
+    on a differentiated value (`marks`, for a top-level equation), every one of them in
+    another construct (`marks` None)."""
+    held = eqn.params.get("num_consts", 0) if "fwd_jaxpr_thunk" in eqn.params else 0
+    depends = [True] * len(eqn.invars) if marks is None else [bool(m) for m in marks]
+    return [d and _core.is_inexact(v.aval) for v, d in zip(eqn.invars[held:], depends[held:], strict=True)]
 
 
 def _effect_of(eqn):

@@ -19,7 +19,10 @@ differ. Across the tested range (see `pyproject.toml`):
   `out_trees`, `num_consts`, `symbolic_zeros`) are JAX's own record of the call, read by
   `custom_vjp_parts` below: on jax 0.9-0.10 `out_trees()` returns `(out_tree, res_tree,
   input_fwds)`, `input_fwds` giving, for each residual, the operand (constants first) it
-  is, or None for one the forward computes.
+  is, or None for one the forward computes. Its `bwd` is a `WrappedFun` that JAX calls with
+  the flat residuals and output cotangents, and that returns the flat input cotangents (with
+  `Zero`s), paired with the rule's logs where JAX has `defvjp_with_logs` (`bwd_cotangents`);
+  `rule_like` wraps a function to stand in its place (`_replay`).
 - Inside `jax.shard_map`, the manual mesh axes a value varies along are `aval.vma` on jax 0.9
   and `aval.manual_axis_type.varying` (a `jax._src.core.ManualAxisType`, which has no public
   home) from jax 0.10; `varying_axes` and `with_varying` read and write either.
@@ -63,7 +66,9 @@ from jax.extend.core import Jaxpr as Jaxpr
 from jax.extend.core import Literal as Literal
 from jax.extend.core import Primitive as Primitive
 from jax.extend.core import Var as Var
+from jax.extend.core import jaxpr_as_fun as _jaxpr_as_fun
 from jax.extend.linear_util import WrappedFun as WrappedFun
+from jax.extend.linear_util import wrap_init as _wrap_init
 from jax.extend.source_info_util import current_name_stack as current_name_stack
 from jax.extend.source_info_util import user_context as user_context
 from jax.interpreters.ad import JVPTrace as JVPTrace
@@ -212,9 +217,47 @@ def custom_vjp_parts(params: dict, perturbed: Sequence[bool]) -> tuple[Any, list
     return fwd_jaxpr, list(fwd_consts), list(input_fwds), res_tree
 
 
-def function_name(debug_info) -> str | None:
-    """The function's name in a program's debug info (`f` of "f at file.py:3"), if any."""
-    return debug_info.func_name if debug_info is not None and debug_info.func_src_info else None
+def backward_rule(f) -> Any:
+    """The backward rule given to a `jax.custom_vjp` function `f` (`f.defvjp(f_fwd, f_bwd)`:
+    `f_bwd`); None for anything else, or before `defvjp`."""
+    return f.bwd if isinstance(f, jax.custom_vjp) else None
+
+
+def function_name(program) -> str | None:
+    """The name of the function `program` was traced from (`f` of "f at file.py:3"), if its
+    debug info holds one."""
+    info = program.jaxpr.debug_info
+    return info.func_name if info is not None and info.func_src_info else None
+
+
+def rule_like(fn, rule: WrappedFun) -> WrappedFun:
+    """`fn` wrapped as JAX wraps a custom rule, named as `rule` (a `custom_vjp_call`'s `bwd`)."""
+    return _wrap_init(fn, debug_info=rule.debug_info)
+
+
+def with_jaxprs(params: dict, rebuild) -> dict:
+    """An equation's `params` with each program among them (one, or one of a tuple: a `cond`'s
+    branches) replaced by `rebuild(jaxpr)` of its open jaxpr, its constants kept; a program
+    that `rebuild` returns as it was stays the same object."""
+
+    def one(p):
+        if isinstance(p, tuple):  # (a tuple of programs; another, as `scatter`'s dimension numbers, stays as it is)
+            items = [one(q) for q in p]
+            return p if all(a is b for a, b in zip(items, p, strict=True)) else tuple(items)
+        if not is_jaxpr(p):
+            return p
+        jaxpr, consts = open_and_consts(p)
+        new = rebuild(jaxpr)
+        if new is jaxpr:
+            return p
+        return close(new, consts) if isinstance(p, _CLOSED) else new
+
+    return {name: one(p) for name, p in params.items()}
+
+
+def evaluate(closed, args: Sequence[Any]) -> list:
+    """Evaluate a closed program on `args` under the current trace (as `core.eval_jaxpr`)."""
+    return list(_jaxpr_as_fun(closed)(*args))
 
 
 def split_known(closed, unknowns: Sequence[bool]):
