@@ -78,8 +78,8 @@ def recognise_custom_vjp(f: Any, *, callbacks_independent: bool = True) -> Any:
 
     `f`, so that `solve = dx.recognise_custom_vjp(solve)` reads well.
     """
-    bwd = getattr(f, "bwd", None)
-    if not isinstance(f, jax.custom_vjp) or bwd is None:
+    bwd = _jaxpr.backward_rule(f)
+    if bwd is None:
         raise TypeError(_BAD_FUNCTION.format(found=tree_text(f)))
     with _LOCK:
         if callbacks_independent:
@@ -97,8 +97,8 @@ def _declared(params: dict) -> bool:
 
 
 def _function_name(params: dict) -> str | None:
-    call = params.get("call_jaxpr")
-    return _jaxpr.function_name(getattr(getattr(call, "jaxpr", None), "debug_info", None))
+    call = params.get("call_jaxpr")  # (none in the parameters `name_of` is asked about first: `{}`)
+    return None if call is None else _jaxpr.function_name(call)
 
 
 def name_of(params: dict) -> str:
