@@ -20,6 +20,22 @@ if os.environ.get("DEFERAX_TESTS_X64", "1") != "0":
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
+# The longest tests (a minute or two each on a 2-core machine, measured with `--durations`):
+# collected first, so that pytest-xdist, which hands the first tests out one a worker in turn,
+# starts them at once, and no worker runs one alone at the end while the others wait.
+LONGEST = (
+    "tests/test_properties.py::test_random_custom_vjp_programs_match_plain_jax",
+    "tests/test_shard_map.py::test_sites_inside_shard_map",
+    "tests/test_properties.py::test_random_programs_match_equinox",
+    "tests/test_devices.py::test_every_kind_of_site_with_inputs_sharded_over_eight_devices",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {nodeid: i for i, nodeid in enumerate(LONGEST)}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(LONGEST)))  # (a stable sort: the rest keep their order)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Before each test: the garbage of earlier tests collected, and what is left alive then
