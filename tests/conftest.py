@@ -20,6 +20,39 @@ if os.environ.get("DEFERAX_TESTS_X64", "1") != "0":
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
+_CACHE_OWNED = "DEFERAX_TESTS_OWN_JAX_CACHE"
+
+
+def pytest_configure(config):
+    """JAX's persistent compilation cache, one folder for the run, shared by its workers (and
+    the Python processes the tests start): the tests compile the same small programs again
+    and again (each test starts from empty caches, and parametrised cases compile the same
+    stages), and XLA's compile was about a third of their time. A program found there is
+    loaded, not compiled: what runs is the same executable (the key is the compiled program,
+    JAX's version and its flags), and no trace is skipped (what the tests count is traced as
+    before). A cache the caller chose (`JAX_COMPILATION_CACHE_DIR`; CI shares one among the
+    parts of a leg) is used as it is. Made here, in the first process (pytest-xdist's
+    workers start after it, with its environment), and removed when the run ends."""
+    if hasattr(config, "workerinput") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="deferax-tests-jax-cache-")
+    os.environ.update(
+        {"JAX_COMPILATION_CACHE_DIR": folder, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", _CACHE_OWNED: folder}
+    )
+    jax.config.update("jax_compilation_cache_dir", folder)  # (this process imported JAX before)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_unconfigure(config):
+    folder = os.environ.get(_CACHE_OWNED)
+    if folder and not hasattr(config, "workerinput"):
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 # The longest tests (a minute or two each on a 2-core machine, measured with `--durations`):
 # collected first, so that pytest-xdist, which hands the first tests out one a worker in turn,
 # starts them at once, and no worker runs one alone at the end while the others wait.
