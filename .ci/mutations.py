@@ -132,6 +132,22 @@ MUTATIONS = [
         ["tests/test_concurrent.py::test_bwd_that_reads_y_stays_standard", "tests/test_concurrent.py"],
     ),
     (
+        "a bwd that starts reading y, checked beside the forward, run without it",
+        [("_unless_it_needs_y", "return NEEDS_Y if check() is not None else run()", "return run()")],
+        [
+            "tests/test_eager_overhead.py::test_a_bwd_that_reads_y_on_a_later_call_runs_after_the_forward",
+            "tests/test_eager_overhead.py",
+        ],
+    ),
+    (
+        "a bwd read up front on every call, though the last call read that it does not read y",
+        [("analysis_of", "if last is not None and all(b is None for b in last):", "if False:")],
+        [
+            "tests/test_eager_overhead.py::test_after_a_call_that_read_the_bwd_it_is_read_beside_the_forward",
+            "tests/test_eager_overhead.py",
+        ],
+    ),
+    (
         "a site under vmap replayed without summing over unbatched levels",
         [
             (

@@ -1,11 +1,14 @@
 """What an eager call does again on a cache hit (counted: one trace of the loss, one cache
-key, one trace of a `fwd` + `bwd` site's `bwd` for the check that it does not read `y`; no
-analysis, no compilation), that a changed program misses the cache, and that the cache key
-tells apart what a cheaper key could take for equal. Gradients against plain JAX."""
+key, one trace of a `fwd` + `bwd` site's `bwd` for the check that it does not read `y`, on
+the adjoint's thread once a call has read it; no analysis, no compilation), that a changed
+program misses the cache, that a `bwd` that starts reading `y` runs after the forward, and
+that the cache key tells apart what a cheaper key could take for equal. Gradients against
+plain JAX."""
 
 import collections
 import dataclasses
 import functools as ft
+import threading
 from typing import Any
 
 import equinox as eqx
@@ -17,6 +20,7 @@ import pytest
 import deferax as dx
 from deferax import _jaxpr
 from deferax._jaxpr import _keys
+from deferax._site import _spec
 from deferax._stages import _run
 
 from .helpers import P0, W, assert_tree_allclose
@@ -135,6 +139,150 @@ def test_a_closure_whose_captured_array_changes(how, spied):
         expected = jax.value_and_grad(_plain(jnp.asarray(new)))(P0)
         assert_tree_allclose(step(P0), expected)
     assert dx.explain(step, P0).sites[0].schedule == "deferred"
+
+
+# ----------------------------------------------------------------------------- a `bwd` read beside the forward
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """The threads on which each eager call read a `bwd` (`Spec.why_bwd_blocks_fused`), and
+    those of the up-front reads (`bwd_decisions`, on the caller's thread)."""
+    seen: dict[str, list] = {"check": [], "up front": []}
+    why, decisions = _spec.Spec.why_bwd_blocks_fused, _run.bwd_decisions
+
+    def counted_why(self, fn_avals):
+        seen["check"].append(threading.get_ident())
+        return why(self, fn_avals)
+
+    def counted_decisions(program):
+        seen["up front"].append(threading.get_ident())
+        return decisions(program)
+
+    monkeypatch.setattr(_spec.Spec, "why_bwd_blocks_fused", counted_why)
+    monkeypatch.setattr(_run, "bwd_decisions", counted_decisions)
+    return seen
+
+
+def test_after_a_call_that_read_the_bwd_it_is_read_beside_the_forward(checked):
+    """The first eager call reads the `bwd` before the halves (on the caller's thread); once a
+    call has read that it does not read `y`, the later calls read it on the adjoint's thread,
+    beside the forward, once a call: nothing is traced between the loss and the halves.
+    Plain JAX's values, `fwd` and `bwd` once a call."""
+    runs: collections.Counter = collections.Counter()
+    f = _site(runs)
+    step = dx.filter_value_and_grad(lambda p: jnp.sum(W * f(p)) + jnp.sum(p**2))
+    expected = jax.value_and_grad(_plain())(P0)
+    me = threading.get_ident()
+    for call in range(4):
+        checked["check"].clear()
+        checked["up front"].clear()
+        with dx.record() as timeline:
+            assert_tree_allclose(step(P0), expected)
+        assert timeline.counts() == {"fwd": 1, "bwd": 1}
+        assert len(checked["check"]) == 1
+        if call == 0:
+            assert checked["up front"] == [me] and checked["check"] == [me]
+        else:
+            assert checked["up front"] == [] and checked["check"][0] != me
+        # (the two halves at once: the adjoint's thread is not the forward's)
+        fwd, bwd = (next(c for c in timeline.calls if c.impl == impl) for impl in ("fwd", "bwd"))
+        assert fwd.thread != bwd.thread
+
+
+READS = {"y": False, "numpy": False}
+
+
+def _branching(runs: collections.Counter) -> dx.ExpensiveFn:
+    """`exp`, whose `bwd` reads `y` (or NumPy's copy of `ct`, which cannot be traced) when a
+    global says so."""
+
+    def fwd(x):
+        runs["fwd"] += 1
+        return jnp.exp(x)
+
+    def bwd(x, y, ct):
+        runs["bwd"] += 1
+        if READS["numpy"]:
+            ct = jnp.asarray(np.asarray(ct))
+        return ct * (y if READS["y"] else jnp.exp(x))
+
+    return dx.ExpensiveFn(fwd=fwd, bwd=bwd, name="exp")
+
+
+@pytest.mark.parametrize("how", ["y", "numpy"])
+def test_a_bwd_that_reads_y_on_a_later_call_runs_after_the_forward(how, checked):
+    """A `bwd` read as not reading `y` on one call that reads it on the next (a global it
+    branches on rebound; or NumPy on its arguments, which cannot be traced): that call, whose
+    plan was taken without reading it, runs it after the forward, on the forward's `y`
+    (recorded after it ended); the next call reads it before the halves and runs the
+    standard schedule, as `explain` says; once it stops reading `y`, the deferred schedule
+    is back. Plain JAX's values at every call, `fwd` and `bwd` once a call."""
+    runs: collections.Counter = collections.Counter()
+    f = _branching(runs)
+    loss = lambda p: jnp.sum(W * f(p)) + jnp.sum(p**2)  # noqa: E731
+    step = dx.filter_value_and_grad(loss)
+    expected = jax.value_and_grad(lambda p: jnp.sum(W * jnp.exp(p)) + jnp.sum(p**2))(P0)
+    me = threading.get_ident()
+    try:
+        # (reads y, read up front on the caller's thread, the halves at once)
+        for reads, up_front, together in (
+            (False, True, True),
+            (False, False, True),
+            (True, False, False),  # the plan of the call before; its half finds that it reads y
+            (True, True, False),  # read up front: the standard schedule
+            (False, True, True),  # read up front (the last call's read did not allow it): deferred again
+            (False, False, True),
+        ):
+            READS[how] = reads
+            checked["up front"].clear()
+            with dx.record() as timeline:
+                assert_tree_allclose(step(P0), expected)
+            assert checked["up front"] == ([me] if up_front else [])
+            # (`explain` reads the `bwd` afresh: after the step, not to read it for the step)
+            assert dx.explain(loss, P0).sites[0].schedule == ("standard" if reads else "deferred")
+            assert timeline.counts() == {"fwd": 1, "bwd": 1}
+            fwd, bwd = (next(c for c in timeline.calls if c.impl == impl) for impl in ("fwd", "bwd"))
+            assert fwd.start is not None and fwd.end is not None and bwd.start is not None
+            if together:
+                assert fwd.thread != bwd.thread and bwd.schedule == "deferred"
+            else:
+                assert bwd.start >= fwd.end
+    finally:
+        READS.update(y=False, numpy=False)
+
+
+def test_a_bwd_that_reads_y_later_under_vmap_and_in_a_basis(checked):
+    """The same flip for a site under `vmap` inside the loss and for a deferred-basis site
+    (a scalar of the output): there the unread `bwd` is read before both halves, and one
+    that reads `y` runs after the forward. Plain JAX's values at every call."""
+    runs: collections.Counter = collections.Counter()
+    f = _branching(runs)
+    losses = {
+        "deferred": (
+            lambda p: jnp.sum(W * jax.vmap(f)(jnp.stack([p, 2 * p]))[1]) + jnp.sum(p**2),
+            lambda p: jnp.sum(W * jnp.exp(2 * p)) + jnp.sum(p**2),
+        ),
+        "deferred-basis": (
+            lambda p: jnp.log(1.0 + jnp.dot(W, f(p)) ** 2),
+            lambda p: jnp.log(1.0 + jnp.dot(W, jnp.exp(p)) ** 2),
+        ),
+    }
+    me = threading.get_ident()
+    try:
+        for schedule, (loss, plain) in losses.items():
+            step = dx.filter_value_and_grad(loss)
+            expected = jax.value_and_grad(plain)(P0)
+            for reads, up_front in ((False, True), (False, False), (True, False), (True, True), (False, True)):
+                READS["y"] = reads
+                checked["up front"].clear()
+                checked["check"].clear()
+                assert_tree_allclose(step(P0), expected)
+                assert checked["up front"] == ([me] if up_front else [])
+                assert checked["check"] == [me]  # (up front, or here before both halves)
+                assert dx.explain(loss, P0).sites[0].schedule == ("standard" if reads else schedule)
+    finally:
+        READS.update(y=False, numpy=False)
 
 
 # ----------------------------------------------------------------------------- the key tells apart

@@ -80,6 +80,11 @@ PLANNED: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_planned",
 # inside: the host functions run from stage 2's gathered callback, whose outputs leave as
 # NumPy arrays (no lease is taken on them: `_host/_host.py`, `_host/_factorisations.py`)
 IN_CALLBACK: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_in_callback", default=False)
+# inside: the stage 2 of an eager call whose plan came from the cache without tracing the sites'
+# `bwd`s again (each read as not reading `y` on the program's last call, `_stages/_run.py`):
+# a half made from `bwd` is checked on its own thread, before it runs (`_schedules/_deferred.py`);
+# the value: what forgets that last read, where the check finds that a `bwd` now reads `y`
+BWD_UNREAD: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_bwd_unread", default=None)
 # the most devices one input of the call being analysed spans (eagerly: 2 or more for sharded
 # inputs; 0 under a trace, where it cannot be told): read by `_placement.halves_run`
 SPANS: contextvars.ContextVar[int] = contextvars.ContextVar("deferax_spans", default=0)
@@ -194,6 +199,8 @@ NATIVE = Native()
 
 # the eager path's compiled stages, by program key, least recently used first (`_transform.py`)
 EAGER_CACHE: collections.OrderedDict = collections.OrderedDict()
+# what each site's `bwd` was read to allow on a program's last eager call, by program key (`_stages/_run.py`)
+LAST_BWDS: collections.OrderedDict = collections.OrderedDict()
 # the backward rules found to run alone (`_jaxpr/_replay.py`)
 REPLAY_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # `dx.SuperLU()`'s column ordering chosen for each sparsity pattern, by (shape, digest of the
@@ -270,6 +277,7 @@ def reset() -> None:
     with NATIVE_LOCK:
         NATIVE.found = None
     EAGER_CACHE.clear()
+    LAST_BWDS.clear()
     ORDERINGS.clear()
     REPLAY_ALONE.clear()
     RECOGNITION_RULES.clear()

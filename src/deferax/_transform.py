@@ -193,7 +193,7 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, re
         schedule = "standard"
     eager = _jaxpr.is_eager() and is_concrete(ins)
     with operands(ins):
-        analysis, compiled = _run.analysis_of(
+        analysis, compiled, unread = _run.analysis_of(
             traced.program, len(traced.consts), traced.has_diff(), schedule, max_basis, eager, _WHERE
         )
     if analysis.plan.fallback is not None:
@@ -205,7 +205,7 @@ def _value_and_grad(fun, has_aux: bool, schedule: str, max_basis: int | None, re
     if outside:
         sites = ", ".join(f"`{name}`" for name in outside)
         raise ValueError(_DEFERRED_UNDER_DIFFERENTIATION.format(where=_WHERE, sites=sites))
-    outs, grads = _run.run(analysis, compiled, traced.has_diff(), ins, eager)
+    outs, grads = _run.run(analysis, compiled, traced.has_diff(), ins, eager, unread)
     return traced.result(outs, grads, has_aux)
 
 

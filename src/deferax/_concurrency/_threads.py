@@ -82,6 +82,21 @@ class _TracedHalf:
         return jtu.tree_unflatten(jtu.tree_structure(self.out), outs)
 
 
+class _NeedsY:
+    def __repr__(self) -> str:
+        return "NEEDS_Y"
+
+
+# What an adjoint half gives in place of its result where the check it was given found that
+# its `bwd` reads `y` (`concurrently`): the caller runs it after the forward, on its `y`.
+NEEDS_Y: Any = _NeedsY()
+
+
+def _unless_it_needs_y(check: Callable[[], str | None], run: Callable[[], Any]) -> Any:
+    """`run()`, where `check()` finds nothing that needs `y`; else `NEEDS_Y`, run nothing."""
+    return NEEDS_Y if check() is not None else run()
+
+
 def _both(first, second, serial_: bool):
     """`(first(), second())`: `second` on a thread of the pool while `first` runs here (one
     hand-off, not two), or one after the other (under the lock that keeps implementations
@@ -158,9 +173,16 @@ def _both_from_callback(run_fwd, run_adjoint, serial_: bool, consts, arrays, x, 
 
 
 def _eager(
-    halves: _Halves, fns: tuple, arrays: Any, x: PyTree, ct: PyTree, compiled: bool, where: _placement.Placement
+    halves: _Halves,
+    fns: tuple,
+    arrays: Any,
+    x: PyTree,
+    ct: PyTree,
+    compiled: bool,
+    where: _placement.Placement,
+    check: Callable[[], str | None] | None = None,
 ):
-    """Both halves on concrete arrays, from here."""
+    """Both halves on concrete arrays, from here (`check`: see `concurrently`)."""
     fwd_device, adjoint_device = halves.devices
     entry = None if compiled else where.prepared
     if entry is not None:  # (in a gathered callback: the halves as they were traced)
@@ -174,8 +196,10 @@ def _eager(
     # the results go back to the device `x` is on (when the halves were placed)
     home = (_record.device_of(x) or jax.local_devices()[0]) if fwd_device is not None else None
     first = ft.partial(_timed_eager, halves.names[0], fwd_device, home, call_fwd)
-    second = _jaxpr.carry_context(ft.partial(_timed_eager, halves.names[1], adjoint_device, home, call_adjoint))
-    return _both(first, second, where.serial)
+    second = ft.partial(_timed_eager, halves.names[1], adjoint_device, home, call_adjoint)
+    if check is not None:  # (on the adjoint's thread, beside the forward)
+        second = ft.partial(_unless_it_needs_y, check, second)
+    return _both(first, _jaxpr.carry_context(second), where.serial)
 
 
 def _traced(halves: _Halves, arrays: Any, x: PyTree, ct: PyTree, compiled: bool, where: _placement.Placement):
@@ -215,12 +239,15 @@ def concurrently(
     names: tuple[str, str],
     batched: bool = False,
     compiled: bool = True,
+    check: Callable[[], str | None] | None = None,
 ) -> tuple[PyTree, PyTree]:
     """`(fwd_fn(x), adjoint_fn(x, ct))` at the same time (`adjoint_fn` vmapped over the
     leading axis of `ct` when `batched`), recorded under `names`. `compiled`: each half is
     compiled once per function and input structure (`dx.fuse`); otherwise each is called
     as the standard schedule calls an implementation: eagerly as it is, and under a trace,
-    traced now."""
+    traced now. `check` (eagerly): why the adjoint cannot run without `y` (None when it
+    can), called before the adjoint half, on its thread; where it gives a reason, the
+    forward alone runs and `(y, NEEDS_Y)` is returned."""
     where = _placement.current()  # (stage 2's for its site: read while tracing, if traced)
     # The halves' own arrays (an `eqx.Module` implementation's fields) that are tracers (the
     # model passed through `jit`, or batched by `vmap`) enter the callback as operands;
@@ -229,12 +256,18 @@ def concurrently(
     runs = _placement.halves_run((arrays, x, ct)).where
     devices = where.devices() if runs in ("threads", "callback", "devices") else (None, None)
     halves = _Halves(static, _dispatch if compiled else _direct, batched, names, devices)
+    concrete = is_concrete((arrays, x, ct))
+    if check is not None and not (concrete and runs in ("threads", "callback")):
+        # (where the halves do not run on threads from here: read before either starts)
+        if check() is not None:
+            return _record.recorded(halves.names[0], ft.partial(halves.fwd, arrays, x, None), not concrete), NEEDS_Y
+        check = None
     if runs == "program":
         return _in_program(halves, arrays, x, ct)
     if runs == "devices":
         return _on_devices(halves, arrays, x, ct)
-    if is_concrete((arrays, x, ct)):
-        return _eager(halves, (fwd_fn, adjoint_fn), arrays, x, ct, compiled, where)
+    if concrete:
+        return _eager(halves, (fwd_fn, adjoint_fn), arrays, x, ct, compiled, where, check)
     return _traced(halves, arrays, x, ct, compiled, where)
 
 

@@ -22,7 +22,7 @@ from jaxtyping import PyTree
 
 from .. import _jaxpr
 from .._concurrency._placement import halves_run
-from .._concurrency._threads import concurrently
+from .._concurrency._threads import NEEDS_Y, concurrently
 
 if TYPE_CHECKING:
     Implementation: TypeAlias = Callable[..., Any]
@@ -95,8 +95,15 @@ class AbstractFused(AbstractImplementation):
     def half_names(self) -> tuple[str, str]:
         """The names the two halves are recorded under."""
 
-    def __call__(self, x: PyTree, ct_y: PyTree) -> tuple[PyTree, PyTree]:
-        y, partial = concurrently(self.fwd, self.adjoint, x, ct_y, names=self.half_names(), compiled=self.compiled)
+    def __call__(self, x: PyTree, ct_y: PyTree, check: Callable[[], str | None] | None = None) -> tuple[PyTree, PyTree]:
+        """`(y, ct_x)`. `check`: called where the adjoint half runs, before it; where it gives a
+        reason (its `bwd` reads `y`), the adjoint half does not run and `ct_x` is `NEEDS_Y`
+        (the caller runs it after the forward, on its `y`)."""
+        y, partial = concurrently(
+            self.fwd, self.adjoint, x, ct_y, names=self.half_names(), compiled=self.compiled, check=check
+        )
+        if partial is NEEDS_Y:
+            return y, partial
         return y, (partial if self.combine is None else self.combine(x, y, partial))
 
     def under_vmap(self, x: PyTree, ct_y: PyTree, x_axes: list) -> tuple[PyTree, PyTree]:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _site
+from .._concurrency._threads import NEEDS_Y
 from .._implementation._abstract import AbstractFused, AbstractImplementation
 from .._jaxpr import zero_like
 from .._plan import _cost
@@ -188,6 +189,12 @@ class Deferred(AbstractDeferring):
 
         batched_impl = any(a is not None for level, _ in spec.axes for a in level[:n_fn])
         concurrent = is_derived or isinstance(spec.static.fused, AbstractFused)
+        # (a `bwd` not read for this call: checked where its half runs, or here under `vmap`;
+        # one that reads `y` now runs after the forward, on its `y`)
+        check = _site.unread_bwd_check(spec, operands[:n_fn]) if is_derived and not batched_impl else None
+        if check is not None and spec.axes:
+            concurrent = check() is None
+            check = None
         if concurrent and not batched_impl:
             # `dx.fuse` (or one made here): the whole batch's forward and adjoint on two threads
             fn = spec.fn(operands[:n_fn])
@@ -198,7 +205,9 @@ class Deferred(AbstractDeferring):
                 x_axes = [jtu.tree_unflatten(spec.x_tree, list(level[n_fn:])) for level, _ in spec.axes]
                 y, ct_x = impl.under_vmap(x, ct_tree, x_axes)
             else:
-                y, ct_x = fn.run_fused(x, ct_tree) if not is_derived else impl(x, ct_tree)
+                y, ct_x = fn.run_fused(x, ct_tree) if not is_derived else impl(x, ct_tree, check)
+                if ct_x is NEEDS_Y:
+                    ct_x = fn.cotangent(x, y, ct_tree)
             y, ct_x = jtu.tree_leaves(y), [c for c, d in zip(jtu.tree_leaves(ct_x), diff, strict=True) if d]
         else:
             y, ct_x = spec.over_levels(one, axes_of)(list(operands[:n_fn]), list(operands[n_fn:]), list(cts))

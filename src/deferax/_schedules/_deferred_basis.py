@@ -159,6 +159,11 @@ class DeferredBasis(AbstractDeferring):
         `fused_batch`; zero there for those that only other examples' outputs reach)."""
         spec, is_derived = self.spec, fused_is_derived(self.spec)
         n_fn = spec.n_fn
+        # (a `bwd` not read for this call is read here, before both halves: one that reads `y`
+        # now runs after the forward, on its `y`)
+        check = _site.unread_bwd_check(spec, operands[:n_fn]) if is_derived else None
+        if check is not None and check() is not None:
+            is_derived = False
 
         def one(fn_leaves, x_leaves, ct_leaves):
             fn = spec.fn(fn_leaves)

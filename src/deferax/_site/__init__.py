@@ -22,6 +22,7 @@ from ._spec import SITE as SITE
 from ._spec import Spec as Spec
 from ._spec import bwd_decisions as bwd_decisions
 from ._spec import spec_of as spec_of
+from ._spec import unread_bwd_check as unread_bwd_check
 from ._tangents import flatten_tangent as flatten_tangent
 from ._tangents import n_inputs as n_inputs
 from ._tangents import tangent_struct as tangent_struct

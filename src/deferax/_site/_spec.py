@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .. import _jaxpr
+from .. import _jaxpr, _runtime
 from .._jaxpr import is_inexact, structs
 from ._function import AbstractSiteFunction
 from ._tangents import n_inputs
@@ -185,6 +185,26 @@ def bwd_decisions(program) -> tuple:
         )
         decisions.append(blocked)
     return tuple(decisions)
+
+
+def unread_bwd_check(spec: Spec, fn_operands: list) -> Any:
+    """Eagerly, on a call whose plan was taken without reading the sites' `bwd`s
+    (`_runtime.BWD_UNREAD`, see `_stages/_run.py: analysis_of`), for a site whose `fused` is
+    made from `fwd` and `bwd` (not `adjoint`): the check that its `bwd` still lets it be,
+    `why_bwd_blocks_fused` on the site's own arrays (`fn_operands`), to call where the
+    adjoint half runs, before it (None when it can; where it cannot, the read the plan was
+    taken from is forgotten). None where there is nothing to check."""
+    forget = _runtime.BWD_UNREAD.get()
+    if forget is None or spec.static.adjoint is not None:
+        return None
+
+    def check() -> str | None:
+        reason = spec.why_bwd_blocks_fused(list(fn_operands))
+        if reason is not None:  # (the next call reads it before the halves)
+            forget()
+        return reason
+
+    return check
 
 
 def split_fn_x(n_fn: int):

@@ -43,41 +43,70 @@ class Compiled:
 
 
 _CACHE = _runtime.EAGER_CACHE
+_LAST_BWDS = _runtime.LAST_BWDS
 _CACHE_SIZE = 256
 _CACHE_LOCK = threading.Lock()
 
 
 def analysis_of(
     program: Any, n_consts: int, has_diff: list[bool], schedule: str, max_basis: int | None, eager: bool, where: str
-) -> tuple[Analysis, Compiled | None]:
+) -> tuple[Analysis, Compiled | None, Any]:
     """The analysis of a traced program (`n_consts` of its inputs constants) and, eagerly,
-    its compiled stages: from the cache when the same program was seen before."""
-    key, bwds = None, None
+    its compiled stages: from the cache when the same program was seen before; and, where
+    the sites' `bwd`s were left unread, what forgets the read they were taken from (None
+    where they were read).
+
+    Whether each site's `bwd` lets a `fused` be made from it is read from `bwd` traced
+    afresh (a global it branches on may have been rebound). Where the program's last eager
+    call read that every one does, they are not traced here, before the halves start: the
+    plan of that call is taken, and each half made from a `bwd` is checked on its own
+    thread, beside the forward, before it runs; one that reads `y` now runs after the
+    forward, on the forward's `y` (`_schedules/_deferred.py`), and the read is forgotten, so
+    that the next call reads them here. Where one did not, all are read here, and the plan
+    follows."""
+    key, bwds, unread = None, None, None
     if eager:
         key = _jaxpr.structural_key(program)
         if key is not None:
-            # which inputs are constants and which are differentiated is not in the equations,
-            # nor whether each `bwd` (traced now) lets a `fused` be made from it
-            bwds = bwd_decisions(program)
-            # (and where the halves run: sharded inputs keep them in the program)
-            key = (key, n_consts, schedule, max_basis, bwds, _timings(program), _runtime.SPANS.get() > 1)
+            # which inputs are constants and which are differentiated is not in the equations
+            # (nor where the halves run: sharded inputs keep them in the program)
+            key = (key, n_consts, schedule, max_basis, _timings(program), _runtime.SPANS.get() > 1)
+            with _CACHE_LOCK:
+                last = _LAST_BWDS.get(key)
+            if last is not None and all(b is None for b in last):
+                unread = ft.partial(_forget, key)
+            # nor whether each `bwd` (traced now, or checked where its half runs) lets a
+            # `fused` be made from it
+            bwds = last if unread is not None else bwd_decisions(program)
+            with _CACHE_LOCK:
+                _LAST_BWDS[key] = bwds
+                _LAST_BWDS.move_to_end(key)
+                if len(_LAST_BWDS) > _CACHE_SIZE:
+                    _LAST_BWDS.popitem(last=False)
+            key = (key, bwds)
             with _CACHE_LOCK:
                 compiled = _CACHE.get(key)
                 if compiled is not None:
                     _CACHE.move_to_end(key)
             if compiled is not None:
-                return compiled.analysis, compiled
+                return compiled.analysis, compiled, unread
     analysis = analyse(program, n_consts, schedule=schedule, max_basis=max_basis, where=where, bwds=bwds)
     _record.log_plan(analysis.plan)  # a new program (or one traced under a transformation)
     if not eager or key is None:
         # (a program that cannot be keyed would be compiled for one call: run uncompiled)
-        return analysis, None
+        return analysis, None, None
     compiled = Compiled(analysis, has_diff)
     with _CACHE_LOCK:
         _CACHE[key] = compiled
         if len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
-    return analysis, compiled
+    return analysis, compiled, unread
+
+
+def _forget(key) -> None:
+    """Forget what the sites' `bwd`s were read to allow on the last call of the program `key`."""
+    with _CACHE_LOCK:
+        _LAST_BWDS.pop(key, None)
 
 
 def _timings(program) -> tuple:
@@ -94,14 +123,17 @@ def _timings(program) -> tuple:
     return tuple(found)
 
 
-def run(analysis: Analysis, compiled: Compiled | None, has_diff: list[bool], ins: list, eager: bool) -> tuple:
+def run(
+    analysis: Analysis, compiled: Compiled | None, has_diff: list[bool], ins: list, eager: bool, unread: Any = None
+) -> tuple:
     """`(outs, grads)` of the traced program on `ins`: stages 1, 2 and 2b for the sites run
-    ahead (`analysis.ahead`, `analysis.together`), then stage 3."""
+    ahead (`analysis.ahead`, `analysis.together`), then stage 3. `unread` (not None): the
+    sites' `bwd`s were not read for this call (see `analysis_of`): their halves check them."""
     results = None
     if analysis.ahead:
         with _stage("deferax stage 1: operands and cotangents"):
             operands, cts = (compiled.stage1 if compiled is not None else ft.partial(stage1, analysis))(ins)
-        with _stage("deferax stage 2: expensive calls"):
+        with _stage("deferax stage 2: expensive calls"), _jaxpr.setting(_runtime.BWD_UNREAD, unread):
             ys, diff_cts = by_position(analysis.ahead, stage2(analysis.ahead, operands, cts, eager))
         together = analysis.together
         if together is not None:
