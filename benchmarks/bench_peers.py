@@ -56,7 +56,7 @@ from _common import describe, interleaved, load, machine, median, parser  # noqa
 from jax.experimental.sparse.linalg import spsolve  # noqa: E402
 
 import deferax as dx  # noqa: E402
-from deferax._host import _sparse_program  # noqa: E402
+from deferax._sparse import _program  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -222,7 +222,7 @@ def peers(pattern: dx.SparsePattern, spd: bool, complex_: bool) -> dict:
     dtype = np.complex128 if complex_ else np.float64
     # (`nonfinite="nan"`: NaN for a NaN entry, as the peers give it; a small real system runs inside the program)
     out = {"deferax": lambda v, b: dx.sparse_solve(v, pattern, b, nonfinite="nan")}
-    if _sparse_program.refusal(pattern, np.dtype(dtype), by_cost=True) is None:
+    if _program.refusal(pattern, np.dtype(dtype), by_cost=True) is None:
         # (where the default chooses the program, the host's time beside it)
         out["deferax on the host"] = lambda v, b: dx.sparse_solve(v, pattern, b, where="host")
     if installed("sparsax"):

@@ -15,7 +15,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 import deferax as dx
-from deferax._host import _factorisations
+from deferax._sparse import _factorisations
 
 # In float32 (the suite with `DEFERAX_TESTS_X64=0`, as on an accelerator), a comparison is made
 # to float32's accuracy: tolerances are at least these (see `float32_tolerances` in conftest.py).

@@ -16,7 +16,7 @@ import pytest
 import scipy.linalg
 
 import deferax as dx
-from deferax._host import _factorisations
+from deferax._sparse import _factorisations
 
 from .helpers import load_example
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax._host import _executor, _sparse_solve
+from deferax._host import _executor
+from deferax._sparse import _solve
 from deferax._stages import _run
 
 from .helpers import assert_tree_allclose
@@ -115,12 +116,12 @@ def test_a_thread_pool_given_to_sparse_solve_is_freed_once_dropped():
 def test_the_same_sparse_solve_site_serves_every_call_on_one_executor():
     """Made once, and only its executor changes from call to call."""
     pools = [cf.ThreadPoolExecutor(1), cf.ThreadPoolExecutor(1)]
-    _sparse_solve._solve_site.cache_clear()
+    _solve._solve_site.cache_clear()
     try:
         for pool in pools:
             sparse_calls(pool)
             sparse_calls(pool)
-        assert _sparse_solve._solve_site.cache_info().currsize == 1
+        assert _solve._solve_site.cache_info().currsize == 1
     finally:
         for pool in pools:
             pool.shutdown()

@@ -20,7 +20,7 @@ import pytest
 import scipy.sparse
 
 import deferax as dx
-from deferax._host import _factorisations
+from deferax._sparse import _factorisations
 
 from .helpers import CountingLU, RecordingLU, Tally, assert_tree_allclose, runs
 
@@ -229,7 +229,7 @@ def worker_store(barrier):
     """In a worker: its process id and the factorisations its store keeps (after waiting for
     the other worker, so that each worker answers once)."""
     barrier.wait(timeout=60)
-    from deferax._host import _factorisations
+    from deferax._sparse import _factorisations
 
     return os.getpid(), len(_factorisations.FACTORISATIONS), _factorisations.FACTORISATIONS.nbytes
 
@@ -446,7 +446,7 @@ def test_matrices_whose_entries_hash_alike_keep_their_own_factorisations():
     """A factorisation's key hashes the entries' 64-bit words by their sum:
     entries in another order hash alike, and are told apart by their words. Two such matrices
     in one gradient: each solved with its own factorisation, against a dense solve."""
-    from deferax._host._sparse_host import _Entries
+    from deferax._sparse._on_host import _Entries
 
     values, pattern = operator(6, 0.3)
     reordered = values[::-1]

@@ -104,7 +104,7 @@ def test_the_pattern_digest_is_computed_once_for_a_patterns_matrices(monkeypatch
     gets another key."""
     import hashlib
 
-    from deferax._host import _sparse_solver
+    from deferax._sparse import _solver
 
     made = []
     blake2b = hashlib.blake2b
@@ -112,18 +112,18 @@ def test_the_pattern_digest_is_computed_once_for_a_patterns_matrices(monkeypatch
     a = laplacian(6)
     values, pattern = dx.SparsePattern.from_scipy(a)
     first = pattern._csc(values)
-    key = _sparse_solver._pattern_key(first)
-    assert key == _sparse_solver._pattern_key(scipy.sparse.csc_matrix(a))  # (the same structure, the same key)
+    key = _solver._pattern_key(first)
+    assert key == _solver._pattern_key(scipy.sparse.csc_matrix(a))  # (the same structure, the same key)
     made.clear()
     for scale in (1.0, 2.0, 3.0):
-        assert _sparse_solver._pattern_key(pattern._csc(scale * values)) == key
+        assert _solver._pattern_key(pattern._csc(scale * values)) == key
     assert made == []
     mine = scipy.sparse.csc_matrix(a)  # (writable: digested each time)
-    _sparse_solver._pattern_key(mine)
-    _sparse_solver._pattern_key(mine)
+    _solver._pattern_key(mine)
+    _solver._pattern_key(mine)
     assert len(made) == 2
     mine.indices[[0, 1]] = mine.indices[[1, 0]]  # (changed in place: another structure)
-    assert _sparse_solver._pattern_key(mine) != key
+    assert _solver._pattern_key(mine) != key
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.complex128])

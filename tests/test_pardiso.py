@@ -25,7 +25,7 @@ from .helpers import assert_tree_allclose
 
 pytest.importorskip("pypardiso")
 
-from deferax._host._solvers import _auto, _pardiso  # noqa: E402
+from deferax._sparse._solvers import _auto, _pardiso  # noqa: E402
 
 
 def cycle(n=200, seed=0):

@@ -17,8 +17,8 @@ from jax.interpreters import ad, batching, mlir
 from scipy.sparse.linalg import MatrixRankWarning
 
 import deferax as dx
-from deferax._host import _factorisations
 from deferax._recognise import _cost as _recognise_cost
+from deferax._sparse import _factorisations
 
 from .helpers import assert_tree_allclose
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax._host import _factorisations
+from deferax._sparse import _factorisations
 
 from .helpers import Counter, assert_tree_allclose, make
 

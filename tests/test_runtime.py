@@ -20,9 +20,10 @@ from jaxtyping import Array, Float
 import deferax as dx
 from deferax import _jaxpr, _runtime, _typed
 from deferax._concurrency import _devices, _native_threads, _placement
-from deferax._host import _affinity, _executor, _factorisations, _host, _sparse_solve
+from deferax._host import _executor, _host
 from deferax._plan import _cost
 from deferax._recognise import _cost as _recognise_cost
+from deferax._sparse import _affinity, _factorisations, _solve
 
 from .helpers import assert_tree_allclose
 
@@ -186,7 +187,7 @@ def test_reset_resets_every_piece():
     assert [cache for cache in caches if cache.cache_info().currsize] == []
     store = _factorisations.FACTORISATIONS
     assert len(store) == 0 and store.budget == _factorisations.default_budget()
-    assert _sparse_solve._solve_site in caches and _host._check_picklable in caches
+    assert _solve._solve_site in caches and _host._check_picklable in caches
     # the pools: shut down (a job submitted to an old one is refused) and made afresh
     assert [_runtime.POOLS.made(name) for name in pools] == [None, None, None]
     for name, pool in pools.items():

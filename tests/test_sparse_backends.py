@@ -206,7 +206,7 @@ def test_transpose_is_the_plain_transpose_for_complex_matrices():
 
 
 def test_an_indefinite_symmetric_matrix_gets_an_lu_and_the_right_answer(capfd, monkeypatch):
-    from deferax._host._solvers import _auto, _pardiso
+    from deferax._sparse._solvers import _auto, _pardiso
 
     values, pattern, b = indefinite()
     matrix = pattern._csc(np.asarray(values))
@@ -250,7 +250,7 @@ def test_a_matrix_symmetric_but_for_one_entry_never_reaches_a_cholesky(monkeypat
     CHOLMOD reads one triangle (sparsax's own solve does, and answers for the symmetric
     matrix of its upper triangle). Value and gradient against a dense solve, eagerly and under
     `jit`, on the standard and the deferred schedule."""
-    from deferax._host._solvers import _auto
+    from deferax._sparse._solvers import _auto
 
     values, pattern, b = spd(m=30)
     solver = dx.AutoSparseSolver()
@@ -299,7 +299,7 @@ def test_an_spd_matrix_gets_the_fastest_of_cholmod_and_superlu_one_factorisation
 def test_the_choice_is_the_fastest_in_the_program_and_a_slow_candidate_is_dropped(monkeypatch):
     """Candidates made slow on purpose: each is tried while it is measured, the fastest is
     kept, and one past 1.5 times the fastest on a counted factorisation is not tried again."""
-    from deferax._host._solvers import _auto
+    from deferax._sparse._solvers import _auto
 
     values, pattern, b = unsymmetric()
     delay = {"PARDISO LU": 0.007, "KLU": 0.005, "SuperLU MMD_AT_PLUS_A": 0.05, "SuperLU COLAMD": 0.006}
@@ -499,7 +499,7 @@ def test_cholmod_with_singular_nan_gives_nan_for_a_singular_matrix(case, library
     `jit`; an exactly zero pivot (the path's Laplacian), and one of rounding's size (a weighted
     Laplacian: SuperLU's smallest pivot about 1e-16, under `n eps max|a_ij|`). With the default
     `singular="raise"`, CHOLMOD's not-SPD error."""
-    from deferax._host._solvers import _cholmod
+    from deferax._sparse._solvers import _cholmod
 
     values, pattern, b = path_laplacian() if case == "zero pivot" else laplacian_alone()
     matrix = pattern._csc(np.asarray(values, np.float64))
@@ -568,7 +568,7 @@ print(errors)
 
 
 def test_cholmod_s_library_missing_is_named(monkeypatch):
-    from deferax._host._solvers import _cholmod, _sparsax
+    from deferax._sparse._solvers import _cholmod, _sparsax
 
     values, pattern, b = spd()
     matrix = pattern._csc(np.asarray(values))
@@ -649,7 +649,7 @@ def test_the_diagonal_check_agrees_with_the_dense_diagonal():
     """`positive_diagonal` finds the stored diagonal once a pattern: each matrix is checked
     against its dense diagonal, on one pattern with changing values (a negative entry, an
     explicit zero, duplicates that sum positive) and on one missing a diagonal entry."""
-    from deferax._host._solvers import _cholmod
+    from deferax._sparse._solvers import _cholmod
 
     values, pattern, _ = spd()
     diagonal = np.flatnonzero(pattern.rows == pattern.cols)
@@ -680,7 +680,7 @@ def test_the_automatic_choice_is_the_fastest_measured_and_kept():
     """`_Trial.next`: each candidate measured in turn, then the one whose median factorisation
     and two median solves are least (computed here from the times), kept for its set of
     candidates; another set (CHOLMOD failed) is decided on its own."""
-    from deferax._host._solvers._auto import _CALLS, _Trial
+    from deferax._sparse._solvers._auto import _CALLS, _Trial
 
     trial = _Trial()
     among = ("A", "B", "C")

@@ -14,7 +14,7 @@ import scipy.sparse
 import sparsax  # (in the tests extra)
 
 import deferax as dx
-from deferax._host import _sparse_program
+from deferax._sparse import _program
 
 from .helpers import assert_tree_allclose, float32
 
@@ -230,8 +230,8 @@ def test_what_runs_on_the_host_and_why():
 
 
 def test_a_pattern_whose_factorisation_pays_for_round_trips_runs_on_the_host(monkeypatch):
-    monkeypatch.setattr(_sparse_program, "trial_seconds", lambda pattern: 0.05)
-    assert _sparse_program.refusal(PATTERN, np.dtype(np.float64), by_cost=True) == (
+    monkeypatch.setattr(_program, "trial_seconds", lambda pattern: 0.05)
+    assert _program.refusal(PATTERN, np.dtype(np.float64), by_cost=True) == (
         "a factorisation takes about 50 ms here, which pays for a host site's round trips"
     )
     values = new(VALUES)
@@ -246,13 +246,13 @@ def test_a_pattern_whose_factorisation_pays_for_round_trips_runs_on_the_host(mon
 
 def test_the_trial_factorisation_measures_the_pattern_once():
     _, pattern = operator(7)
-    t = _sparse_program.trial_seconds(pattern)
-    assert 0 < t < 1 and _sparse_program.trial_seconds(pattern) == t
+    t = _program.trial_seconds(pattern)
+    assert 0 < t < 1 and _program.trial_seconds(pattern) == t
     permutation = dx.SparsePattern(np.array([0, 1]), np.array([1, 0]), 2)  # (no diagonal: random values)
-    assert 0 < _sparse_program.trial_seconds(permutation) < 1
+    assert 0 < _program.trial_seconds(permutation) < 1
     empty_column = dx.SparsePattern(np.array([0, 1]), np.array([0, 0]), 2)
-    assert _sparse_program.trial_seconds(empty_column) is None
-    assert _sparse_program.refusal(empty_column, np.dtype(np.float64), by_cost=True) == (
+    assert _program.trial_seconds(empty_column) is None
+    assert _program.refusal(empty_column, np.dtype(np.float64), by_cost=True) == (
         "a trial factorisation of its pattern failed (the pattern is structurally singular)"
     )
 

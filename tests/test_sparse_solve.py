@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax._host import _factorisations
+from deferax._sparse import _factorisations
 
 from .helpers import assert_tree_allclose, finite_difference_grad
 
@@ -177,11 +177,11 @@ def test_each_request_hashes_the_entries_once_and_views_them(monkeypatch, how):
     requests make two; an eager forward's output takes a third (its lease). Each keeps the
     memory of the JAX array its entries came in (no copy: nothing can write to it). Values and
     gradients against a dense solve."""
-    from deferax._host import _sparse_host
+    from deferax._sparse import _on_host
 
     values, pattern, b = COMPLEX
     made = []
-    init = _sparse_host._Entries.__init__
+    init = _on_host._Entries.__init__
 
     def kept(self, values):
         init(self, values)
@@ -195,10 +195,10 @@ def test_each_request_hashes_the_entries_once_and_views_them(monkeypatch, how):
         "jax.grad+jit": jax.jit(jax.value_and_grad(loss)),
     }[how]
     fn((values, b))  # (traced and compiled)
-    monkeypatch.setattr(_sparse_host._Entries, "__init__", kept)
+    monkeypatch.setattr(_on_host._Entries, "__init__", kept)
     got = fn((values * 1.5, b))
     assert len(made) == (3 if how == "dx" else 2)
-    assert all(_sparse_host._frozen(key.words) for key in made)
+    assert all(_on_host._frozen(key.words) for key in made)
     assert_tree_allclose(got, jax.value_and_grad(reference)((values * 1.5, b)), rtol=1e-11, atol=1e-12)
     assert not _factorisations.FACTORISATIONS._requested  # (each request's keys are forgotten when it ends)
 
@@ -208,19 +208,19 @@ def test_a_key_copies_entries_that_can_be_written_to():
     copied: changed in place afterwards, the key still holds the entries it was made of. So
     is part of a JAX array (a row of a batch of matrices under `vmap`), whose key would keep
     the whole batch alive; a broadcast row (`vmap` over `b` alone) is viewed."""
-    from deferax._host import _sparse_host
+    from deferax._sparse import _on_host
 
     values, _, _ = COMPLEX
     writable = np.array(values)
-    key = _sparse_host._Entries(writable)
-    assert not _sparse_host._frozen(key.words) and not _sparse_host._frozen(writable[1:])
-    before = _sparse_host._Entries(np.array(values))
+    key = _on_host._Entries(writable)
+    assert not _on_host._frozen(key.words) and not _on_host._frozen(writable[1:])
+    before = _on_host._Entries(np.array(values))
     writable[0] += 1.0
-    assert key == before and key != _sparse_host._Entries(writable)
-    assert not _sparse_host._frozen(np.asarray(values).copy()) and not _sparse_host._frozen(np.asarray(values)[1:])
+    assert key == before and key != _on_host._Entries(writable)
+    assert not _on_host._frozen(np.asarray(values).copy()) and not _on_host._frozen(np.asarray(values)[1:])
     one, batch = np.asarray(jnp.ones((1, 4))), np.asarray(jnp.ones((3, 4)))
-    assert _sparse_host._frozen(one[0]) and _sparse_host._frozen(np.broadcast_to(one, (3, 4))[2])  # (`vmap` over `b`)
-    assert not _sparse_host._frozen(batch[1])  # (a row of a batch of matrices: copied, not the batch kept alive)
+    assert _on_host._frozen(one[0]) and _on_host._frozen(np.broadcast_to(one, (3, 4))[2])  # (`vmap` over `b`)
+    assert not _on_host._frozen(batch[1])  # (a row of a batch of matrices: copied, not the batch kept alive)
 
 
 def test_a_dropped_factorisation_is_made_again():
@@ -680,7 +680,7 @@ def test_the_host_sends_back_the_adjoint_and_the_program_makes_the_entries_cotan
     """The reverse host functions return `lam` (`n` numbers a cotangent), never the `nnz`
     cotangents of the entries, which the program gathers from it: on every schedule, with the
     gradient a dense solve gives."""
-    from deferax._host._sparse_host import _Solve
+    from deferax._sparse._on_host import _Solve
 
     values, pattern, b = COMPLEX
     sent = []

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import deferax as dx
-from deferax._host import _factorisations
-from deferax._host._solvers import _cholmod
+from deferax._sparse import _factorisations
+from deferax._sparse._solvers import _cholmod
 
 from .helpers import assert_tree_allclose, load_example
 

@@ -22,7 +22,7 @@ import pytest
 import scipy.sparse
 
 import deferax as dx
-from deferax._host import _factorisations
+from deferax._sparse import _factorisations
 
 from .helpers import CountingLU, Tally, assert_tree_allclose
 

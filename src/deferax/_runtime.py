@@ -78,7 +78,7 @@ TIMED_OUTSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_ti
 # the strategy the plan chose for each site that stage 3 differentiates, by `Spec` (`_site/_primitive.py`)
 PLANNED: contextvars.ContextVar[Any] = contextvars.ContextVar("deferax_planned", default=None)
 # inside: the host functions run from stage 2's gathered callback, whose outputs leave as
-# NumPy arrays (no lease is taken on them: `_host/_host.py`, `_host/_factorisations.py`)
+# NumPy arrays (no lease is taken on them: `_host/_host.py`, `_sparse/_factorisations.py`)
 IN_CALLBACK: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_in_callback", default=False)
 # inside: the stage 2 of an eager call whose plan came from the cache without tracing the sites'
 # `bwd`s again (each read as not reading `y` on the program's last call, `_stages/_run.py`):
@@ -95,10 +95,10 @@ EXPLAINING_JITTED: contextvars.ContextVar[bool] = contextvars.ContextVar("defera
 DIFFERENTIATED: contextvars.ContextVar[tuple] = contextvars.ContextVar("deferax_differentiated", default=())
 # whether a backward pass may follow the forward calls made here: set from a site's equation
 # (`Spec.backward`, `_site/_primitive.py: outputs`); `dx.sparse_solve` keeps a forward's
-# factorisation for it only then (`_host/_sparse_host.py`). Outside a site's rules, True.
+# factorisation for it only then (`_sparse/_on_host.py`). Outside a site's rules, True.
 BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_backward", default=True)
 # inside a `dx.filter_value_and_grad` call: the ends of the leases its eager forward passes
-# took on their outputs (`_host/_factorisations.py: Store.lease`), run when the call returns,
+# took on their outputs (`_sparse/_factorisations.py: Store.lease`), run when the call returns,
 # since no backward pass of its own can follow then; None outside one (a lease then lasts as
 # long as its output, for a `jax.vjp` function called later)
 LEASES: contextvars.ContextVar[list | None] = contextvars.ContextVar("deferax_leases", default=None)
@@ -204,7 +204,7 @@ LAST_BWDS: collections.OrderedDict = collections.OrderedDict()
 # the backward rules found to run alone (`_jaxpr/_replay.py`)
 REPLAY_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # `dx.SuperLU()`'s column ordering chosen for each sparsity pattern, by (shape, digest of the
-# pattern): the ordering and the fill of each one tried (`_host/_sparse_solver.py`)
+# pattern): the ordering and the fill of each one tried (`_sparse/_solver.py`)
 ORDERINGS: dict[tuple, tuple[str, dict[str, int]]] = {}
 
 # ----------------------------------------------------------------------------- registries

@@ -7,7 +7,7 @@ after the other). So while host jobs run at once in this process, each library i
 limited to `cores // jobs` threads (at least one), and given back its own setting when
 the last of them ends. A job that runs alone keeps the library's setting: it may use
 every core, unless it runs inside `capped` (SciPy's SuperLU, which gains nothing from
-BLAS threads: `_host/_sparse_solver.py`).
+BLAS threads: `_sparse/_solver.py`).
 
 The limit is set around the whole batch by the thread that submits the jobs, not inside the
 jobs: a library's thread count is one setting for the whole process (OpenBLAS's

@@ -1,1 +1,1 @@
-"""The host family: `dx.host`, its job runner and executors, `dx.sparse_solve` and its solvers."""
+"""The host family: `dx.host`, its job runner and executors, and their timing."""

@@ -9,14 +9,14 @@ round trips; the rewritten one factors once, and a host site costs a round trip 
     rewritten  = t + 2 * S
 
 and the call is rewritten only when `rewritten < original`. `t` is measured once per
-pattern (`_sparse_solver.trial_seconds`: SuperLU on random values with a dominant diagonal;
+pattern (`_sparse/_solver.py: trial_seconds`: SuperLU on random values with a dominant diagonal;
 not needed when `R >= 2` and `F >= 2`: then the rewrite always pays).
 """
 
 from __future__ import annotations
 
-from .._host._sparse_solver import trial_seconds
 from .._plan import _cost
+from .._sparse._solver import trial_seconds
 
 
 def refusal(recognition, complex_: bool) -> str | None:

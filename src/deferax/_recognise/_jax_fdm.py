@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _jaxpr, _runtime
-from .._host._sparse_pattern import SparsePattern
+from .._sparse._pattern import SparsePattern
 from . import _registry
 
 MODULE = "jax_fdm.equilibrium.sparse"

@@ -24,12 +24,12 @@ import jax.numpy as jnp
 
 from .. import _jaxpr, _runtime
 from .._checks._messages import tree_text
-from .._host._sparse_host import TREATMENTS
-from .._host._sparse_pattern import SparsePattern
-from .._host._sparse_solve import sparse_solve
 from .._implementation._expensive import ExpensiveFn
 from .._jaxpr import shape_text
 from .._plan._plan import Plan, Recognised
+from .._sparse._on_host import TREATMENTS
+from .._sparse._pattern import SparsePattern
+from .._sparse._solve import sparse_solve
 from . import _cost
 
 _BAD_PRIMITIVE = """`dx.register_recognition`: `primitive` must be a `jax.extend.core.Primitive` (the object \

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from .._host._sparse_pattern import SparsePattern
+from .._sparse._pattern import SparsePattern
 from . import _registry
 
 NAME = "jax.experimental.sparse.linalg.spsolve"

@@ -1,8 +1,8 @@
 """`_Solve`: the host functions of one sparse solve (`fwd`, `bwd`, `fused`, `jvp` and their
 batches), NumPy in and out, which factor the matrix once per call with the solver and keep the
 forward's factorisation for the backward pass in the store (`_factorisations.FACTORISATIONS`).
-The derivatives they compute are in `_sparse_solve`'s docstring. The reverse ones return the
-adjoint `lam` (`partial`, in `partial_dtype`), from which `_sparse_solve`'s `combine` makes the
+The derivatives they compute are in `_solve`'s docstring. The reverse ones return the
+adjoint `lam` (`partial`, in `partial_dtype`), from which `_solve`'s `combine` makes the
 cotangents of the entries and of `b` inside the program."""
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import numpy as np
 
 from .. import _record, _runtime
 from .._checks import _checks
+from .._host._runner import StackedRows, _multiples
 from .._plan import _cost
 from ._factorisations import FACTORISATIONS, record_nbytes
-from ._runner import StackedRows, _multiples
+from ._pattern import SparsePattern
+from ._solver import AbstractSparseSolver
 from ._solvers import _cholmod
-from ._sparse_pattern import SparsePattern
-from ._sparse_solver import AbstractSparseSolver
 
 _BACKWARD = _runtime.BACKWARD
 

@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from .. import _runtime
-from . import _affinity, _executor
-from ._sparse_pattern import SparsePattern
+from .._host import _executor
+from . import _affinity
+from ._pattern import SparsePattern
 
 
 class _Entry:
@@ -39,7 +40,7 @@ class Store:
     The key is the matrix itself (the solve's configuration and the bytes of `values`), so a
     backward pass finds its forward's factorisation without any handle in the program, and
     jobs on one matrix at once wait for one factorisation (the rows of a `vmap` over `b` are
-    one job: `_sparse_host._Solve.rows`). A call that uses a factorisation is a user while it
+    one job: `_on_host._Solve.rows`). A call that uses a factorisation is a user while it
     runs (a job of several rows, one a row); a forward request (one host call, all the rows
     of a `vmap` batch) that a backward pass may follow leaves one more user per matrix for
     the backward passes (one that nothing differentiates leaves none: `_runtime.BACKWARD`):
@@ -328,7 +329,7 @@ def _bytes_text(nbytes: int) -> str:
 # ----------------------------------------------------------------------------- for the plan
 
 
-# by solve (a `_sparse_host._Solve`, typed `Any` here: that module imports this one): the
+# by solve (a `_on_host._Solve`, typed `Any` here: that module imports this one): the
 # bytes of its first factorisation (in this process), for the plan; the latest
 # `_MEASURED_KEPT` solves
 _MEASURED: collections.OrderedDict[Any, int] = _runtime.store(collections.OrderedDict())

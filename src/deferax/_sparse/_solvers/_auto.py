@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ... import _runtime
-from .._sparse_solver import AbstractSparseSolver, SuperLU, _pattern_key, _structure
+from .._solver import AbstractSparseSolver, SuperLU, _pattern_key, _structure
 from . import _cholmod, _fill, _klu, _pardiso
 from ._cholmod import Cholmod
 from ._klu import KLU

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._sparse_solver import _SINGULAR, AbstractSparseSolver
+from .._solver import _SINGULAR, AbstractSparseSolver
 from . import _fill
 
 _NO_KLUJAX = """`dx.KLU`: klujax is not installed, and this solver calls it. Install it: `pip install klujax`, or \

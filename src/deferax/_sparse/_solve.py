@@ -26,14 +26,15 @@ from jaxtyping import Array, ArrayLike, Inexact
 
 from .. import _runtime
 from .._checks._messages import tree_text
+from .._host import _executor
+from .._host._host import host, on_executor, timing_its_own, with_partials
 from .._implementation._expensive import ExpensiveFn
 from .._plan._cost import Cost
-from . import _affinity, _executor, _factorisations, _sparse_program
-from ._host import host, on_executor, timing_its_own, with_partials
+from . import _affinity, _factorisations, _program
+from ._on_host import TREATMENTS, _Solve
+from ._pattern import SparsePattern
+from ._solver import AbstractSparseSolver
 from ._solvers._auto import AutoSparseSolver
-from ._sparse_host import TREATMENTS, _Solve
-from ._sparse_pattern import SparsePattern
-from ._sparse_solver import AbstractSparseSolver
 
 
 @_runtime.cached(maxsize=64)
@@ -302,7 +303,7 @@ lam = ct_x` with the forward's factorisation |
     if where != "host":
         why_not = in_program(pattern, dtype, chosen, executor, cost, precision, nonfinite, singular, where)
         if why_not is None:
-            return _sparse_program.solve(values, b, pattern, symmetric)
+            return _program.solve(values, b, pattern, symmetric)
         if where == "program":
             raise ValueError(_NOT_IN_PROGRAM.format(name=name, why=why_not))
     executor = _affinity.pinned(executor)
@@ -332,7 +333,7 @@ def in_program(
     where: str,
 ) -> str | None:
     """Why a solve with these arguments runs on the host; None where it runs inside the
-    program (`_sparse_program`): with the default solver, executor and cost, `nonfinite="nan"`,
+    program (`_program`): with the default solver, executor and cost, `nonfinite="nan"`,
     the default `singular`, precision in float64, and a small real matrix."""
     for what, given in (("solver", solver), ("executor", executor), ("cost", cost)):
         if given is not None:
@@ -344,7 +345,7 @@ def in_program(
         # solve, and the two in one program, run from several threads at once, were seen to hang)
         return f'`nonfinite={nonfinite!r}` and `singular={singular!r}` are kept on the host (inside the program: \
 `nonfinite="nan"`, `singular="raise"`)'
-    return _sparse_program.refusal(pattern, dtype, by_cost=where == "auto")
+    return _program.refusal(pattern, dtype, by_cost=where == "auto")
 
 
 _BAD_WHERE = """`dx.sparse_solve(name={name!r})`: `where` must be "auto", "host" or "program", but got {found!r}.

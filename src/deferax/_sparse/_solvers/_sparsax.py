@@ -1,5 +1,5 @@
 """sparsax (SuiteSparse's CHOLMOD and KLU, with the BLAS its wheel ships), where a release
-tested here is installed: its FFI solve inside the program (`_sparse_program`) and its NumPy
+tested here is installed: its FFI solve inside the program (`_program`) and its NumPy
 CHOLMOD on the host (`_cholmod`)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The sparse solve inside the compiled program: sparsax's KLU through XLA FFI, for a real
 matrix so small that a host site's two round trips would cost more than they save.
 
-`sparse_solve` runs a small real system here, and any other on the host (`_sparse_host`).
+`sparse_solve` runs a small real system here, and any other on the host (`_on_host`).
 Here the matrix is factored once a value and gradient: sparsax keeps the factorisation of the
 values it saw last (keyed by the values, a bounded cache of its own), and the transposed and
 tangent solves find it. `jax.lax.custom_linear_solve` gives every derivative as another solve
@@ -9,7 +9,7 @@ tangent solves find it. `jax.lax.custom_linear_solve` gives every derivative as 
 (`jax.jacrev`'s rows, `vmap` over `b`) are one multi-column solve.
 
 The choice, where it is made (`refusal`): a trial factorisation of the pattern on the host
-(`_sparse_solver.trial_seconds`) that takes at most `_ROUND_TRIPS` host round trips' time.
+(`_solver.trial_seconds`) that takes at most `_ROUND_TRIPS` host round trips' time.
 Past it, the host's solvers (CHOLMOD on SPD matrices, the fastest of KLU and SuperLU by
 measurement), its budget of kept factorisations and its overlap with other sites are worth
 the round trips.
@@ -24,9 +24,9 @@ import numpy as np
 from .. import _runtime
 from .._concurrency import _placement
 from .._plan import _cost
+from ._pattern import SparsePattern
+from ._solver import trial_seconds
 from ._solvers import _sparsax
-from ._sparse_pattern import SparsePattern
-from ._sparse_solver import trial_seconds
 
 # A pattern whose trial factorisation takes at most this many round trips' time solves here.
 _ROUND_TRIPS = 8
@@ -46,7 +46,7 @@ def refusal(pattern: SparsePattern, dtype: np.dtype, by_cost: bool) -> str | Non
         return "sparsax factors in float64, which needs `jax_enable_x64`"
     if not by_cost:
         return None
-    t = trial_seconds(pattern)  # (`_sparse_solver.trial_seconds`)
+    t = trial_seconds(pattern)  # (`_solver.trial_seconds`)
     if t is None:
         return "a trial factorisation of its pattern failed (the pattern is structurally singular)"
     if t > _ROUND_TRIPS * _cost.round_trip_seconds():

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .. import _runtime
-from . import _executor
+from .._host import _executor
 
 # Matrices whose worker is remembered, per client: enough for the forward passes still
 # waiting for their backward pass (`_factorisations.FACTORISATIONS` keeps at most as many).

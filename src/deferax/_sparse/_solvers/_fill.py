@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from ... import _runtime
-from .._sparse_solver import _pattern_key
+from .._solver import _pattern_key
 
 # by pattern (`_pattern_key`): the entries of SuperLU's factors `L + U` with each ordering tried
 # (`AutoSparseSolver`'s trials record them; `dx.SuperLU()`'s own trial is `_runtime.ORDERINGS`)

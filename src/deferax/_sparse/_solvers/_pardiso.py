@@ -35,7 +35,7 @@ import numpy as np
 
 from ... import _runtime
 from ..._concurrency import _native_threads
-from .._sparse_solver import AbstractSparseSolver, SuperLU, _pattern_key
+from .._solver import AbstractSparseSolver, SuperLU, _pattern_key
 from . import _cholmod
 
 _NOT_INSTALLED = """`dx.Pardiso`: {why}, and this solver calls PARDISO in it. Install it: `pip install pypardiso` \

@@ -16,7 +16,7 @@ import equinox as eqx
 import numpy as np
 
 from ... import _record, _runtime
-from .._sparse_solver import AbstractSparseSolver, SuperLU, _pattern_key
+from .._solver import AbstractSparseSolver, SuperLU, _pattern_key
 from . import _fill, _sparsax
 
 _NOT_INSTALLED = """`dx.Cholmod(library={library!r})`: {missing} installed, and this solver calls it. Install it: \
