@@ -199,7 +199,7 @@ NATIVE = Native()
 
 # the eager path's compiled stages, by program key, least recently used first (`_transform.py`)
 EAGER_CACHE: collections.OrderedDict = collections.OrderedDict()
-# what each site's `bwd` was read to allow on a program's last eager call, by program key (`_stages/_run.py`)
+# what each site's `bwd` was read to allow on a program's last eager call, by its key's hash (`_stages/_run.py`)
 LAST_BWDS: collections.OrderedDict = collections.OrderedDict()
 # the backward rules found to run alone (`_jaxpr/_replay.py`)
 REPLAY_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -71,16 +71,20 @@ def analysis_of(
             # which inputs are constants and which are differentiated is not in the equations
             # (nor where the halves run: sharded inputs keep them in the program)
             key = (key, n_consts, schedule, max_basis, _timings(program), _runtime.SPANS.get() > 1)
+            # (kept by the key's hash, which holds nothing alive: what a site holds, a host
+            # function's executor say, is held by the cache alone. Two programs of one hash
+            # would share their last read: a `bwd` left unread is checked where its half runs)
+            last_key = hash(key)
             with _CACHE_LOCK:
-                last = _LAST_BWDS.get(key)
+                last = _LAST_BWDS.get(last_key)
             if last is not None and all(b is None for b in last):
-                unread = ft.partial(_forget, key)
+                unread = ft.partial(_forget, last_key)
             # nor whether each `bwd` (traced now, or checked where its half runs) lets a
             # `fused` be made from it
             bwds = last if unread is not None else bwd_decisions(program)
             with _CACHE_LOCK:
-                _LAST_BWDS[key] = bwds
-                _LAST_BWDS.move_to_end(key)
+                _LAST_BWDS[last_key] = bwds
+                _LAST_BWDS.move_to_end(last_key)
                 if len(_LAST_BWDS) > _CACHE_SIZE:
                     _LAST_BWDS.popitem(last=False)
             key = (key, bwds)
@@ -103,8 +107,9 @@ def analysis_of(
     return analysis, compiled, unread
 
 
-def _forget(key) -> None:
-    """Forget what the sites' `bwd`s were read to allow on the last call of the program `key`."""
+def _forget(key: int) -> None:
+    """Forget what the sites' `bwd`s were read to allow on the last call of the program whose
+    key has the hash `key`."""
     with _CACHE_LOCK:
         _LAST_BWDS.pop(key, None)
 
