@@ -82,13 +82,12 @@ def analysis_of(
             # nor whether each `bwd` (traced now, or checked where its half runs) lets a
             # `fused` be made from it
             bwds = last if unread is not None else bwd_decisions(program)
+            key = (key, bwds)
             with _CACHE_LOCK:
                 _LAST_BWDS[last_key] = bwds
                 _LAST_BWDS.move_to_end(last_key)
                 if len(_LAST_BWDS) > _CACHE_SIZE:
                     _LAST_BWDS.popitem(last=False)
-            key = (key, bwds)
-            with _CACHE_LOCK:
                 compiled = _CACHE.get(key)
                 if compiled is not None:
                     _CACHE.move_to_end(key)
