@@ -33,6 +33,16 @@ def test_every_kind_of_site_with_inputs_sharded_over_eight_devices():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
 
 
+def test_a_bwd_that_reads_y_on_a_later_call_with_sharded_inputs():
+    """The checks live in `scripts/flip_sharded.py` (2 CPU devices, a fresh interpreter): with
+    the input sharded the halves run in the program, and a `bwd` left unread for a call is
+    read before the forward; one that reads `y` by then runs after it. Plain JAX's values."""
+    script = pathlib.Path(__file__).parent / "scripts" / "flip_sharded.py"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
     "bad, found",
     [
