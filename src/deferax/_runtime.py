@@ -93,6 +93,10 @@ EXPLAINING_JITTED: contextvars.ContextVar[bool] = contextvars.ContextVar("defera
 # the host sites' functions whose derivative is being traced here (their JVP rule runs): one
 # met again inside is being differentiated twice (`_site/_primitive.py`)
 DIFFERENTIATED: contextvars.ContextVar[tuple] = contextvars.ContextVar("deferax_differentiated", default=())
+# inside: the trace of a loss that deferax differentiates next (`_transform._trace`): a site
+# differentiated in it (a `jax.grad` inside the loss) has its derivative differentiated too,
+# and one that has a formulation for that uses it (`_site/_primitive.py`)
+TO_BE_DIFFERENTIATED: contextvars.ContextVar[bool] = contextvars.ContextVar("deferax_diff_next", default=False)
 # whether a backward pass may follow the forward calls made here: set from a site's equation
 # (`Spec.backward`, `_site/_primitive.py: outputs`); `dx.sparse_solve` keeps a forward's
 # factorisation for it only then (`_sparse/_on_host.py`). Outside a site's rules, True.
@@ -118,6 +122,7 @@ CONTEXT_VARS: tuple[contextvars.ContextVar, ...] = (
     SPANS,
     EXPLAINING_JITTED,
     DIFFERENTIATED,
+    TO_BE_DIFFERENTIATED,
     BACKWARD,
     LEASES,
 )

@@ -130,7 +130,8 @@ def _trace(fun, x, args, kwargs, has_aux, explaining: bool = False, recognise: A
 
     structs = [struct_of(a, keep_weak_type=True) for a in leaves]
     try:
-        with _site.declared_outputs_checked():
+        # (a site differentiated inside `fun` has its derivative differentiated next)
+        with _site.declared_outputs_checked(), _jaxpr.setting(_runtime.TO_BE_DIFFERENTIATED, True):
             closed, _ = _jaxpr.trace(flat, *structs)
     except _NEEDS_CONCRETE as error:
         raise _untraceable(error) from error

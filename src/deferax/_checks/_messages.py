@@ -57,8 +57,8 @@ def second_order(call: str, impl: str | None = None) -> str:
 `jax.jacfwd(jax.grad(f))`, `jax.grad(jax.grad(f))`), and its derivatives are host functions, which JAX cannot
 differentiate. A host site has first-order derivatives: reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`,
 `dx.filter_value_and_grad`) and, with `jvp`, forward mode (`jax.jvp`, `jax.jacfwd`). For second order, make the site
-traceable: `dx.ExpensiveFn` with JAX implementations (`fwd`, `bwd` written with `jax.numpy`; for a sparse solve, a
-dense `jnp.linalg.solve(pattern.todense(values), b)` on a small system), or take finite differences of the gradient."""
+traceable: `dx.ExpensiveFn` with JAX implementations (`fwd`, `bwd` written with `jax.numpy`); for a sparse linear
+solve, `dx.sparse_solve`, which is differentiable to every order; or take finite differences of the gradient."""
 
 
 BAD_MAX_BASIS = "{where}: `max_basis` must be {allowed}, but got {found!r}."

@@ -70,6 +70,9 @@ class _Host(eqx.Module):
     out: Any = eqx.field(static=True)  # (declared structures: configuration, as `ExpensiveFn.out`)
     adjoint_out: Any = eqx.field(static=True)
     partials: bool = eqx.field(static=True, default=False)
+    # a JAX function of `x` that computes `y` and that JAX can differentiate to every order
+    # (`with_higher_order`), or None: the site has first derivatives only
+    higher_order: Any = eqx.field(static=True, default=None)
 
     def _out(self, x: PyTree) -> PyTree:
         declared = self.out(structs(x)) if callable(self.out) else self.out
@@ -431,6 +434,17 @@ def with_partials(fn: ExpensiveFn, combine: Callable[..., Any], adjoint_out: Any
     h = next(iter(impls.values())).host
     assert h.runner.adjoint is None, "with `adjoint`, `combine` applies to its result already"
     h = dataclasses.replace(h, combine=combine, adjoint_out=adjoint_out, partials=True)
+    return dataclasses.replace(fn, **{impl: HostImplementation(h, impl) for impl in impls})
+
+
+def with_higher_order(fn: ExpensiveFn, higher_order: Callable[[Any], Any]) -> ExpensiveFn:
+    """`fn`, made by `host`, differentiable to every order: where an outer differentiation
+    will differentiate its derivative (`jax.hessian`, `jax.jvp` of `jax.grad`), its JVP rule
+    differentiates `higher_order(x)`, a JAX function that computes the same `y` (its own
+    host calls inside, in a form JAX differentiates: `dx.sparse_solve`'s
+    `jax.lax.custom_linear_solve`). Its first derivatives keep the site's schedules."""
+    impls = _implementations(fn)
+    h = dataclasses.replace(next(iter(impls.values())).host, higher_order=higher_order)
     return dataclasses.replace(fn, **{impl: HostImplementation(h, impl) for impl in impls})
 
 

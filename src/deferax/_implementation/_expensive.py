@@ -232,6 +232,16 @@ max_tangents` if set, else when estimated faster (costs known) or `n <= 8`; else
         return any(isinstance(i, AbstractImplementation) and i.runs_on_host for i in self._impls().values())
 
     @property
+    def higher_order(self) -> Any:
+        """The formulation that its host implementations' derivatives are differentiated
+        through (set by `dx.sparse_solve`: `_host.with_higher_order`); None for any other."""
+        for impl in self._impls().values():
+            host = getattr(impl, "host", None)
+            if host is not None:
+                return getattr(host, "higher_order", None)
+        return None
+
+    @property
     def has_vjp(self) -> bool:
         """Whether a hand-written reverse-mode derivative is given (`bwd`, `adjoint` or `fused`)."""
         return self.bwd is not None or self.adjoint is not None or self.fused is not None

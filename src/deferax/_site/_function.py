@@ -59,6 +59,12 @@ class AbstractSiteFunction(eqx.Module):
 
     @property
     @abc.abstractmethod
+    def higher_order(self) -> Any:
+        """A JAX function of `x` computing `y` that JAX differentiates to every order, for a
+        site on the host whose derivative is differentiated; None where it has none."""
+
+    @property
+    @abc.abstractmethod
     def has_vjp(self) -> bool:
         """Whether a hand-written reverse-mode derivative is given."""
 

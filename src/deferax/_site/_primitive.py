@@ -70,6 +70,7 @@ def _site_batch(args, dims, spec: Spec):
 
 # The host sites whose JVP rule is running, by their function (`_site_jvp`).
 _DIFFERENTIATED = _runtime.DIFFERENTIATED
+_TO_BE_DIFFERENTIATED = _runtime.TO_BE_DIFFERENTIATED
 
 
 def _site_jvp(primals, tangents, spec: Spec):
@@ -80,11 +81,36 @@ def _site_jvp(primals, tangents, spec: Spec):
     static = spec.static
     if not static.on_host:
         return _site_jvp_rule(primals, tangents, spec)
+    if static.higher_order is not None and (_TO_BE_DIFFERENTIATED.get() or _jaxpr.under_differentiation()):
+        # (an outer differentiation will differentiate this derivative: the formulation JAX
+        # differentiates to every order, `dx.sparse_solve`'s)
+        return _higher_order_jvp(primals, tangents, spec)
     within = _DIFFERENTIATED.get()
     if any(s is static for s in within):
         raise TypeError(_messages.second_order(static.title))
     with _jaxpr.setting(_DIFFERENTIATED, (*within, static)):
         return _site_jvp_rule(primals, tangents, spec)
+
+
+def _higher_order_jvp(primals, tangents, spec: Spec):
+    """The JVP of the site's `higher_order(x)` over every batch level, the implementations'
+    arrays constants to it (as to every derivative of a site)."""
+    fn_leaves, x_leaves = primals[: spec.n_fn], primals[spec.n_fn :]
+    diff = spec.diff
+
+    def one(fn_leaves, x_leaves):
+        return jtu.tree_leaves(spec.fn(fn_leaves).higher_order(spec.x(x_leaves)))
+
+    def of_diff(d_leaves):
+        it = iter(d_leaves)
+        xs = [next(it) if dj else xj for xj, dj in zip(x_leaves, diff, strict=True)]
+        return spec.over_levels(one, split_fn_x(spec.n_fn))(list(fn_leaves), xs)
+
+    d_primals = [x for x, d in zip(x_leaves, diff, strict=True) if d]
+    d_tangents = [
+        _jaxpr.instantiate(t, jax.typeof(x)) for x, t, d in zip(x_leaves, tangents[spec.n_fn :], diff, strict=True) if d
+    ]
+    return jax.jvp(of_diff, (d_primals,), (d_tangents,))
 
 
 def _site_jvp_rule(primals, tangents, spec: Spec):
@@ -223,6 +249,53 @@ def _linear_impl(*operands, spec: Spec):
     return spec.over_levels(one, axes_of)(list(fn_leaves), list(x_leaves), list(t_leaves))
 
 
+def _linear_jvp(primals, tangents, spec: Spec):
+    """`t_y = J(x) t` differentiated: along `t` alone it is itself (linear in `t`); along `x`
+    it is a second derivative, which a site with `higher_order` takes from JAX's `jax.jvp`
+    of that (a `jax.linearize` function or a forward-mode derivative in a jaxpr, differentiated
+    later), and any other refuses."""
+    static = spec.static
+    fn_leaves, x_leaves, y_leaves, t_leaves = _split_linear(spec, primals)
+    _, dx_leaves, _, dt_leaves = _split_linear(spec, tangents)
+    out = lin_p.bind(*primals, spec=spec)
+    avals = with_varying(spec.t_avals(), [aval_of(o) for o in primals])
+    if all(_jaxpr.is_zero(d) for d, dj in zip(dx_leaves, spec.diff, strict=True) if dj):
+        if all(_jaxpr.is_zero(d) for d in dt_leaves):
+            return out, [_jaxpr.zero_tangent(a) for a in avals]
+        dt = [_jaxpr.instantiate(d, jax.typeof(t)) for d, t in zip(dt_leaves, t_leaves, strict=True)]
+        return out, lin_p.bind(*fn_leaves, *x_leaves, *y_leaves, *dt, spec=spec)
+    if static.higher_order is None:
+        raise TypeError(_messages.second_order(static.title))
+    n_fn, n_x, n_y = spec.n_fn, spec.n_x, len(spec.y_structs)
+    diff = spec.diff
+
+    def one(fn_leaves, x_leaves, t_leaves):
+        fn = spec.fn(fn_leaves)
+        it = iter(t_leaves)
+        full = [next(it) if d else zero_like(x) for x, d in zip(x_leaves, diff, strict=True)]
+        d_x = [x for x, d in zip(x_leaves, diff, strict=True) if d]
+
+        def of_diff(d_leaves):
+            it = iter(d_leaves)
+            xs = [next(it) if dj else xj for xj, dj in zip(x_leaves, diff, strict=True)]
+            return jtu.tree_leaves(fn.higher_order(spec.x(xs)))
+
+        return jax.jvp(of_diff, (d_x,), ([t for t, d in zip(full, diff, strict=True) if d],))[1]
+
+    def axes_of(level):
+        return (list(level[:n_fn]), list(level[n_fn : n_fn + n_x]), list(level[n_fn + n_x + n_y :]))
+
+    def tangent(x_leaves, t_leaves):
+        return spec.over_levels(one, axes_of)(list(fn_leaves), list(x_leaves), list(t_leaves))
+
+    d_x = [
+        _jaxpr.instantiate(d, jax.typeof(x)) if dj else d
+        for d, x, dj in zip(dx_leaves, x_leaves, spec.diff, strict=True)
+    ]
+    d_t = [_jaxpr.instantiate(d, jax.typeof(t)) for d, t in zip(dt_leaves, t_leaves, strict=True)]
+    return out, jax.jvp(tangent, (list(x_leaves), list(t_leaves)), (d_x, d_t))[1]
+
+
 def _linear_abstract(*avals, spec: Spec):
     return with_varying(spec.t_avals(), avals)
 
@@ -276,6 +349,42 @@ def operand_cotangents(spec: Spec, operands, diff_cts) -> list:
     return cts
 
 
+def _differentiable_cotangents(spec: Spec, fn_leaves: list, x_leaves: list, y_leaves: list, cts: list) -> list:
+    """`cotangents(...)` (the site's `bwd` on the host, as always where nothing differentiates
+    it), differentiable: its derivative is that of the cotangents of `higher_order` (JAX's
+    `jax.vjp` of it, which JAX differentiates to every order). For a derivative traced where
+    no enclosing differentiation could be seen (a jaxpr, `jax.closure_convert`, a `jax.vjp`
+    function), differentiated later. `y` is `higher_order`'s own there: its tangent is the
+    one `x`'s gives it."""
+    diff = spec.diff
+
+    @jax.custom_jvp
+    def run(fn_leaves, x_leaves, y_leaves, cts):
+        return cotangents(spec, fn_leaves, x_leaves, y_leaves, cts)
+
+    @run.defjvp
+    def _(primals, tangents):
+        fn_leaves, x_leaves, _, cts = primals
+        _, t_x, _, t_cts = tangents
+
+        def one(fn_leaves, x_leaves, ct_leaves):
+            fn = spec.fn(fn_leaves)
+            _, pullback = jax.vjp(lambda xs: jtu.tree_leaves(fn.higher_order(spec.x(xs))), list(x_leaves))
+            (ct_x,) = pullback(list(ct_leaves))
+            return [c for c, d in zip(ct_x, diff, strict=True) if d]
+
+        def axes_of(level):
+            return (list(level[: spec.n_fn]), list(level[spec.n_fn : spec.n_fn + spec.n_x]), [0] * len(cts))
+
+        def again(x_leaves, cts):
+            return unbatch(spec, spec.over_levels(one, axes_of)(list(fn_leaves), list(x_leaves), list(cts)))
+
+        t_x = [_jaxpr.instantiate(t, jax.typeof(x)) if d else t for t, x, d in zip(t_x, x_leaves, diff, strict=True)]
+        return jax.jvp(again, (list(x_leaves), list(cts)), (t_x, list(t_cts)))
+
+    return run(fn_leaves, x_leaves, y_leaves, cts)
+
+
 def _linear_transpose(cts, *operands, spec: Spec):
     static = spec.static
     if not static.has_vjp:  # forward-basis was not possible
@@ -295,7 +404,10 @@ def _linear_transpose(cts, *operands, spec: Spec):
         else c
         for c, y in zip(cts, y_leaves, strict=True)
     ]
-    ct_x = cotangents(spec, fn_leaves, x_leaves, y_leaves, cts)
+    if static.higher_order is not None:  # (JAX may differentiate it later: in a jaxpr, a `jax.vjp` function)
+        ct_x = _differentiable_cotangents(spec, list(fn_leaves), list(x_leaves), list(y_leaves), list(cts))
+    else:
+        ct_x = cotangents(spec, fn_leaves, x_leaves, y_leaves, cts)
     # Inside `jax.shard_map`, each cotangent is typed as its operand (`to_varying`): `bind_site`
     # cast a replicated input to vary with the others, and JAX sums its cotangent over the shards.
     t_axes = [varying_axes(a) for a in avals[len(nones) :]]
@@ -306,6 +418,7 @@ lin_p = _jaxpr.define_primitive(
     LINEAR,
     impl=_linear_impl,
     abstract_eval=_linear_abstract,
+    jvp=_linear_jvp,
     batch=_linear_batch,
     transpose=_linear_transpose,
 )

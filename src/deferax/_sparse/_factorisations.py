@@ -189,6 +189,30 @@ class Store:
                 entry.users -= n - 1
                 entry.holds += 1
 
+    def pin(self, key: Any) -> Any:
+        """One more user of `key`'s factorisation, kept or being made: a token for `unpin`,
+        or None where there is none."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.users += 1
+            return entry
+
+    def pinned(self, key: Any, token: Any) -> bool:
+        """Whether `token` (from `pin`) still holds `key`'s factorisation."""
+        with self._lock:
+            return token is not None and self._entries.get(key) is token
+
+    def unpin(self, key: Any, token: Any) -> None:
+        """`pin`'s user let go: one user fewer for `key`, if its factorisation is still the
+        one pinned (not dropped since, and made again)."""
+        with self._lock:
+            self._take_ended()
+            if token is not None and self._entries.get(key) is token:
+                token.users -= 1
+                if token.users <= 0:
+                    del self._entries[key]
+
     def lease(self, key: Any, owner: Any) -> None:
         """A hold of `key` becomes a lease on `owner`: released when `owner` is collected, or
         when the `dx.filter_value_and_grad` call that took it returns (`_runtime.LEASES`:

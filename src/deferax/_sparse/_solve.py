@@ -27,12 +27,13 @@ from jaxtyping import Array, ArrayLike, Inexact
 from .. import _runtime
 from .._checks._messages import tree_text
 from .._host import _executor
-from .._host._host import host, on_executor, timing_its_own, with_partials
+from .._host._host import host, on_executor, timing_its_own, with_higher_order, with_partials
 from .._implementation._expensive import ExpensiveFn
 from .._plan._cost import Cost
 from . import _affinity, _factorisations, _program
 from ._on_host import TREATMENTS, _Solve
 from ._pattern import SparsePattern
+from ._second_order import SecondOrder
 from ._solver import AbstractSparseSolver
 from ._solvers._auto import AutoSparseSolver
 
@@ -74,7 +75,9 @@ def _solve_site(
     # (`_Solve` times its factorisations and solves, kept under itself, and counts the users of its factorisations)
     fn = timing_its_own(fn, solve, scope=solve.request, adopt=solve.adopt, rows=solve.rows)
     # the host returns the adjoint `lam`, and the entries' cotangents are made of it in the program
-    return with_partials(fn, _Cotangents(solve.pattern), jax.ShapeDtypeStruct((solve.pattern.n,), solve.partial_dtype))
+    fn = with_partials(fn, _Cotangents(solve.pattern), jax.ShapeDtypeStruct((solve.pattern.n,), solve.partial_dtype))
+    # differentiated twice or more, `A^-1 b` as a linear solve whose derivatives are solves (`_second_order`)
+    return with_higher_order(fn, SecondOrder(solve))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +152,8 @@ def sparse_solve(
     Differentiable with respect to `values` and `b`, in reverse mode (`jax.grad`, and every
     schedule of [`deferax.filter_value_and_grad`][]) and forward mode (`jax.jvp`,
     `jax.jacfwd`), under `jax.jit` and `jax.vmap` (several right-hand sides, or several
-    systems). The matrix is factored once per call and every right-hand side reuses it:
+    systems), and to every order (`jax.hessian`, `jax.jvp` of `jax.grad`: see the guide's
+    "Second order"). The matrix is factored once per call and every right-hand side reuses it:
 
     | schedule | what runs |
     | --- | --- |
