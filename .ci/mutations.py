@@ -309,6 +309,22 @@ MUTATIONS = [
             "tests/test_backward_together.py",
         ],
     ),
+    (
+        "a second-order solve keeps no factorisation for the next ones",
+        [("_solve_one", "_pin(key)", "pass")],
+        [
+            "tests/test_second_order.py::test_a_hessian_vector_product_equals_a_dense_one_with_one_factorisation",
+            "tests/test_second_order.py",
+        ],
+    ),
+    (
+        "a first derivative differentiated later takes the cotangent's tangent as zero",
+        [("_differentiable_cotangents", "(t_x, list(t_cts))", "(t_x, [jnp.zeros_like(c) for c in cts])")],
+        [
+            "tests/test_second_order.py::test_a_derivative_made_first_and_differentiated_later",
+            "tests/test_second_order.py",
+        ],
+    ),
 ]
 
 
