@@ -134,9 +134,10 @@ def second_order(name):
         "is asked for (`jax.hessian`,\n`jax.jacfwd(jax.grad(f))`, `jax.grad(jax.grad(f))`), and its derivatives are "
         "host functions, which JAX cannot\ndifferentiate. A host site has first-order derivatives: reverse mode "
         "(`jax.grad`, `jax.vjp`, `jax.jacrev`,\n`dx.filter_value_and_grad`) and, with `jvp`, forward mode (`jax.jvp`, "
-        "`jax.jacfwd`). For second order, make the site\ntraceable: `dx.ExpensiveFn` with JAX implementations (`fwd`, "
-        "`bwd` written with `jax.numpy`); for a sparse linear\nsolve, `dx.sparse_solve`, which is differentiable to "
-        "every order; or take finite differences of the gradient."
+        "`jax.jacfwd`). For second order, give\n`dx.host(..., higher_order=f)`: `f(x) -> y` in JAX, which JAX can "
+        "differentiate (for a linear solve, the host solve\ninside `jax.lax.custom_linear_solve`); for a sparse linear "
+        "solve, use `dx.sparse_solve`, which has every order; or\nmake the site traceable (`dx.ExpensiveFn` with JAX "
+        "implementations), or take finite differences of the gradient."
     )
 
 

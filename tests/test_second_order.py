@@ -357,3 +357,105 @@ def test_newton_with_optimistix_on_a_sparse_solve_loss():
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-10)
     assert steps == dense_steps
     assert tally.factor == steps + 1  # (each step's matrix once, and the measured displacements')
+
+
+# ----------------------------------------------------------------------------- a host site with `higher_order`
+
+A = np.array([[2.0, 1.0], [1.0, 3.0]])
+
+
+def host_solve(matrix, calls):
+    def solve(_, r):  # (a callback: NumPy's solve of `matrix r`)
+        def run(r):
+            calls.append("higher_order")
+            return np.linalg.solve(matrix, r)
+
+        return jax.pure_callback(run, jax.ShapeDtypeStruct(r.shape, r.dtype), r, vmap_method="sequential")
+
+    return solve
+
+
+def solve_site(calls, higher_order=True):
+    """docs/troubleshooting.md's site: NumPy's solve, its adjoint, and the same solve as a
+    `custom_linear_solve` for second order (each host call counted)."""
+
+    def fwd(b):
+        calls.append("fwd")
+        return np.linalg.solve(A, b)
+
+    def adjoint(b, ct):
+        calls.append("adjoint")
+        return np.linalg.solve(A.T, ct)
+
+    def as_linear_solve(b):
+        return jax.lax.custom_linear_solve(
+            lambda x: jnp.asarray(A) @ x, b, host_solve(A, calls), host_solve(A.T, calls)
+        )
+
+    return dx.host(
+        fwd,
+        adjoint=adjoint,
+        out=jax.ShapeDtypeStruct((2,), jnp.float64),
+        name="solve",
+        higher_order=as_linear_solve if higher_order else None,
+    )
+
+
+HOST_ORDERS = {
+    **SECOND_ORDER,
+    "jvp(closure_convert(grad))": lambda f: lambda b: LATER["jvp(closure_convert(grad))"](f, b, jnp.cos(b))[1],
+    "jvp(dx.filter_grad)": lambda f: lambda b: jax.jvp(dx.filter_grad(f), (b,), (jnp.cos(b),))[1],
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("order", list(HOST_ORDERS))
+def test_a_host_site_with_higher_order_has_second_derivatives(order, jit):
+    """`dx.host(..., higher_order=f)`: every second derivative is the plain JAX program's,
+    through `f`'s host calls; where the derivative is seen to be differentiated as it is
+    traced, the site's own host functions do not run at all."""
+    calls = []
+    site = solve_site(calls)
+    b = jnp.array([0.3, 0.7])
+    fn = ft_jit(HOST_ORDERS[order](lambda b: jnp.sum(site(b) ** 3)), jit)
+    got = fn(b)
+    want = HOST_ORDERS[order](lambda b: jnp.sum(jnp.linalg.solve(jnp.asarray(A), b) ** 3))(b)
+    close(got, want)
+    assert "higher_order" in calls
+    if "closure_convert" not in order:
+        assert set(calls) == {"higher_order"}
+    else:  # (the first derivative in a jaxpr: the forward ran, its derivatives through `f`)
+        assert set(calls) == {"fwd", "higher_order"}
+
+
+def test_a_host_site_with_higher_order_keeps_its_first_derivatives():
+    """First derivatives do not call `higher_order`: the host functions, on their schedules."""
+    calls = []
+    site = solve_site(calls)
+    b = jnp.array([0.3, 0.7])
+    jax.grad(lambda b: jnp.sum(site(b) ** 3))(b)
+    assert calls == ["fwd", "adjoint"]
+    calls.clear()
+    dx.filter_value_and_grad(lambda b: jnp.sum(site(b)))(b)
+    assert sorted(calls) == ["adjoint", "fwd"]
+
+
+def test_a_bad_higher_order_is_refused_by_name():
+    with pytest.raises(TypeError) as info:
+        dx.host(lambda b: b, out=jax.ShapeDtypeStruct((2,), jnp.float64), name="solve", higher_order=3)
+    assert str(info.value) == (
+        "`ExpensiveFn(name='solve')`: `higher_order` must be a JAX function of `x` that returns `y` (one JAX can "
+        "differentiate to\nevery order), or None, but got 3."
+    )
+
+
+def test_higher_order_gives_forward_mode_where_no_jvp_is_given():
+    """Forward mode through a host site with `adjoint` alone and `higher_order`: `jax.jacfwd`
+    is the plain JAX program's, through `higher_order`'s host calls (without it, "give `jvp`")."""
+    calls = []
+    b = jnp.array([0.3, 0.7])
+    got = jax.jacfwd(solve_site(calls))(b)
+    close(got, jax.jacfwd(lambda b: jnp.linalg.solve(jnp.asarray(A), b))(b))
+    assert "higher_order" in calls and "adjoint" not in calls
+    with pytest.raises(TypeError, match="needs a\nforward-mode implementation"):
+        jax.jacfwd(solve_site([], higher_order=False))(b)

@@ -56,9 +56,10 @@ def second_order(call: str, impl: str | None = None) -> str:
     return f"""{call}: second order is not supported for this site: {what} (`jax.hessian`,
 `jax.jacfwd(jax.grad(f))`, `jax.grad(jax.grad(f))`), and its derivatives are host functions, which JAX cannot
 differentiate. A host site has first-order derivatives: reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`,
-`dx.filter_value_and_grad`) and, with `jvp`, forward mode (`jax.jvp`, `jax.jacfwd`). For second order, make the site
-traceable: `dx.ExpensiveFn` with JAX implementations (`fwd`, `bwd` written with `jax.numpy`); for a sparse linear
-solve, `dx.sparse_solve`, which is differentiable to every order; or take finite differences of the gradient."""
+`dx.filter_value_and_grad`) and, with `jvp`, forward mode (`jax.jvp`, `jax.jacfwd`). For second order, give
+`dx.host(..., higher_order=f)`: `f(x) -> y` in JAX, which JAX can differentiate (for a linear solve, the host solve
+inside `jax.lax.custom_linear_solve`); for a sparse linear solve, use `dx.sparse_solve`, which has every order; or
+make the site traceable (`dx.ExpensiveFn` with JAX implementations), or take finite differences of the gradient."""
 
 
 BAD_MAX_BASIS = "{where}: `max_basis` must be {allowed}, but got {found!r}."

@@ -244,6 +244,7 @@ def host(
     prefer: str | None = None,
     thread_safe: bool = True,
     cost: Any = None,
+    higher_order: Any = None,
 ) -> ExpensiveFn:
     """Make a [`deferax.ExpensiveFn`][] from host functions: NumPy, SciPy, a C++ solver, a job
     on a cluster.
@@ -318,6 +319,16 @@ def host(
     - `thread_safe`: `False` when the host functions share one workspace (a C or Fortran
       solver): their jobs are then submitted one at a time, never two at once (see
       [`deferax.set_concurrency`][]).
+    - `higher_order`: optional: `higher_order(x) -> y`, a JAX function that computes the
+      same `y` and that JAX can differentiate to every order: the host solve inside
+      `jax.lax.custom_linear_solve` for a linear solve (as [`deferax.sparse_solve`][] does),
+      or a `jax.custom_jvp` of yours whose rule JAX can differentiate. Second order needs
+      it: where a derivative of the site is itself differentiated (`jax.hessian`, `jax.jvp`
+      of `jax.grad`, a loss that takes a gradient inside `dx.filter_value_and_grad`, a
+      gradient traced into a jaxpr and differentiated from there), JAX differentiates
+      `higher_order` instead; without it, that is refused. It also gives forward mode where
+      no `jvp` is given. It is not called otherwise: first derivatives keep the host
+      functions above and their schedules.
 
     **Returns:**
 
@@ -356,6 +367,8 @@ def host(
     _checks.check_adjoint_split(call, adjoint, bwd, combine=combine, adjoint_out=adjoint_out)
     if fused_batch is not None and fused is None:
         raise TypeError(_BATCH_WITHOUT_FUSED.format(call=call))
+    if higher_order is not None and not callable(higher_order):
+        raise TypeError(_BAD_HIGHER_ORDER.format(call=call, found=_messages.tree_text(higher_order)))
     executor = _checked_executor(call, executor)
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
@@ -387,7 +400,7 @@ def host(
         # (a wrong `cost` reaches the check of `ExpensiveFn`)
         workers=cost.workers if isinstance(cost, Cost) else None,
     )
-    h = _Host(runner, combine if combine is not None else _identity, out, adjoint_out)
+    h = _Host(runner, combine if combine is not None else _identity, out, adjoint_out, higher_order=higher_order)
     deferrable = fused is not None or (fwd is not None and adjoint is not None)
     given = {
         "fwd": fwd is not None,
@@ -413,6 +426,11 @@ def host(
         thread_safe=thread_safe,
         cost=cost,
     )
+
+
+_BAD_HIGHER_ORDER = """{call}: `higher_order` must be a JAX function of `x` that returns `y` (one JAX can \
+differentiate to
+every order), or None, but got {found}."""
 
 
 def timing_its_own(fn: ExpensiveFn, key: Any, **hooks: Any) -> ExpensiveFn:

@@ -204,6 +204,10 @@ def _linear_impl(*operands, spec: Spec):
     """Forward mode: `t_y = J t_x` with `jvp` (or `jvp_batch`), over every batch level; a
     level that batches only the tangents (`jax.jacfwd`) is one `jvp_batch` call."""
     static = spec.static
+    if static.jvp is None and static.jvp_batch is None and static.higher_order is not None:
+        # (no forward-mode host function: the tangent of `higher_order`, which JAX differentiates)
+        fn_leaves, x_leaves, _, t_leaves = _split_linear(spec, operands)
+        return _higher_order_tangent(spec, fn_leaves, x_leaves, t_leaves)
     if static.jvp is None and static.jvp_batch is None:
         how = (
             "given by `bwd`"
@@ -249,6 +253,29 @@ def _linear_impl(*operands, spec: Spec):
     return spec.over_levels(one, axes_of)(list(fn_leaves), list(x_leaves), list(t_leaves))
 
 
+def _higher_order_tangent(spec: Spec, fn_leaves, x_leaves, t_leaves) -> list:
+    """`t_y = J(x) t` (the tangents `t` of the differentiable leaves of `x`) over every batch
+    level of `lin_p`, by JAX's `jax.jvp` of the site's `higher_order`."""
+    n_fn, n_x, n_y = spec.n_fn, spec.n_x, len(spec.y_structs)
+    diff = spec.diff
+
+    def one(fn_leaves, x_leaves, t_leaves):
+        fn = spec.fn(fn_leaves)
+        d_x = [x for x, d in zip(x_leaves, diff, strict=True) if d]
+
+        def of_diff(d_leaves):
+            it = iter(d_leaves)
+            xs = [next(it) if dj else xj for xj, dj in zip(x_leaves, diff, strict=True)]
+            return jtu.tree_leaves(fn.higher_order(spec.x(xs)))
+
+        return jax.jvp(of_diff, (d_x,), (list(t_leaves),))[1]
+
+    def axes_of(level):
+        return (list(level[:n_fn]), list(level[n_fn : n_fn + n_x]), list(level[n_fn + n_x + n_y :]))
+
+    return spec.over_levels(one, axes_of)(list(fn_leaves), list(x_leaves), list(t_leaves))
+
+
 def _linear_jvp(primals, tangents, spec: Spec):
     """`t_y = J(x) t` differentiated: along `t` alone it is itself (linear in `t`); along `x`
     it is a second derivative, which a site with `higher_order` takes from JAX's `jax.jvp`
@@ -266,27 +293,9 @@ def _linear_jvp(primals, tangents, spec: Spec):
         return out, lin_p.bind(*fn_leaves, *x_leaves, *y_leaves, *dt, spec=spec)
     if static.higher_order is None:
         raise TypeError(_messages.second_order(static.title))
-    n_fn, n_x, n_y = spec.n_fn, spec.n_x, len(spec.y_structs)
-    diff = spec.diff
-
-    def one(fn_leaves, x_leaves, t_leaves):
-        fn = spec.fn(fn_leaves)
-        it = iter(t_leaves)
-        full = [next(it) if d else zero_like(x) for x, d in zip(x_leaves, diff, strict=True)]
-        d_x = [x for x, d in zip(x_leaves, diff, strict=True) if d]
-
-        def of_diff(d_leaves):
-            it = iter(d_leaves)
-            xs = [next(it) if dj else xj for xj, dj in zip(x_leaves, diff, strict=True)]
-            return jtu.tree_leaves(fn.higher_order(spec.x(xs)))
-
-        return jax.jvp(of_diff, (d_x,), ([t for t, d in zip(full, diff, strict=True) if d],))[1]
-
-    def axes_of(level):
-        return (list(level[:n_fn]), list(level[n_fn : n_fn + n_x]), list(level[n_fn + n_x + n_y :]))
 
     def tangent(x_leaves, t_leaves):
-        return spec.over_levels(one, axes_of)(list(fn_leaves), list(x_leaves), list(t_leaves))
+        return _higher_order_tangent(spec, fn_leaves, x_leaves, t_leaves)
 
     d_x = [
         _jaxpr.instantiate(d, jax.typeof(x)) if dj else d
