@@ -4,8 +4,8 @@ derivative is another solve with `A` or `A^T` (JAX's rules: a tangent solves
 `A t_x = t_b - dA x`, a transpose solves with `A^T`) and whose dependence on the entries
 is the product `A x` (`matvec`, in JAX, which JAX differentiates to any order).
 
-Each solve leaves the program through one host callback (`_Solve.solve_rows`), which finds
-the matrix's factorisation in the store or makes it. The site's JVP rule uses this
+Each solve leaves the program through one host callback (`solve_rows`), which finds the
+matrix's factorisation in the store or makes it. The site's JVP rule uses this
 formulation only where an outer differentiation will differentiate its derivative
 (`_site._primitive`); a first derivative keeps the site's own schedules.
 
@@ -58,7 +58,10 @@ def _pin(key: Any) -> None:
         if token is not None and FACTORISATIONS.pinned(key, token):
             _PINS[key] = token  # (now the latest)
             return
-        _PINS[key] = FACTORISATIONS.pin(key)  # (a token dropped with its factorisation: a new pin)
+        token = FACTORISATIONS.pin(key)  # (a token dropped with its factorisation: a new pin)
+        if token is None:  # (not kept: past the budget on its own)
+            return
+        _PINS[key] = token
         old = _PINS.popitem(last=False) if len(_PINS) > PINNED else None
     if old is not None:
         FACTORISATIONS.unpin(*old)
@@ -86,7 +89,7 @@ class SecondOrder:
         def host(transpose: bool):
             def solve_(_, r):
                 struct = jax.ShapeDtypeStruct(r.shape, r.dtype)
-                call = _runtime_callback(solve, transpose)
+                call = _callback(solve, transpose)
                 return jax.pure_callback(call, struct, fixed, r, vmap_method="expand_dims")
 
             return solve_
@@ -96,7 +99,7 @@ class SecondOrder:
         )
 
 
-def _runtime_callback(solve: Any, transpose: bool):
+def _callback(solve: Any, transpose: bool):
     """The host callback of one solve, recorded (`dx.record`) as the site's call of
     `"solve"` or `"transposed solve"` on the `"second order"` schedule."""
 
@@ -121,10 +124,12 @@ def solve_rows(solve: Any, values: np.ndarray, r: np.ndarray, transpose: bool) -
     out = np.empty(rhs.shape, np.dtype(solve.dtype))
     if len(matrices) == 1:  # (one matrix: every right-hand side in one solve)
         out[:] = _solve_one(solve, matrices[0], rhs, transpose)
-    else:
-        each = np.broadcast_to(values, (*batch, nnz)).reshape(-1, nnz)
-        for i in range(len(rhs)):
-            out[i] = _solve_one(solve, each[i], rhs[i : i + 1], transpose)[0]
+        return out.reshape((*batch, n))
+    # several matrices (a `vmap` over systems): each run of rows on one of them in one solve
+    each = np.broadcast_to(values, (*batch, nnz)).reshape(-1, nnz)
+    starts = [i for i in range(len(each)) if i == 0 or not np.array_equal(each[i], each[i - 1])]
+    for start, end in zip(starts, [*starts[1:], len(each)], strict=True):
+        out[start:end] = _solve_one(solve, each[start], rhs[start:end], transpose)
     return out.reshape((*batch, n))
 
 
