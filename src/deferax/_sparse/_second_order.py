@@ -35,19 +35,10 @@ from ._factorisations import FACTORISATIONS
 # solves (the latest first), besides those the first-order schedules keep.
 PINNED = 8
 
-_PINS: collections.OrderedDict[Any, Any] = collections.OrderedDict()  # (key: the store's token)
+# the keys pinned, the latest last, each with the store's token (`Store.pin`); `reset` empties
+# it, as it empties the store
+_PINS: collections.OrderedDict[Any, Any] = _runtime.store(collections.OrderedDict())
 _PINS_LOCK = threading.Lock()
-
-
-def _unpin_all() -> None:
-    with _PINS_LOCK:
-        pins = list(_PINS.items())
-        _PINS.clear()
-    for key, token in pins:
-        FACTORISATIONS.unpin(key, token)
-
-
-_runtime.on_reset(_unpin_all)
 
 
 def _pin(key: Any) -> None:
