@@ -65,10 +65,7 @@ def main():
             off = bench_peers.off(sides["deferax"](theta, b, t), hvp(dense)(theta, b, t))
             print(f"  deferax against a dense solve: {off:.1e} off")
         bench_peers.race(f"{case}, Hessian-vector product", sides, (theta, b, t), repeats, warmup, summary)
-    print(f"at the end: {load()}")
-    print("summary (deferax against the fastest JAX peer, and against the fastest by hand):")
-    for line in summary:
-        print("  " + line)
+    bench_peers.report(summary)
 
 
 if __name__ == "__main__":

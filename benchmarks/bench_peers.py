@@ -403,6 +403,11 @@ def main():
             want = jax.value_and_grad(dense, argnums=(0, 1))(values, b)
             print(f"  deferax against a dense solve: {off(sides['deferax'](values, b), want):.1e} off")
         race(f"{what} n={pattern.n}", sides, call, repeats, warmup, summary)
+    report(summary)
+
+
+def report(summary: list[str]) -> None:
+    """The load at the end, and `race`'s result lines again."""
     print(f"at the end: {load()}")
     print("summary (deferax against the fastest JAX peer, and against the fastest by hand):")
     for line in summary:
