@@ -413,7 +413,9 @@ def _linear_transpose(cts, *operands, spec: Spec):
         else c
         for c, y in zip(cts, y_leaves, strict=True)
     ]
-    if static.higher_order is not None:  # (JAX may differentiate it later: in a jaxpr, a `jax.vjp` function)
+    if static.higher_order is not None and not (_jaxpr.is_eager() and is_concrete((operands, cts))):
+        # (traced, JAX may differentiate it later: in a jaxpr, a `jax.vjp` function; run now on
+        # concrete values, nothing can)
         ct_x = _differentiable_cotangents(spec, list(fn_leaves), list(x_leaves), list(y_leaves), list(cts))
     else:
         ct_x = cotangents(spec, fn_leaves, x_leaves, y_leaves, cts)
