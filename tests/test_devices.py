@@ -43,6 +43,16 @@ def test_a_bwd_that_reads_y_on_a_later_call_with_sharded_inputs():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
 
 
+def test_second_order_with_sharded_inputs_under_jit():
+    """The checks live in `scripts/hvp_sharded.py` (2 CPU devices, a fresh interpreter): a
+    Hessian-vector product through `dx.sparse_solve` with its inputs sharded, under `jit`, is
+    the dense program's, one factorisation."""
+    script = pathlib.Path(__file__).parent / "scripts" / "hvp_sharded.py"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
     "bad, found",
     [
