@@ -471,3 +471,29 @@ def test_the_hessians_of_several_systems_under_vmap():
     close(got, jax.vmap(jax.hessian(lambda v: dense(pattern)(v, b)))(vs), rtol=1e-9, atol=1e-10)
     assert tally.factor == 2
     assert tally.solves <= 8  # (two matrices, at most four solve calls each: their columns together)
+
+
+def test_a_host_site_with_an_integer_leaf_in_second_order():
+    """`x = (b, k)` with `k` an integer (no tangent, no cotangent): the Hessian in `b`, and a
+    forward-mode derivative traced into a jaxpr and differentiated again, are plain JAX's."""
+
+    def fwd(x):
+        b, k = x
+        return k * np.linalg.solve(A, b)
+
+    def adjoint(x, ct):
+        b, k = x
+        return k * np.linalg.solve(A.T, ct), np.zeros((), np.int32)
+
+    def as_linear_solve(x):
+        b, k = x
+        solved = jax.lax.custom_linear_solve(lambda y: jnp.asarray(A) @ y, b, host_solve(A, []), host_solve(A.T, []))
+        return k.astype(b.dtype) * solved
+
+    site = dx.host(fwd, adjoint=adjoint, out=jax.ShapeDtypeStruct((2,), jnp.float64), higher_order=as_linear_solve)
+    k = jnp.int32(3)
+    b = jnp.array([0.3, 0.7])
+    plain = lambda b: jnp.sum((3.0 * jnp.linalg.solve(jnp.asarray(A), b)) ** 3)  # noqa: E731
+    ours = lambda b: jnp.sum(site((b, k)) ** 3)  # noqa: E731
+    close(jax.hessian(ours)(b), jax.hessian(plain)(b))
+    close(jax.jacfwd(converted(jax.jacfwd, ours, b))(b), jax.jacfwd(jax.jacfwd(plain))(b))

@@ -92,25 +92,32 @@ def _site_jvp(primals, tangents, spec: Spec):
         return _site_jvp_rule(primals, tangents, spec)
 
 
+def _with_diff(x_leaves, diff, d_leaves) -> list:
+    """`x_leaves` with its differentiable leaves (`diff`) replaced by `d_leaves`, in order."""
+    it = iter(d_leaves)
+    return [next(it) if dj else xj for xj, dj in zip(x_leaves, diff, strict=True)]
+
+
+def _jvp_of_diff(f, x_leaves, x_tangents, diff):
+    """JAX's `jax.jvp` of `f(x_leaves)` along the tangents of the differentiable leaves of `x`
+    (the others constant: an integer leaf has no tangent)."""
+    d_primals = [x for x, d in zip(x_leaves, diff, strict=True) if d]
+    d_tangents = [_jaxpr.instantiate(t, jax.typeof(x)) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d]
+    return jax.jvp(lambda d_leaves: f(_with_diff(x_leaves, diff, d_leaves)), (d_primals,), (d_tangents,))
+
+
 def _higher_order_jvp(primals, tangents, spec: Spec):
     """The JVP of the site's `higher_order(x)` over every batch level, the implementations'
     arrays constants to it (as to every derivative of a site)."""
     fn_leaves, x_leaves = primals[: spec.n_fn], primals[spec.n_fn :]
-    diff = spec.diff
 
     def one(fn_leaves, x_leaves):
         return jtu.tree_leaves(spec.fn(fn_leaves).higher_order(spec.x(x_leaves)))
 
-    def of_diff(d_leaves):
-        it = iter(d_leaves)
-        xs = [next(it) if dj else xj for xj, dj in zip(x_leaves, diff, strict=True)]
+    def f(xs):
         return spec.over_levels(one, split_fn_x(spec.n_fn))(list(fn_leaves), xs)
 
-    d_primals = [x for x, d in zip(x_leaves, diff, strict=True) if d]
-    d_tangents = [
-        _jaxpr.instantiate(t, jax.typeof(x)) for x, t, d in zip(x_leaves, tangents[spec.n_fn :], diff, strict=True) if d
-    ]
-    return jax.jvp(of_diff, (d_primals,), (d_tangents,))
+    return _jvp_of_diff(f, x_leaves, tangents[spec.n_fn :], spec.diff)
 
 
 def _site_jvp_rule(primals, tangents, spec: Spec):
@@ -120,16 +127,7 @@ def _site_jvp_rule(primals, tangents, spec: Spec):
     if spec.static.autodiff:
         # `fwd` only: JAX differentiates it, in both modes. The arrays of the implementations
         # are constants to the derivative.
-        def of_diff(d_leaves):
-            it = iter(d_leaves)
-            xs = [next(it) if dj else xj for xj, dj in zip(x_leaves, diff, strict=True)]
-            return outputs(spec, *fn_leaves, *xs)
-
-        d_primals = [x for x, d in zip(x_leaves, diff, strict=True) if d]
-        d_tangents = [
-            _jaxpr.instantiate(t, jax.typeof(x)) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d
-        ]
-        return jax.jvp(of_diff, (d_primals,), (d_tangents,))
+        return _jvp_of_diff(lambda xs: outputs(spec, *fn_leaves, *xs), x_leaves, x_tangents, diff)
     if _jvp_strategy(spec) == "forward-basis":
         return forward_basis_jvp(spec, fn_leaves, x_leaves, x_tangents)
     d_tangents = [(x, t) for x, t, d in zip(x_leaves, x_tangents, diff, strict=True) if d]
@@ -264,9 +262,7 @@ def _higher_order_tangent(spec: Spec, fn_leaves, x_leaves, t_leaves) -> list:
         d_x = [x for x, d in zip(x_leaves, diff, strict=True) if d]
 
         def of_diff(d_leaves):
-            it = iter(d_leaves)
-            xs = [next(it) if dj else xj for xj, dj in zip(x_leaves, diff, strict=True)]
-            return jtu.tree_leaves(fn.higher_order(spec.x(xs)))
+            return jtu.tree_leaves(fn.higher_order(spec.x(_with_diff(x_leaves, diff, d_leaves))))
 
         return jax.jvp(of_diff, (d_x,), (list(t_leaves),))[1]
 
@@ -294,15 +290,15 @@ def _linear_jvp(primals, tangents, spec: Spec):
     if static.higher_order is None:
         raise TypeError(_messages.second_order(static.title))
 
-    def tangent(x_leaves, t_leaves):
-        return _higher_order_tangent(spec, fn_leaves, x_leaves, t_leaves)
+    def tangent(d_leaves, t_leaves):
+        return _higher_order_tangent(spec, fn_leaves, _with_diff(x_leaves, spec.diff, d_leaves), t_leaves)
 
-    d_x = [
-        _jaxpr.instantiate(d, jax.typeof(x)) if dj else d
-        for d, x, dj in zip(dx_leaves, x_leaves, spec.diff, strict=True)
+    d_x = [x for x, dj in zip(x_leaves, spec.diff, strict=True) if dj]
+    t_d_x = [
+        _jaxpr.instantiate(d, jax.typeof(x)) for d, x, dj in zip(dx_leaves, x_leaves, spec.diff, strict=True) if dj
     ]
     d_t = [_jaxpr.instantiate(d, jax.typeof(t)) for d, t in zip(dt_leaves, t_leaves, strict=True)]
-    return out, jax.jvp(tangent, (list(x_leaves), list(t_leaves)), (d_x, d_t))[1]
+    return out, jax.jvp(tangent, (d_x, list(t_leaves)), (t_d_x, d_t))[1]
 
 
 def _linear_abstract(*avals, spec: Spec):
