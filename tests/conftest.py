@@ -1,9 +1,51 @@
+import ast
 import gc
 import os
+import sys
 
 import jax
 import pytest
 from hypothesis import Phase, settings
+from jaxtyping import _import_hook
+
+
+def _only_annotated_nested_functions():
+    """The type checks of the suite (jaxtyping's import hook on deferax with beartype, as
+    pyproject.toml's `--jaxtyping-packages` sets it up) wrap every function of deferax's
+    modules, a nested one each time its enclosing function runs: beartype then writes and
+    compiles the wrapper's code again, about a millisecond a call, a sixth of the suite's
+    time. A nested function with no annotation has nothing to check (deferax writes no
+    `isinstance` against a jaxtyping type), so it is left unwrapped here; every module-level
+    function, method and class, and every annotated nested function, is wrapped as before.
+    Done before deferax is imported (this file loads after the hook is installed, before any
+    test imports deferax), and the modules so transformed are cached under their own name.
+    The hook's internals are read: where they change, this fails here, loudly."""
+    if "deferax" in sys.modules:
+        raise RuntimeError("tests/conftest.py: deferax was imported before the type-check hook was adjusted")
+    transformer = _import_hook.JaxtypingTransformer
+    wrap_all, cache_name = transformer.visit_FunctionDef, _import_hook._optimized_cache_from_source
+
+    def annotated(node):
+        a = node.args
+        args = [*a.posonlyargs, *a.args, *a.kwonlyargs, *(x for x in (a.vararg, a.kwarg) if x)]
+        return node.returns is not None or any(arg.annotation is not None for arg in args)
+
+    def visit_FunctionDef(self, node):
+        if annotated(node) or not any(isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef)) for p in self._parents):
+            return wrap_all(self, node)
+        self._parents.append(node)
+        self.generic_visit(node)
+        self._parents.pop()
+        return node
+
+    def cached_as(typechecker_hash, /, path, debug_override=None):
+        return cache_name(f"{typechecker_hash}n", path, debug_override)
+
+    transformer.visit_FunctionDef = visit_FunctionDef
+    _import_hook._optimized_cache_from_source = cached_as
+
+
+_only_annotated_nested_functions()
 
 # The mutation check (.ci/mutations.py) only needs to know that a property fails, not the
 # smallest failing example: no shrinking there.
