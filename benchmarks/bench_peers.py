@@ -16,7 +16,7 @@ convection-diffusion operator (n = 22,500), (c) a complex Helmholtz operator (n 
 each with three losses (`linear`: `Re w.x`; `overlap`: `|w.x|^2`; `power`: `sum |x|^2`); then
 at n = 3,600 `jax.jacrev` of 200 entries of `x` and `jax.vmap` of the solve over 200
 right-hand sides (JAX's `spsolve` has no batching rule there), and one value and gradient at
-n = 900 (a small system). deferax (with `nonfinite="nan"`, NaN for a NaN entry as the peers give it) solves a small
+n = 900 (a small system). deferax, with its defaults, solves a small
 real system inside the compiled program (sparsax's KLU: the jacrev, vmap and small cases
 here) and any other on the host; "deferax on the host"
 (`where="host"`) times the host's solve beside it. Each side's value
@@ -220,8 +220,8 @@ def peers(pattern: dx.SparsePattern, spd: bool, complex_: bool) -> dict:
     """`name -> solve(values, b)` for every side installed."""
     rows, cols = jnp.asarray(pattern.rows), jnp.asarray(pattern.cols)
     dtype = np.complex128 if complex_ else np.float64
-    # (`nonfinite="nan"`: NaN for a NaN entry, as the peers give it; a small real system runs inside the program)
-    out = {"deferax": lambda v, b: dx.sparse_solve(v, pattern, b, nonfinite="nan")}
+    # (the defaults: a small real system runs inside the program)
+    out = {"deferax": lambda v, b: dx.sparse_solve(v, pattern, b)}
     if _program.refusal(pattern, np.dtype(dtype), by_cost=True) is None:
         # (where the default chooses the program, the host's time beside it)
         out["deferax on the host"] = lambda v, b: dx.sparse_solve(v, pattern, b, where="host")

@@ -1,7 +1,8 @@
 """`dx.sparse_solve` inside the compiled program (sparsax's KLU through XLA FFI): a small real
-system with `nonfinite="nan"` runs there by default, with no host job, one factorisation per value and gradient
+system runs there by default, with no host job, one factorisation per value and gradient
 (counted by sparsax), every derivative right against a dense solve in plain JAX; anything else
-runs on the host, and `where=` says where, with errors that name the call."""
+runs on the host, and `where=` says where, with errors that name the call (a NaN or infinite
+entry raises the host path's error from inside the program too)."""
 
 import re
 import threading
@@ -75,7 +76,7 @@ def new(v, k=[0]):  # noqa: B006  (each call a matrix never seen: sparsax keeps 
 @pytest.mark.parametrize("spd", [False, True], ids=["unsymmetric", "spd"])
 def test_gradients_match_a_dense_solve_with_one_factorisation_and_no_host_job(spd, loss, how, jit):
     values, pattern = (SPD_VALUES, SPD_PATTERN) if spd else (VALUES, PATTERN)
-    ours = losses(lambda v, b: dx.sparse_solve(v, pattern, b, nonfinite="nan"))[loss]
+    ours = losses(lambda v, b: dx.sparse_solve(v, pattern, b))[loss]
     want_fn = losses(lambda v, b: dense(v, b, pattern))[loss]
     if how == "dx":
         fn = dx.filter_value_and_grad(lambda pair: ours(*pair))
@@ -97,12 +98,12 @@ def test_gradients_match_a_dense_solve_with_one_factorisation_and_no_host_job(sp
 def test_jacrev_and_vmap_factor_once(jit):
     wrap = jax.jit if jit else (lambda f: f)
     idx = jnp.arange(0, N, 3)
-    jacrev = wrap(jax.jacrev(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan")[idx], argnums=(0, 1)))
+    jacrev = wrap(jax.jacrev(lambda v, b: dx.sparse_solve(v, PATTERN, b)[idx], argnums=(0, 1)))
     bs = jnp.asarray(RNG.normal(size=(7, N)))
-    over_b = wrap(jax.vmap(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan"), in_axes=(None, 0)))
+    over_b = wrap(jax.vmap(lambda v, b: dx.sparse_solve(v, PATTERN, b), in_axes=(None, 0)))
     vs = jnp.stack([VALUES, 1.5 * VALUES, 2.0 * VALUES])
-    over_values = wrap(jax.vmap(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan"), in_axes=(0, None)))
-    jacfwd = wrap(jax.jacfwd(lambda v: dx.sparse_solve(v, PATTERN, B, nonfinite="nan")))
+    over_values = wrap(jax.vmap(lambda v, b: dx.sparse_solve(v, PATTERN, b), in_axes=(0, None)))
+    jacfwd = wrap(jax.jacfwd(lambda v: dx.sparse_solve(v, PATTERN, B)))
     for _ in range(2):
         v = new(VALUES)
         with Counted() as counted:
@@ -127,7 +128,7 @@ def test_jacrev_and_vmap_factor_once(jit):
 
 
 def test_a_vmap_of_the_gradient_over_matrices_and_right_hand_sides():
-    loss = losses(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan"))["power"]
+    loss = losses(lambda v, b: dx.sparse_solve(v, PATTERN, b))["power"]
     want = losses(dense)["power"]
     vs = jnp.stack([VALUES, 1.3 * VALUES])
     bs = jnp.stack([B, 2.0 * B])
@@ -137,7 +138,7 @@ def test_a_vmap_of_the_gradient_over_matrices_and_right_hand_sides():
 
 def test_float32_inputs_are_solved_in_float64_and_rounded():
     v32, b32 = VALUES.astype(jnp.float32), B.astype(jnp.float32)
-    loss = losses(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan"))["power"]
+    loss = losses(lambda v, b: dx.sparse_solve(v, PATTERN, b))["power"]
     value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(v32, b32)
     assert value.dtype == jnp.float32 and grads[0].dtype == grads[1].dtype == jnp.float32
     want_value, want_grads = jax.value_and_grad(losses(dense)["power"], argnums=(0, 1))(VALUES, B)
@@ -209,13 +210,12 @@ def test_what_runs_on_the_host_and_why():
         "sparsax solves real matrices only": dict(b=complex_b),
         "a `solver` was given, which the host's solve uses": dict(solver=dx.SuperLU()),
         "a `cost` was given, which the host's solve uses": dict(cost=dx.Cost(setup=1.0)),
-        "`nonfinite='raise'` and `singular='raise'` are kept on the host": dict(nonfinite="raise"),
         "`nonfinite='warn'` and `singular='raise'` are kept on the host": dict(nonfinite="warn"),
-        "`nonfinite='nan'` and `singular='nan'` are kept on the host": dict(singular="nan"),
+        "`nonfinite='raise'` and `singular='nan'` are kept on the host (inside the program: `nonfinite` "
+        '"raise" or "nan", `singular="raise"`)': dict(singular="nan"),
     }
     for why, options in cases.items():
         b = options.pop("b", B)
-        options.setdefault("nonfinite", "nan")
         with Counted() as counted:
             jax.block_until_ready(dx.sparse_solve(VALUES, PATTERN, b, **options))
         assert counted.jobs == 1 and counted.factorisations == 0, why
@@ -225,7 +225,7 @@ def test_what_runs_on_the_host_and_why():
         with pytest.raises(ValueError, match=re.escape(message)):
             dx.sparse_solve(VALUES, PATTERN, b, name="fe", where="program", **options)
     with Counted() as counted:
-        jax.block_until_ready(dx.sparse_solve(VALUES, PATTERN, B, where="host", nonfinite="nan"))
+        jax.block_until_ready(dx.sparse_solve(VALUES, PATTERN, B, where="host"))
     assert (counted.jobs, counted.factorisations) == (1, 0)
 
 
@@ -236,10 +236,10 @@ def test_a_pattern_whose_factorisation_pays_for_round_trips_runs_on_the_host(mon
     )
     values = new(VALUES)
     with Counted() as counted:
-        x = jax.block_until_ready(dx.sparse_solve(values, PATTERN, B, nonfinite="nan"))
+        x = jax.block_until_ready(dx.sparse_solve(values, PATTERN, B))
     assert (counted.jobs, counted.factorisations) == (1, 0)
     with Counted() as counted:  # (`where="program"` takes it inside whatever it costs)
-        y = jax.block_until_ready(dx.sparse_solve(values, PATTERN, B, nonfinite="nan", where="program"))
+        y = jax.block_until_ready(dx.sparse_solve(values, PATTERN, B, where="program"))
     assert (counted.jobs, counted.factorisations) == (0, 1)
     assert_tree_allclose(x, y)
 
@@ -266,7 +266,7 @@ def test_without_x64_it_runs_on_the_host_in_every_thread():
         with jax.enable_x64(x64):
             v, b = new(VALUES).astype(jnp.float32), B.astype(jnp.float32)
             with Counted() as counted:
-                x = jax.block_until_ready(dx.sparse_solve(v, PATTERN, b, nonfinite="nan"))
+                x = jax.block_until_ready(dx.sparse_solve(v, PATTERN, b))
             seen[key] = (counted.jobs, counted.factorisations, x.dtype)
 
     for x64 in (False, True):  # (one thread after the other: the counts are the process's)
@@ -283,9 +283,8 @@ def test_without_x64_it_runs_on_the_host_in_every_thread():
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_a_nan_entry_gives_nan_inside_and_raises_on_the_host(jit):
-    """`nonfinite="nan"` inside the program: the value and every gradient NaN, the next call
-    right; the default ("raise") runs on the host, whose error names the call."""
+def test_a_nan_entry_gives_nan_inside_with_nonfinite_nan(jit):
+    """`nonfinite="nan"` inside the program: the value and every gradient NaN, the next call right."""
     values = VALUES.at[3].set(jnp.nan)
     wrap = jax.jit if jit else (lambda f: f)
     loss = wrap(jax.value_and_grad(lambda v, b: jnp.sum(dx.sparse_solve(v, PATTERN, b, nonfinite="nan") ** 2), (0, 1)))
@@ -293,9 +292,72 @@ def test_a_nan_entry_gives_nan_inside_and_raises_on_the_host(jit):
         value, (g_values, g_b) = loss(values.at[5].set(jnp.inf), B)
     assert counted.jobs == 0 and np.isnan(value) and np.isnan(g_values).all() and np.isnan(g_b).all()
     assert_tree_allclose(loss(VALUES, B), jax.value_and_grad(losses(dense)["power"], (0, 1))(VALUES, B))
-    message = "`ExpensiveFn(name='fe')`: the host function `fwd` raised ValueError: `values` holds 1 NaN or infinite"
-    with pytest.raises(jax.errors.JaxRuntimeError if jit else dx.HostError, match=re.escape(message)):
-        jax.block_until_ready(wrap(lambda v: dx.sparse_solve(v, PATTERN, B, name="fe"))(values))
+
+
+NOT_FINITE = (
+    "`values` holds 2 NaN or infinite entries of {nnz} (the first: `values[3] = nan`, at row {row}, column {col}), "
+    "so the matrix cannot be factored.\nFind where they come from, for example with "
+    '`jax.config.update("jax_debug_nans", True)`, or `jnp.isfinite(values).all()` before the solve.'
+)
+
+
+@pytest.mark.parametrize(
+    "how", ["eager", "jit", "grad", "jit grad", "jvp", "jit vmap", "jit vmap grad", "jit hessian", "value_and_grad"]
+)
+def test_a_nan_entry_raises_the_host_s_error_from_inside_the_program(how):
+    """The default `nonfinite="raise"` inside the program: a NaN or infinite entry raises the
+    host path's message, naming the call and the first entry: a `ValueError` where the values
+    are concrete, from the compiled program otherwise (a `vmap` over matrices, one of them
+    bad, raises for the step). No host job, and a program of finite entries runs no callback:
+    the same programs give a dense solve's answers right after."""
+    bad = VALUES.at[3].set(jnp.nan).at[5].set(jnp.inf)
+    row, col = int(PATTERN.rows[3]), int(PATTERN.cols[3])
+    message = "`dx.sparse_solve(name='fe')`, solved inside the program: " + NOT_FINITE.format(
+        nnz=PATTERN.nnz, row=row, col=col
+    )
+
+    def loss(v, b):
+        return jnp.sum(dx.sparse_solve(v, PATTERN, b, name="fe") ** 2)
+
+    def want(v, b):
+        return jnp.sum(dense(v, b) ** 2)
+
+    grad = jax.grad(loss, (0, 1))
+    programs = {
+        "eager": (lambda v: dx.sparse_solve(v, PATTERN, B, name="fe"), lambda v: dense(v, B)),
+        "jit": (jax.jit(lambda v: loss(v, B)), lambda v: want(v, B)),
+        "grad": (lambda v: grad(v, B), lambda v: jax.grad(want, (0, 1))(v, B)),
+        "jit grad": (jax.jit(lambda v: grad(v, B)), lambda v: jax.grad(want, (0, 1))(v, B)),
+        "jvp": (
+            lambda v: jax.jvp(lambda v: loss(v, B), (v,), (jnp.ones_like(v),)),
+            lambda v: jax.jvp(lambda v: want(v, B), (v,), (jnp.ones_like(v),)),
+        ),
+        "jit vmap": (
+            jax.jit(lambda v: jax.vmap(loss, (0, None))(jnp.stack([2.0 * VALUES, v]), B)),
+            lambda v: jax.vmap(want, (0, None))(jnp.stack([2.0 * VALUES, v]), B),
+        ),
+        "jit vmap grad": (
+            jax.jit(lambda v: jax.vmap(grad, (0, None))(jnp.stack([v, 2.0 * VALUES]), B)),
+            lambda v: jax.vmap(jax.grad(want, (0, 1)), (0, None))(jnp.stack([v, 2.0 * VALUES]), B),
+        ),
+        "jit hessian": (jax.jit(lambda v: jax.hessian(loss)(v, B)), lambda v: jax.hessian(want)(v, B)),
+        "value_and_grad": (
+            lambda v: dx.filter_value_and_grad(lambda v: loss(v, B))(v),
+            lambda v: jax.value_and_grad(lambda v: want(v, B))(v),
+        ),
+    }
+    ours, reference = programs[how]
+    concrete = how in ("eager", "grad", "jvp")
+    with Counted() as counted:
+        with pytest.raises(ValueError if concrete else jax.errors.JaxRuntimeError, match=re.escape(message)):
+            jax.block_until_ready(ours(bad))
+        assert_tree_allclose(ours(VALUES), reference(VALUES))
+    assert counted.jobs == 0
+    host = "`ExpensiveFn(name='fe')`: the host function `fwd` raised ValueError: " + NOT_FINITE.format(
+        nnz=PATTERN.nnz, row=row, col=col
+    )
+    with pytest.raises(dx.HostError, match=re.escape(host)):  # (the host path's, word for word)
+        dx.sparse_solve(bad, PATTERN, B, name="fe", where="host")
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -326,14 +388,16 @@ def test_a_nan_in_one_block_gives_nan_everywhere_on_every_path(where, jit):
 
 
 @pytest.mark.timeout(120)
-def test_four_threads_solve_at_once_without_a_hang():
+@pytest.mark.parametrize("nonfinite", ["raise", "nan"])
+def test_four_threads_solve_at_once_without_a_hang(nonfinite):
     """Programs with the solve inside, run from four threads at once, each its own matrices,
-    every answer against a dense solve (a host callback in the same program once hung this)."""
+    every answer against a dense solve (a host callback run on every call of the same program
+    once hung this; with `nonfinite="raise"` the program holds one, on a branch it never takes)."""
     wrong = []
 
     def run(seed):
         values = VALUES * (1.0 + 0.1 * seed)
-        grad = jax.jit(jax.grad(losses(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan"))["power"]))
+        grad = jax.jit(jax.grad(losses(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite=nonfinite))["power"]))
         want_fn = jax.grad(losses(dense)["power"])
         for i in range(40):
             v = values * (1.0 + 1e-3 * (i % 7))
@@ -353,14 +417,13 @@ def test_a_singular_matrix_stops_the_program_with_sparsax_s_error():
     call); on the host it is deferax's (tests/test_sparse_solve.py)."""
     pattern = dx.SparsePattern(np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1]), 2)
     with pytest.raises(jax.errors.JaxRuntimeError, match="klu_factor failed .*singular"):
-        jax.block_until_ready(dx.sparse_solve(jnp.array([1.0, 2.0, 2.0, 4.0]), pattern, jnp.ones(2), nonfinite="nan"))
+        jax.block_until_ready(dx.sparse_solve(jnp.array([1.0, 2.0, 2.0, 4.0]), pattern, jnp.ones(2)))
 
 
 def test_a_bad_where_names_the_call():
     message = (
         '`dx.sparse_solve(name=\'fe\')`: `where` must be "auto", "host" or "program", but got \'gpu\'.\n'
-        '"auto" (the default) solves a small real system with `nonfinite="nan"` inside the program '
-        "and any other on the host."
+        '"auto" (the default) solves a small real system inside the program and any other on the host.'
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         dx.sparse_solve(VALUES, PATTERN, B, name="fe", where="gpu")

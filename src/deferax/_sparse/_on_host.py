@@ -35,6 +35,22 @@ at row {row}, column {col}), so the matrix cannot be factored.
 Find where they come from, for example with `jax.config.update("jax_debug_nans", True)`, or \
 `jnp.isfinite(values).all()` before the solve."""
 
+
+def not_finite_message(values: np.ndarray, pattern: SparsePattern) -> str:
+    """The error for a matrix whose `values` hold a NaN or infinite entry: how many, and
+    where the first sits (the host's solve and the program's raise it alike)."""
+    bad = ~np.isfinite(values)
+    first = int(np.argmax(bad))
+    return _NOT_FINITE.format(
+        count=int(bad.sum()),
+        nnz=values.size,
+        first=first,
+        value=values[first],
+        row=pattern.rows[first],
+        col=pattern.cols[first],
+    )
+
+
 # What a matrix with a NaN or infinite entry (`nonfinite`), or one that the solver finds singular
 # (`singular`), gives: an error (`"raise"`), or NaN for the solution and every derivative (`"nan"`),
 # with a warning (`"warn"`).
@@ -165,16 +181,7 @@ class _Solve:
             if self.nonfinite != "raise":
                 why = f"`values` holds {int(bad.sum())} NaN or infinite entries (the first: `values[{first}]`)"
                 return self._unfactored("nonfinite", why)
-            raise ValueError(
-                _NOT_FINITE.format(
-                    count=int(bad.sum()),
-                    nnz=values.size,
-                    first=first,
-                    value=values[first],
-                    row=self.pattern.rows[first],
-                    col=self.pattern.cols[first],
-                )
-            )
+            raise ValueError(not_finite_message(values, self.pattern))
         matrix = self.pattern._csc(values.astype(self.matrix_dtype, copy=False))
         start = time.perf_counter()
         try:

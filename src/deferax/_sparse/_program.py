@@ -17,13 +17,18 @@ the round trips.
 
 from __future__ import annotations
 
+import functools as ft
+
+import equinox.internal as eqxi
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import _runtime
 from .._concurrency import _placement
+from .._jaxpr import is_concrete
 from .._plan import _cost
+from ._on_host import not_finite_message
 from ._pattern import SparsePattern
 from ._solver import trial_seconds
 from ._solvers import _sparsax
@@ -54,15 +59,18 @@ def refusal(pattern: SparsePattern, dtype: np.dtype, by_cost: bool) -> str | Non
     return None
 
 
-def solve(values: jax.Array, b: jax.Array, pattern: SparsePattern, symmetric: bool):
+def solve(values: jax.Array, b: jax.Array, pattern: SparsePattern, symmetric: bool, name: str, nonfinite: str):
     """`x = A^-1 b` inside the program, in float64, rounded to the inputs' result dtype. A NaN
-    or infinite entry of `values` gives NaN for all of `x` and every derivative, as the host
-    path's `nonfinite="nan"` does (KLU alone gives NaN only where the solution depends on the
-    entry: a block of a block-diagonal matrix, and a loss of the other blocks would be finite)."""
+    or infinite entry of `values` raises the host path's error (`nonfinite="raise"`: `_raise_if_not_finite`)
+    or gives NaN for all of `x` and every derivative, as the host path's `nonfinite="nan"` does
+    (KLU alone gives NaN only where the solution depends on the entry: a block of a
+    block-diagonal matrix, and a loss of the other blocks would be finite)."""
     dtype = jnp.result_type(values, b)
     values, b = values.astype(jnp.float64), b.astype(jnp.float64)
     fixed = jax.lax.stop_gradient(values)  # (the derivatives with respect to `values` come from `matvec`)
     broken = ~jnp.all(jnp.isfinite(fixed))
+    if nonfinite == "raise":
+        b = _raise_if_not_finite(b, fixed, broken, pattern, name)
 
     forward, transposed = _solver(pattern, 0), _solver(pattern, 0 if symmetric else 1)
 
@@ -74,6 +82,44 @@ def solve(values: jax.Array, b: jax.Array, pattern: SparsePattern, symmetric: bo
 
     x = jax.lax.custom_linear_solve(matvec, b, solve=poisoned(forward), transpose_solve=poisoned(transposed))
     return x.astype(dtype)
+
+
+def _raise_if_not_finite(b: jax.Array, values: jax.Array, broken: jax.Array, pattern: SparsePattern, name: str):
+    """`b`, where every entry of `values` is finite; else the host path's error, naming the
+    call: raised here where `values` are concrete (an eager call), and from the program where
+    they are traced, by a host callback on a branch that runs only then (`jax.lax.cond`, its
+    predicate taken over a `vmap`'s whole batch, as `equinox.error_if` does), so that a program
+    of finite entries runs no callback. (One that ran on every call, beside sparsax's solve,
+    hung programs run from four threads at once; this one, never run there, does not: a test
+    runs four threads.) The tangent of `b` passes through as it is."""
+    if is_concrete(values):
+        if not np.isfinite(np.asarray(values)).all():
+            raise ValueError(_in_program(name, not_finite_message(np.asarray(values), pattern)))
+        return b
+    return _checked(b, values, eqxi.unvmap_any(broken), pattern, name)
+
+
+@ft.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _checked(b: jax.Array, values: jax.Array, broken: jax.Array, pattern: SparsePattern, name: str) -> jax.Array:
+    def fail(b, values):
+        def raises(values):  # (under `vmap`, `values` of every example: the first example holding one named)
+            values = np.asarray(values).reshape(-1, pattern.nnz)
+            bad = values[np.argmax(~np.isfinite(values).all(axis=1))]
+            raise ValueError(_in_program(name, not_finite_message(bad, pattern)))
+
+        return jax.pure_callback(raises, jax.ShapeDtypeStruct(b.shape, b.dtype), values, vmap_method="expand_dims")
+
+    return jax.lax.cond(broken, fail, lambda b, _: b, b, values)
+
+
+@_checked.defjvp
+def _checked_jvp(pattern, name, primals, tangents):
+    b, values, broken = primals
+    return _checked(b, values, broken, pattern, name), tangents[0]
+
+
+def _in_program(name: str, message: str) -> str:
+    return f"`dx.sparse_solve(name={name!r})`, solved inside the program: {message}"
 
 
 @_runtime.cached(maxsize=256)

@@ -219,7 +219,8 @@ lam = ct_x` with the forward's factorisation |
       out 7-21 % off in value and 13-45 % in gradient). Either is the same for float64 inputs.
     - `nonfinite`: what a matrix with a NaN or infinite entry gives. `"raise"` (the
       default): an error that says how many there are and where the first sits (a
-      `ValueError`, inside the [`deferax.HostError`][] of the job); `"nan"`: the matrix is
+      `ValueError`, inside the [`deferax.HostError`][] of the job; for a system solved inside
+      the program, see `where`, the same message); `"nan"`: the matrix is
       not factored, and `x` and every derivative (the cotangents of `values` and `b`, the
       tangent of `x`) are NaN, as a solve compiled into the program would give them, so that
       a NaN guard (`optax.apply_if_finite`, `jnp.isfinite(loss)`) sees the step; `"warn"`:
@@ -234,8 +235,8 @@ lam = ct_x` with the forward's factorisation |
       The reverse-mode derivatives are then right for a symmetric matrix only; for one
       that is not, they are what such a library gives (a recognised call of it keeps that
       answer). Forward mode is unchanged. Default `False`: the plain transpose.
-    - `where`: `"auto"` (the default) solves a small real system with `nonfinite="nan"` inside
-      the compiled program and any other on the host; `"host"` or `"program"` says which.
+    - `where`: `"auto"` (the default) solves a small real system inside the compiled program
+      and any other on the host; `"host"` or `"program"` says which.
       Inside the program the solve is sparsax's KLU through XLA FFI (installed with `pip install deferax[sparse]`, on
       Linux and Windows): no host round trip, one factorisation per value and gradient
       (sparsax keeps the factorisation of the values it saw last, which the transposed and
@@ -245,9 +246,9 @@ lam = ct_x` with the forward's factorisation |
       takes at most 8 ms, so that a host site's two round trips (about 1 ms each) would cost
       more than the host's solvers and its overlap with other sites can save, and only with
       what the program can do: real inputs, `jax_enable_x64` on, the default `solver`,
-      `executor` and `cost`, `precision` in float64, `nonfinite="nan"` (a NaN or infinite entry
-      gives NaN; raising from inside the program needs a host callback, which beside
-      sparsax's solve was seen to hang programs run from several threads at once), and
+      `executor` and `cost`, `precision` in float64, `nonfinite` `"raise"` (a NaN or infinite
+      entry raises the host path's error, naming the call: a `ValueError` on an eager call, inside
+      a `jax.errors.JaxRuntimeError` from a compiled program) or `"nan"`, and
       `singular="raise"` (there sparsax's own error, `klu_factor failed`, stops the program).
       Such a solve is not a site: [`deferax.explain`][] does not list it, and [`deferax.record`][] sees no job.
     - `cost`: a [`deferax.Cost`][] with what a factorisation (`setup`) and one solve (`fwd`,
@@ -307,7 +308,7 @@ lam = ct_x` with the forward's factorisation |
     if where != "host":
         why_not = in_program(pattern, dtype, chosen, executor, cost, precision, nonfinite, singular, where)
         if why_not is None:
-            return _program.solve(values, b, pattern, symmetric)
+            return _program.solve(values, b, pattern, symmetric, name, nonfinite)
         if where == "program":
             raise ValueError(_NOT_IN_PROGRAM.format(name=name, why=why_not))
     executor = _affinity.pinned(executor)
@@ -337,23 +338,21 @@ def in_program(
     where: str,
 ) -> str | None:
     """Why a solve with these arguments runs on the host; None where it runs inside the
-    program (`_program`): with the default solver, executor and cost, `nonfinite="nan"`,
-    the default `singular`, precision in float64, and a small real matrix."""
+    program (`_program`): with the default solver, executor and cost, `nonfinite` other
+    than "warn", the default `singular`, precision in float64, and a small real matrix."""
     for what, given in (("solver", solver), ("executor", executor), ("cost", cost)):
         if given is not None:
             return f"a `{what}` was given, which the host's solve uses"
     if precision == "input" and dtype != np.float64:
         return '`precision="input"` factors in single precision, which sparsax does not'
-    if nonfinite != "nan" or singular != "raise":
-        # (a NaN entry raised from inside the program would need a host callback beside sparsax's
-        # solve, and the two in one program, run from several threads at once, were seen to hang)
+    if nonfinite == "warn" or singular != "raise":
         return f'`nonfinite={nonfinite!r}` and `singular={singular!r}` are kept on the host (inside the program: \
-`nonfinite="nan"`, `singular="raise"`)'
+`nonfinite` "raise" or "nan", `singular="raise"`)'
     return _program.refusal(pattern, dtype, by_cost=where == "auto")
 
 
 _BAD_WHERE = """`dx.sparse_solve(name={name!r})`: `where` must be "auto", "host" or "program", but got {found!r}.
-"auto" (the default) solves a small real system with `nonfinite="nan"` inside the program and any other on the host."""
+"auto" (the default) solves a small real system inside the program and any other on the host."""
 
 _NOT_IN_PROGRAM = """`dx.sparse_solve(name={name!r})`: `where="program"`, but this solve cannot run inside the \
 program: {why}.
