@@ -694,3 +694,59 @@ def test_the_automatic_choice_is_the_fastest_measured_and_kept():
     assert trial.next(("A", "B")) == min(("A", "B"), key=lambda c: np.median(times[c][0]) + 2 * np.median(times[c][1]))
     fresh = _Trial()
     assert fresh.next(among) == "A" and not fresh.decided  # (none measured: the first is tried, nothing decided)
+
+
+class _Dist:
+    """A stand-in for `importlib.metadata`'s distribution of splineax-klujax, whose record
+    lists `klujax.py` with the hash `digest`."""
+
+    version = "0.5.0.post7"
+
+    def __init__(self, digest):
+        import importlib.metadata
+
+        self.files = [importlib.metadata.PackagePath("klujax.py")]
+        self.files[0].hash = importlib.metadata.FileHash(f"sha256={digest}")
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["splineax's fork", "klujax's own"])
+def test_klu_is_left_out_where_the_klujax_module_is_splineax_s_fork(monkeypatch, fork):
+    """splineax installs its fork of klujax (splineax-klujax) under klujax's module name; a
+    deferax host job that called it hung. Where the module file on the path is the fork's (its
+    hash in splineax-klujax's record), `dx.KLU` refuses with a message that says so and what to
+    do, and `dx.AutoSparseSolver` never tries KLU (its answers still a dense solve's); where
+    the record's hash is another file's (klujax's own module installed after the fork), KLU runs."""
+    import base64
+    import hashlib
+    import importlib.metadata
+    import importlib.util
+
+    from deferax._sparse._solvers import _auto, _klu
+
+    with open(importlib.util.find_spec("klujax").origin, "rb") as f:
+        digest = base64.urlsafe_b64encode(hashlib.sha256(f.read() if fork else b"another file").digest())
+    distribution = importlib.metadata.distribution
+    monkeypatch.setattr(
+        importlib.metadata,
+        "distribution",
+        lambda name: _Dist(digest.rstrip(b"=").decode()) if name == "splineax-klujax" else distribution(name),
+    )
+    _klu._fork.cache_clear()
+    values, pattern, b = unsymmetric(m=8)
+    matrix = pattern._csc(np.asarray(values))
+    used = []
+    factor = _auto._factor
+    monkeypatch.setattr(_auto, "_factor", lambda name, matrix: used.append(name) or factor(name, matrix))
+    for i in range(12):  # (past the candidates' trials)
+        x = dx.sparse_solve(values * (1.0 + i), pattern, b, solver=dx.AutoSparseSolver(), where="host")
+        np.testing.assert_allclose((1.0 + i) * matrix @ np.asarray(x), np.asarray(b), atol=1e-12)
+    assert ("KLU" in used) != fork and _klu.available() != fork
+    if fork:
+        message = (
+            "`dx.KLU`: the module `klujax` installed here is splineax-klujax's (0.5.0.post7, the fork that splineax "
+            "installs under klujax's name), not klujax's, and a deferax host job that called it hung"
+        )
+        with pytest.raises(ImportError, match=re.escape(message)):
+            dx.KLU().factor(matrix)
+    else:
+        np.testing.assert_allclose(matrix @ dx.KLU().solve(dx.KLU().factor(matrix), np.asarray(b), False), b)

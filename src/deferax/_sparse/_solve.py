@@ -191,8 +191,9 @@ lam = ct_x` with the forward's factorisation |
       [`deferax.AutoSparseSolver`][]: the fastest for the pattern of PARDISO's and CHOLMOD's
       Cholesky (symmetric positive definite matrices), PARDISO's LU, KLU and SuperLU with two
       orderings, as measured on the pattern's first factorisations in this program (those
-      installed: SciPy's SuperLU always; pypardiso, sparsax, cholespy and klujax with
-      `pip install deferax[sparse]`). `dx.Pardiso()`, `dx.Cholmod()`, `dx.KLU()` or
+      installed: SciPy's SuperLU always; pypardiso, sparsax and cholespy with
+      `pip install deferax[sparse]`; klujax with `pip install klujax`, unless its module is
+      splineax's fork). `dx.Pardiso()`, `dx.Cholmod()`, `dx.KLU()` or
       `dx.SuperLU(...)` chooses yourself.
 
     When the matrix equals its transpose (checked exactly on the host, entries at one

@@ -8,25 +8,58 @@ called with x64 on and the CPU device for this thread only."""
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
+import pathlib
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from ... import _runtime
 from .._solver import _SINGULAR, AbstractSparseSolver
 from . import _fill
 
 _NO_KLUJAX = """`dx.KLU`: klujax is not installed, and this solver calls it. Install it: `pip install klujax`, or \
 leave `solver=` out (the default measures the solvers that are installed)."""
 
+_SPLINEAX_FORK = """`dx.KLU`: the module `klujax` installed here is splineax-klujax's ({version}, the fork \
+that splineax installs under klujax's name), not klujax's, and a deferax host job that called it hung (under \
+`jit`, n = 3,600, 2026-12-07). `dx.AutoSparseSolver` leaves KLU out while it is there. Leave `solver=` out, or \
+choose `dx.Pardiso()`, `dx.Cholmod()` or `dx.SuperLU()`; `pip install --force-reinstall klujax` would bring \
+klujax's own module back, and break splineax."""
+
 _IMPORT_LOCK = threading.Lock()
 
 
 def available() -> bool:
-    """Whether klujax can be imported."""
-    return importlib.util.find_spec("klujax") is not None
+    """Whether klujax can be imported, and is klujax's own (not splineax's fork: `_fork`)."""
+    return importlib.util.find_spec("klujax") is not None and _fork() is None
+
+
+@_runtime.cached(maxsize=1)
+def _fork() -> str | None:
+    """splineax-klujax's version where the `klujax` module on the path is that distribution's
+    file (splineax installs it under klujax's name; with both distributions installed, the
+    file is whichever came last): told by the file's hash against the distribution's record.
+    None otherwise."""
+    import base64
+    import hashlib
+
+    spec = importlib.util.find_spec("klujax")
+    try:
+        fork = importlib.metadata.distribution("splineax-klujax")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    with open(spec.origin, "rb") as f:
+        digest = base64.urlsafe_b64encode(hashlib.sha256(f.read()).digest()).rstrip(b"=").decode()
+    for file in fork.files or ():
+        if file.name == pathlib.PurePath(spec.origin).name and file.hash is not None and file.hash.value == digest:
+            return fork.version
+    return None
 
 
 def _klujax() -> Any:
@@ -36,8 +69,10 @@ def _klujax() -> Any:
 
     import jax
 
-    if not available():
+    if importlib.util.find_spec("klujax") is None:
         raise ImportError(_NO_KLUJAX)
+    if (version := _fork()) is not None:
+        raise ImportError(_SPLINEAX_FORK.format(version=version))
     with _IMPORT_LOCK:  # (the first import, once: the config read and put back around it)
         if "klujax" not in sys.modules:
             names = ("jax_enable_x64", "jax_platform_name")
