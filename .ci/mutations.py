@@ -325,6 +325,22 @@ MUTATIONS = [
             "tests/test_second_order.py",
         ],
     ),
+    (
+        "a NaN entry of a system solved inside the program let through by a compiled program",
+        [("_checked", "jax.lax.cond(broken, fail,", "jax.lax.cond(False, fail,")],
+        [
+            "tests/test_sparse_in_program.py::test_a_nan_entry_raises_the_host_s_error_from_inside_the_program",
+            "tests/test_sparse_in_program.py",
+        ],
+    ),
+    (
+        "KLU tried where the klujax module is splineax's fork",
+        [("available", "and _fork() is None", "")],
+        [
+            "tests/test_sparse_backends.py::test_klu_is_left_out_where_the_klujax_module_is_splineax_s_fork",
+            "tests/test_sparse_backends.py",
+        ],
+    ),
 ]
 
 
