@@ -29,7 +29,9 @@ sparsax keeps the factorisation of the values it saw last, which a repeated matr
 beam the loss is differentiated with respect to the element densities the stiffness is made
 from (sparsax's CHOLMOD reads only the upper triangle, so its gradient with respect to each
 entry differs; with respect to the densities all agree). Medians of interleaved repeats, the
-load printed before and after. umfpack-jax is not a side: its wheel holds only the FFI
+load printed before and after. splineax's sides (its KLU, and its PARDISO where pardiso-mkl-jax is installed)
+run where splineax is installed (Python 3.11 with jax up to 0.10: splineax 0.4 does not import on jax 0.12,
+and its fork of klujax then stands for klujax). umfpack-jax is not a side: its wheel holds only the FFI
 targets (its Python functions are in vajax) and requires jax < 0.10.
 
     python benchmarks/bench_peers.py            # the sizes above
@@ -236,6 +238,8 @@ def peers(pattern: dx.SparsePattern, spd: bool, complex_: bool) -> dict:
             out["sparsax (KLU)"] = lambda v, b: sparsax.lu_solve(rows, cols, v, b)
     # the entries at one position summed (klujax takes the last of them), in row-major order (CSR, for spsolve)
     keys, where = np.unique(pattern.rows.astype(np.int64) * pattern.n + pattern.cols, return_inverse=True)
+    if installed("splineax"):
+        out.update(splineax_sides(pattern, keys, where, complex_))
     if installed("klujax"):
         import klujax
 
@@ -259,6 +263,32 @@ def peers(pattern: dx.SparsePattern, spd: bool, complex_: bool) -> dict:
         out["sparsax CHOLMOD by hand"] = sparsax_cholmod_by_hand(pattern, dtype)
     if not complex_ and installed("pypardiso"):
         out["PARDISO by hand"] = pardiso_by_hand(pattern, dtype, spd)
+    return out
+
+
+def splineax_sides(pattern: dx.SparsePattern, keys: np.ndarray, where: np.ndarray, complex_: bool) -> dict:
+    """splineax (Lineax sparse operators): `splineax.linear_solve` of a `BCOOLinearOperator`
+    made in the loss from the entries (summed at each position, in row-major order, as its
+    solvers sort them otherwise), with its KLU (splineax-klujax) and, where pardiso-mkl-jax is
+    installed and the matrix is real, its PARDISO. Differentiated as Lineax differentiates a
+    linear solve (every order)."""
+    from jax.experimental import sparse as jsparse
+
+    import splineax
+
+    indices = jnp.stack([jnp.asarray(keys // pattern.n), jnp.asarray(keys % pattern.n)], axis=1)
+    segments = jnp.asarray(where.reshape(-1))
+
+    def side(solver):
+        def solve(v, b):
+            matrix = jsparse.BCOO((jax.ops.segment_sum(v, segments, keys.size), indices), shape=(pattern.n, pattern.n))
+            return splineax.linear_solve(splineax.BCOOLinearOperator(matrix), b, solver)[0].value
+
+        return solve
+
+    out = {"splineax (KLU)": side(splineax.KLU())}
+    if installed("pardiso_mkl_jax") and not complex_:
+        out["splineax (PARDISO)"] = side(splineax.Pardiso())
     return out
 
 
