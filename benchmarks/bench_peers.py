@@ -272,9 +272,8 @@ def splineax_sides(pattern: dx.SparsePattern, keys: np.ndarray, where: np.ndarra
     solvers sort them otherwise), with its KLU (splineax-klujax) and, where pardiso-mkl-jax is
     installed and the matrix is real, its PARDISO. Differentiated as Lineax differentiates a
     linear solve (every order)."""
-    from jax.experimental import sparse as jsparse
-
     import splineax
+    from jax.experimental import sparse as jsparse
 
     indices = jnp.stack([jnp.asarray(keys // pattern.n), jnp.asarray(keys % pattern.n)], axis=1)
     segments = jnp.asarray(where.reshape(-1))
