@@ -427,3 +427,24 @@ def test_a_bad_where_names_the_call():
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         dx.sparse_solve(VALUES, PATTERN, B, name="fe", where="gpu")
+
+
+def test_in_a_process_of_several_devices_nonfinite_raise_stays_on_the_host(monkeypatch):
+    """With several devices, a NaN entry raised inside a program of sharded inputs stopped one
+    device and left the other waiting in a collective (a hang, seen with two CPU devices): the
+    default `nonfinite="raise"` stays on the host there, and `"nan"` runs inside."""
+    monkeypatch.setattr(jax, "devices", lambda *a: [object(), object()])
+    values = new(VALUES)
+    with Counted() as counted:
+        x = jax.block_until_ready(dx.sparse_solve(values, PATTERN, B))
+    assert (counted.jobs, counted.factorisations) == (1, 0)
+    assert_tree_allclose(x, dense(values, B))
+    message = (
+        "this solve cannot run inside the program: `nonfinite='raise'` is kept on the host in a process of several "
+        "devices"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dx.sparse_solve(VALUES, PATTERN, B, where="program")
+    with Counted() as counted:
+        jax.block_until_ready(dx.sparse_solve(new(VALUES), PATTERN, B, nonfinite="nan"))
+    assert (counted.jobs, counted.factorisations) == (0, 1)

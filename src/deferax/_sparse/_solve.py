@@ -349,8 +349,15 @@ def in_program(
     if nonfinite == "warn" or singular != "raise":
         return f'`nonfinite={nonfinite!r}` and `singular={singular!r}` are kept on the host (inside the program: \
 `nonfinite` "raise" or "nan", `singular="raise"`)'
+    if nonfinite == "raise" and len(jax.devices()) > 1:
+        # (the program's error, raised by a callback on one device, left the others waiting in a collective)
+        return _SEVERAL_DEVICES
     return _program.refusal(pattern, dtype, by_cost=where == "auto")
 
+
+_SEVERAL_DEVICES = """`nonfinite='raise'` is kept on the host in a process of several devices (raised inside a \
+program whose inputs were sharded, the error stopped one device and left the others waiting: a hang); \
+`nonfinite="nan"` runs inside"""
 
 _BAD_WHERE = """`dx.sparse_solve(name={name!r})`: `where` must be "auto", "host" or "program", but got {found!r}.
 "auto" (the default) solves a small real system inside the program and any other on the host."""
