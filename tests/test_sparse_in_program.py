@@ -51,9 +51,13 @@ def losses(solve):
 
 
 class Counted:
-    """sparsax's factorisations, and deferax's host jobs, while the block runs."""
+    """sparsax's factorisations, and deferax's host jobs, while the block runs (sparsax's
+    kept factors cleared first: sparsax keeps several sets per pattern, keyed by the entries, and
+    an earlier test in the same worker may have factored these very entries; the four threads'
+    test scales VALUES by the factors `new` uses, which made a later block count none)."""
 
     def __enter__(self):
+        sparsax.clear_cache()
         self.start = sparsax.factorization_count()
         self._record = dx.record()
         self.timeline = self._record.__enter__()
@@ -156,7 +160,6 @@ def test_half_precision_inputs_are_solved_in_float64_and_rounded(dtype, jit):
     loss = losses(lambda v, b: dx.sparse_solve(v, PATTERN, b, nonfinite="nan", where="program"))["power"]
     fn = jax.value_and_grad(loss, argnums=(0, 1))
     fn = jax.jit(fn) if jit else fn
-    sparsax.clear_cache()  # (the entries rounded: another test's may be these, their factorisation kept)
     with Counted() as counted:
         got = jax.block_until_ready(fn(v16, b16))
     assert (counted.factorisations, counted.jobs) == (1, 0)
