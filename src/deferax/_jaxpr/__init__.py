@@ -56,6 +56,7 @@ from ._internals import is_inexact as is_inexact
 from ._internals import is_not_mapped as is_not_mapped
 from ._internals import is_primitive as is_primitive
 from ._internals import is_zero as is_zero
+from ._internals import linear_solve_primitive as linear_solve_primitive
 from ._internals import local_config as local_config
 from ._internals import manual_axes as manual_axes
 from ._internals import move_to_front as move_to_front

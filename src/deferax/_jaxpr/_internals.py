@@ -206,6 +206,11 @@ def custom_vjp_call_primitive():
     return primitives.custom_vjp_call_p
 
 
+def linear_solve_primitive():
+    """The primitive `jax.lax.custom_linear_solve` binds (`custom_linear_solve`)."""
+    return jax.lax.linear_solve_p
+
+
 def custom_vjp_parts(params: dict, perturbed: Sequence[bool]) -> tuple[Any, list, list[int | None], Any]:
     """`(fwd_jaxpr, fwd_consts, input_fwds, res_tree)` of a `custom_vjp_call` equation's
     forward rule, traced for the explicit inputs `perturbed` (the closed-over constants

@@ -227,6 +227,11 @@ class Found:
     in_avals: tuple = ()  # the type of each operand
     differentiated: tuple = ()  # per operand: whether it may depend on the program's (differentiated) inputs
     used: tuple = ()  # per output: whether the program reads it
+    # per operand: `(source, how)`, the value it is made from through `stop_gradient`s and changes
+    # of shape or dtype (`source`: `("input", i)` for the program's input `i`, `("value", id)`
+    # for another, equal for operands made of one value), and those equations (`how`: a
+    # `(primitive name, parameters' text)` each, the last first); None for a literal
+    sources: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +271,32 @@ def _reached(jaxpr) -> set:
         if any(not isinstance(v, _core.Literal) and v in reached for v in eqn.invars):
             reached.update(v for v in eqn.outvars if not isinstance(v, _core.DropVar))
     return reached
+
+
+# The one-operand equations an operand is seen through (`Found.sources`): a `stop_gradient`,
+# and a change of shape or dtype of a whole value.
+_THROUGH = frozenset({"stop_gradient", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type"})
+
+
+def _made_by(jaxpr) -> dict:
+    """Each output of a `_THROUGH` equation of one operand, and that equation."""
+    return {
+        eqn.outvars[0]: eqn
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name in _THROUGH and len(eqn.invars) == 1 and not isinstance(eqn.invars[0], _core.Literal)
+    }
+
+
+def _source(v, made_by: dict, inputs: dict) -> tuple[tuple, tuple] | None:
+    """`(what v is made from, how)` (`Found.sources`)."""
+    if isinstance(v, _core.Literal):
+        return None
+    how = []
+    while v in made_by:
+        eqn = made_by[v]
+        how.append((eqn.primitive.name, repr(sorted(eqn.params.items(), key=lambda item: item[0]))))
+        v = eqn.invars[0]
+    return (("input", inputs[v]) if v in inputs else ("value", id(v))), tuple(how)
 
 
 def _read(jaxpr) -> set:
@@ -325,7 +356,8 @@ def rewrite(closed, chosen: Callable[[Any], bool], decide: Callable[[Found], Any
             return np.asarray(v.val)
         return values[v] if v in values else _struct(v.aval)
 
-    reached, read = _reached(jaxpr), _read(jaxpr)
+    reached, read, made_by = _reached(jaxpr), _read(jaxpr), _made_by(jaxpr)
+    inputs = {v: i for i, v in enumerate(jaxpr.invars)}
     handlers = {}
     for i in candidates:
         eqn = jaxpr.eqns[i]
@@ -339,6 +371,7 @@ def rewrite(closed, chosen: Callable[[Any], bool], decide: Callable[[Found], Any
             tuple(v.aval for v in eqn.invars),
             tuple(not isinstance(v, _core.Literal) and v in reached for v in eqn.invars),
             tuple(not isinstance(v, _core.DropVar) and v in read for v in eqn.outvars),
+            tuple(_source(v, made_by, inputs) for v in eqn.invars),
         )
         fn = decide(found)
         if fn is not None:

@@ -33,7 +33,7 @@ from .._checks._messages import tree_text
 from .._implementation._expensive import ExpensiveFn
 from .._jaxpr import shape_text, zero_like
 from .._plan import _cost
-from . import _jax_fdm, _registry
+from . import _jax_fdm, _registry, _sparsax
 
 NAME = "custom_vjp"
 
@@ -102,7 +102,10 @@ def _function_name(params: dict) -> str | None:
 
 
 def name_of(params: dict) -> str:
-    """How `explain` names the call: "custom_vjp `f`"."""
+    """How `explain` names the call: "custom_vjp `f`" ("sparsax.lu_solve" for a library's solve)."""
+    library = _sparsax.name_of(params)
+    if library is not None:
+        return library
     name = _function_name(params)
     return f"{NAME} `{name}`" if name else NAME
 
@@ -117,7 +120,8 @@ def decide(found, mode) -> Any:
     perturbed = [d and _inexact(a) for d, a in zip(found.differentiated, found.in_avals, strict=True)]
     if not any(perturbed):
         return "none of its inputs depends on the differentiated arguments: there is nothing to differentiate"
-    library = _jax_fdm.rule_for(params)  # (a library's solve, matched by its backward rule: shared, not split)
+    # (a library's solve, matched by its backward rule: shared, not split)
+    library = _jax_fdm.rule_for(params) or _sparsax.rule_for(params)
     if library is not None:
         return library(found, mode)
     call = params["call_jaxpr"]

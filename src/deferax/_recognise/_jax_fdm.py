@@ -140,26 +140,11 @@ def _mirrored_bwd(mirror, _, ct):
 _mirrored_cotangent.defvjp(_mirrored_fwd, _mirrored_bwd)
 
 
-class _Static:
-    """A NumPy array as a static argument, equal by its contents (so that equal programs
-    compare equal)."""
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-        self._bytes = array.tobytes()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Static) and self._bytes == other._bytes
-
-    def __hash__(self) -> int:
-        return hash(self._bytes)
-
-
 def _apply(solve, *operands, mirror):
     """`x = A^-1 b`, the columns of `b` one batch on one factorisation."""
     data, _, _, b = operands[-4:]
     if mirror is not None:
-        data = _mirrored_cotangent(data, _Static(mirror))
+        data = _mirrored_cotangent(data, _registry.Static(mirror))
     if b.ndim == 1:
         return [solve(data, b).astype(b.dtype)]
     return [jax.vmap(solve, in_axes=(None, 1), out_axes=1)(data, b).astype(b.dtype)]

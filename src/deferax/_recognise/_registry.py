@@ -21,6 +21,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _jaxpr, _runtime
 from .._checks._messages import tree_text
@@ -106,6 +107,29 @@ class Recognition(eqx.Module):
                 raise ValueError(_BAD_TREATMENT.format(what=what, case=case, found=getattr(self, what)))
 
 
+class Static:
+    """A NumPy array as a static argument of a rewrite (`Recognition.apply`'s), equal by its
+    contents (so that equal programs compare equal)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self._bytes = array.tobytes()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Static) and self._bytes == other._bytes
+
+    def __hash__(self) -> int:
+        return hash(self._bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Weighed:
+    """A built-in rule's `Recognition` whose cost the rule weighed itself (sparsax's solve,
+    which factors once already: what pays there is not the factorisations saved)."""
+
+    recognition: Recognition
+
+
 _RULES = _runtime.RECOGNITION_RULES
 _LOCK = threading.Lock()
 _BUILTIN_LOADED = _runtime.RECOGNITION_BUILTINS
@@ -143,20 +167,26 @@ def register_recognition(primitive: Any, rule: Any, *, name: str) -> None:
 class Builtin:
     """A rule built into deferax that sees the whole call (a `_jaxpr.Found`) and the
     `recognise` mode, and names each call itself (a `custom_vjp` call by its function):
-    `rule(found, mode) -> Recognition | str`, `name_of(params) -> str`."""
+    `rule(found, mode) -> Recognition | Weighed | str`, `name_of(params) -> str`, and
+    `claims(params) -> bool`: whether a call of the primitive is one the rule is about at all
+    (`custom_linear_solve` is, for sparsax's rule, only where sparsax's solve is inside it; the
+    others are not listed in `explain`)."""
 
-    def __init__(self, rule: Callable, name_of: Callable[[dict], str]):
+    def __init__(self, rule: Callable, name_of: Callable[[dict], str], claims: Callable[[dict], bool] | None = None):
         self.rule, self.name_of = rule, name_of
+        self.claims = claims or (lambda params: True)
 
     def __call__(self, found: Any, mode: Any) -> Any:
         return self.rule(found, mode)
 
 
-def register_builtin(primitive: Any, rule: Callable, name_of: Callable[[dict], str]) -> None:
+def register_builtin(
+    primitive: Any, rule: Callable, name_of: Callable[[dict], str], claims: Callable[[dict], bool] | None = None
+) -> None:
     """Register a `Builtin` rule for `primitive`, unless a rule was registered for it
     (`register_recognition`'s, which replaces it)."""
     with _LOCK:
-        _RULES.setdefault(primitive, (name_of({}), Builtin(rule, name_of)))
+        _RULES.setdefault(primitive, (name_of({}), Builtin(rule, name_of, claims)))
 
 
 def rules(builtins: Iterable[tuple[str, Callable[[], None]]]) -> dict[Any, tuple[str, Callable]]:
@@ -203,6 +233,8 @@ def recognise(closed, mode, builtins: Iterable[tuple[str, Callable[[], None]]]) 
 
     def decide(found):
         name, rule = table[found.primitive]
+        if isinstance(rule, Builtin) and not rule.claims(found.params):
+            return None
         where = _where(found.location)
         if isinstance(rule, Builtin):
             name, answer = rule.name_of(found.params), rule(found, mode)
@@ -211,6 +243,8 @@ def recognise(closed, mode, builtins: Iterable[tuple[str, Callable[[], None]]]) 
         if isinstance(answer, str):
             calls.append(RegisteredCall(name, where, None, answer))
             return None
+        weighed = isinstance(answer, Weighed) and isinstance(rule, Builtin)
+        answer = answer.recognition if weighed else answer
         if not isinstance(answer, Recognition):
             raise bad_answer(name, where, answer)
         site = f"{name} (recognised)"
@@ -218,7 +252,7 @@ def recognise(closed, mode, builtins: Iterable[tuple[str, Callable[[], None]]]) 
             first = dataclasses.replace(answer.site, name=site)
         else:
             complex_ = any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in found.operands)
-            reason = None if mode == "always" else _cost.refusal(answer, complex_)
+            reason = None if mode == "always" or weighed else _cost.refusal(answer, complex_)
             if reason is not None:
                 calls.append(RegisteredCall(name, where, None, reason))
                 return None
@@ -251,6 +285,9 @@ def recognise(closed, mode, builtins: Iterable[tuple[str, Callable[[], None]]]) 
 
     closed, nested = _jaxpr.rewrite(closed, lambda p: p in table, decide)
     for n in nested:
+        rule = table[n.primitive][1]
+        if isinstance(rule, Builtin) and not rule.claims(n.params):
+            continue
         reason = f"inside {n.kind}: left as is (calls at the top level of the loss, or in a nested `jit`, are)"
         calls.append(RegisteredCall(_name(table[n.primitive], n.params), _where(n.location), None, reason))
     return closed, tuple(calls)
