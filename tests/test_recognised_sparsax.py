@@ -232,3 +232,46 @@ def test_the_measured_time_decides():
     assert seconds is not None and 0 < seconds < 1.0
     quick = _program.refusal(pattern, np.dtype(np.float64), by_cost=True)
     assert (quick is None) == (seconds <= _program._ROUND_TRIPS * _program._cost.round_trip_seconds())
+
+
+def test_float32_arguments_are_recognised_as_sparsax_converts_them(paying):
+    """sparsax solves in float64 whatever it is given (its answer float64 too): a float32 loss
+    gets the same sites and sparsax's float64 answer."""
+    rows, cols, values = KINDS["lu_solve"]
+    loss = losses(with_sparsax("lu_solve"))["overlap"]
+    x = (values.astype(jnp.float32), B.astype(jnp.float32))
+    fn = dx.filter_value_and_grad(loss)
+    assert dx.explain(fn, x).sites[0].name == "sparsax.lu_solve (recognised)"
+    got, timeline = run(fn, x)
+    assert_tree_allclose(got, jax.value_and_grad(loss)(x), rtol=1e-6, atol=1e-8)
+    assert timeline.counts(steps=True)["factor"] == 1
+
+
+def test_a_custom_linear_solve_of_sparsax_s_kernel_with_another_matrix_is_not_taken_for_sparsax_s():
+    """A hand-written `custom_linear_solve` whose `solve` is sparsax's foreign call but whose
+    matrix-vector product is another (2 A): sparsax's call it is not, whatever its `solve`;
+    left as it is, and its derivatives are the program's own (those of 2 A, by its matvec)."""
+    rows, cols, values = KINDS["lu_solve"]
+
+    def loss(p):
+        v, b = p
+        fixed = jax.lax.stop_gradient(v)
+
+        def matvec(x):
+            return 2.0 * jax.ops.segment_sum(v * x[cols], rows, N)
+
+        x = jax.lax.custom_linear_solve(
+            matvec,
+            b,
+            solve=lambda _, r: sparsax._lu_solve_ffi(rows, cols, fixed, r, 0),
+            transpose_solve=lambda _, r: sparsax._lu_solve_ffi(rows, cols, fixed, r, 1),
+        )
+        return jnp.sum(x**2)
+
+    fn = dx.filter_value_and_grad(loss, recognise="always")
+    got, timeline = run(fn, (values, B))
+    assert timeline.counts(steps=True) == {}
+    assert_tree_allclose(got, jax.value_and_grad(loss)((values, B)), rtol=1e-12, atol=1e-14)
+    (call,) = dx.explain(fn, (values, B)).recognised
+    assert call.call == "sparsax.lu_solve" and call.site is None
+    assert "not the solve `sparsax.lu_solve` makes of one system (its programs or operands differ)" in call.reason

@@ -194,7 +194,7 @@ def _same_call(found, reference) -> int | None:
             ):
                 return None
             continue
-        if role is None or source is None or role[0][0] != "input" or role[1] != source[1]:
+        if role is None or source is None or role[0][0] != "input" or role[1] != _as_given(source[1]):
             return None
         if values.setdefault(role[0], source[0]) != source[0]:
             return None
@@ -202,6 +202,15 @@ def _same_call(found, reference) -> int | None:
     if not positions or reference.sources[-1] != (("input", 1), ()):
         return None
     return positions[0]
+
+
+def _as_given(how: tuple) -> tuple:
+    """`how` an operand was made, less the conversion to float64 made first (sparsax's own
+    `jnp.asarray(Ax, jnp.float64)` of a float32 argument: its call of the converted value is
+    the call traced here, of a float64 one)."""
+    while how and how[-1][0] == "convert_element_type" and "float64" in how[-1][1]:
+        how = how[:-1]
+    return how
 
 
 def _apply_linear_solve(solve, *operands, at, gather):
