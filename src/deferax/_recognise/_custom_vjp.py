@@ -103,7 +103,7 @@ def _function_name(params: dict) -> str | None:
 
 def name_of(params: dict) -> str:
     """How `explain` names the call: "custom_vjp `f`" ("sparsax.lu_solve" for a library's solve)."""
-    library = _sparsax.name_of(params)
+    library = _sparsax.name_of(params) if params else None  # (`{}`: asked once, at registration)
     if library is not None:
         return library
     name = _function_name(params)

@@ -84,6 +84,20 @@ def solve(values: jax.Array, b: jax.Array, pattern: SparsePattern, symmetric: bo
     return x.astype(dtype)
 
 
+def solve_once(values: jax.Array, b: jax.Array, pattern: SparsePattern, transpose: bool, name: str, nonfinite: str):
+    """`A^-1 b` (`A^-T b` with `transpose`) inside the program, one solve that JAX does not
+    differentiate (a Lineax solver's `compute`: Lineax differentiates the solve), in float64
+    and rounded to the inputs' result dtype; a NaN or infinite entry raises (`nonfinite="raise"`,
+    naming `name`) or gives NaN for all of `x`."""
+    dtype = jnp.result_type(values, b)
+    values, b = jax.lax.stop_gradient(values.astype(jnp.float64)), b.astype(jnp.float64)
+    broken = ~jnp.all(jnp.isfinite(values))
+    if nonfinite == "raise":
+        b = _raise_if_not_finite(b, values, broken, pattern, name)
+    x = _solver(pattern, 1 if transpose else 0)(values, b)
+    return jnp.where(broken, jnp.nan, x).astype(dtype)
+
+
 def _raise_if_not_finite(b: jax.Array, values: jax.Array, broken: jax.Array, pattern: SparsePattern, name: str):
     """`b`, where every entry of `values` is finite; else the host path's error, naming the
     call: raised here where `values` are concrete (an eager call), and from the program where
@@ -119,7 +133,10 @@ def _checked_jvp(pattern, name, primals, tangents):
 
 
 def _in_program(name: str, message: str) -> str:
-    return f"`dx.sparse_solve(name={name!r})`, solved inside the program: {message}"
+    """The message of a solve inside the program; `name` a solve's name, or the call itself
+    where it is not `dx.sparse_solve`'s (in backquotes: `deferax.lineax.SparseSolver(...)`)."""
+    call = name if name.startswith("`") else f"`dx.sparse_solve(name={name!r})`"
+    return f"{call}, solved inside the program: {message}"
 
 
 @_runtime.cached(maxsize=256)

@@ -80,7 +80,7 @@ class SecondOrder:
         def host(transpose: bool):
             def solve_(_, r):
                 struct = jax.ShapeDtypeStruct(r.shape, r.dtype)
-                call = _callback(solve, transpose)
+                call = host_solve(solve, transpose)
                 return jax.pure_callback(call, struct, fixed, r, vmap_method="expand_dims")
 
             return solve_
@@ -90,16 +90,21 @@ class SecondOrder:
         )
 
 
-def _callback(solve: Any, transpose: bool):
+def host_solve(solve: Any, transpose: bool, schedule: str = "second order", call: str | None = None):
     """The host callback of one solve, recorded (`dx.record`) as the site's call of
-    `"solve"` or `"transposed solve"` on the `"second order"` schedule."""
+    `"solve"` or `"transposed solve"` on `schedule`; an error it raises names `call` (default:
+    `dx.sparse_solve(name=...)`)."""
+    call = f"`dx.sparse_solve(name={solve.name!r})`" if call is None else call
 
-    def call(values: Any, r: Any) -> np.ndarray:  # (NumPy arrays, or JAX's eagerly)
-        with _record.site(solve.name, "second order"):
-            run = ft.partial(solve_rows, solve, np.asarray(values), np.asarray(r), transpose)
-            return _record.recorded("transposed solve" if transpose else "solve", run, False)
+    def run(values: Any, r: Any) -> np.ndarray:  # (NumPy arrays, or JAX's eagerly)
+        with _record.site(solve.name, schedule):
+            job = ft.partial(solve_rows, solve, np.asarray(values), np.asarray(r), transpose)
+            try:
+                return _record.recorded("transposed solve" if transpose else "solve", job, False)
+            except (ValueError, np.linalg.LinAlgError) as error:
+                raise type(error)(f"{call}: {error}") from error
 
-    return call
+    return run
 
 
 def solve_rows(solve: Any, values: np.ndarray, r: np.ndarray, transpose: bool) -> np.ndarray:
