@@ -1,6 +1,8 @@
-"""sparsax's `lu_solve` (KLU) and `solve` (CHOLMOD), recognised: a `jax.custom_vjp` call
-(sparsax 0.9 and 0.10) matched by its rules' functions and by what it computes, rewritten into
-`dx.sparse_solve` on the matrix's pattern.
+"""sparsax's `lu_solve` (KLU) and `solve` (CHOLMOD), recognised, rewritten into
+`dx.sparse_solve` on the matrix's pattern: sparsax 0.9 and 0.10 make a `jax.custom_vjp` call,
+matched by its backward rule's function, the foreign call inside it and the indices that rule
+holds; sparsax 0.11 a `jax.lax.custom_linear_solve`, matched where it is, equation for
+equation, the call sparsax makes of the same indices (traced here: `linear_solve_rule`).
 
 `sparsax.lu_solve(Ai, Aj, Ax, b)` solves `A x = b` for the COO matrix `A` (duplicates summed),
 its backward `A^T v = g`, `ct_b = v`, `ct_Ax[k] = -v[Ai[k]] x[Aj[k]]`: the true derivatives,
@@ -25,8 +27,7 @@ fails on a singular one; CHOLMOD fails on both, and on a matrix that is not posi
 which the rewritten call solves (an answer where sparsax gives an error, never another answer).
 
 A call batched by `jax.vmap` binds sparsax's batched foreign call and is left as it is (said in
-`explain`); so is sparsax 0.11's, which derives through `jax.lax.custom_linear_solve`
-(`custom_linear_solve` below).
+`explain`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ _SOLVES = {
 }
 # The foreign call each makes under `jax.vmap` (left as it is)
 _BATCHED = {"sparsax_lu_solve_batched_f64": "lu_solve", "sparsax_solve_batched_f64": "solve"}
-_BATCHED_REASON = "a call batched by `jax.vmap` (sparsax's batched foreign call): left as it is"
+_BATCHED_REASON = "a call batched by `jax.vmap` (sparsax's batched foreign call), which is left as it is"
 
 
 def name_of(params: dict) -> str | None:
