@@ -3,7 +3,9 @@ splineax and pardiso-mkl-jax are installed together): each library's solves, def
 its defaults on the host and with `dx.Pardiso()` (pypardiso's MKL), splineax's with its KLU and
 PARDISO (pardiso-mkl-jax), in turn and again, each against SciPy's answer, under `jit`. Before,
 deferax's `sparse` extra installed klujax over splineax's fork of it (splineax then failed to
-import), and a deferax host job that called the fork hung."""
+import), and a deferax host job that called the fork hung. Then a loss that solves with
+splineax's KLU through `lineax.linear_solve`: `dx.explain` lists it as left as it is (splineax
+factors behind handles), and `dx.filter_value_and_grad` gives plain JAX's value and gradient."""
 
 import faulthandler
 
@@ -57,5 +59,21 @@ for _ in range(2):
         error = float(np.max(np.abs(np.asarray(side()) - want)))
         print(f"{name}: {error:.1e} off SciPy's answer")
         assert error < 1e-10, name
+
+
+# a loss that solves with splineax's KLU through Lineax: listed by `explain`, left as it is, answered as plain JAX
+def loss(data, rhs):
+    operator = splineax.BCOOLinearOperator(jsparse.BCOO((data, bcoo.indices), shape=bcoo.shape))
+    return jnp.sum(lineax.linear_solve(operator, rhs, solver=splineax.KLU()).value ** 2)
+
+
+fn = dx.filter_value_and_grad(loss)
+# (splineax's fork of klujax binds its handle-based `factor` in Lineax's `init`: listed too, as klujax's)
+(call,) = [c for c in dx.explain(fn, bcoo.data, jnp.asarray(b)).recognised if c.call.startswith("lineax")]
+print(f"{call.call}: {call.reason}")
+assert call.call == "lineax.linear_solve with splineax.KLU" and call.site is None, call
+assert call.reason.startswith("splineax's `KLU` factors in Lineax's `init`"), call.reason
+got, plain = fn(bcoo.data, jnp.asarray(b)), jax.value_and_grad(loss)(bcoo.data, jnp.asarray(b))
+assert np.allclose(got[0], plain[0], rtol=1e-12) and np.allclose(got[1], plain[1], rtol=1e-10, atol=1e-12)
 print("deferax's KLU:", "used" if _klu.available() else "left out (the klujax module is splineax's fork)")
 print("beside splineax: every solve right, no hang")

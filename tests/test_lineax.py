@@ -184,3 +184,54 @@ def test_without_lineax_the_import_says_what_to_install(monkeypatch):
         ImportError, match=re.escape("`deferax.lineax` needs Lineax, which is not installed: `pip install lineax`")
     ):
         importlib.import_module("deferax.lineax")
+
+
+class KLU(lx.AbstractLinearSolver):
+    """A stand-in for splineax's `KLU` (splineax and the tests extra's klujax cannot be installed
+    together; CI's check beside splineax runs the real one): Lineax's LU, in splineax's module."""
+
+    def init(self, operator, options):
+        return lx.LU().init(operator, options)
+
+    def compute(self, state, vector, options):
+        return lx.LU().compute(state, vector, options)
+
+    def transpose(self, state, options):
+        return lx.LU().transpose(state, options)
+
+    def conj(self, state, options):
+        return lx.LU().conj(state, options)
+
+    def assume_full_rank(self):
+        return True
+
+
+KLU.__module__ = "splineax.solvers"
+
+
+def test_a_lineax_solve_with_a_splineax_solver_is_listed_and_left_as_it_is():
+    """splineax's solvers factor in `init` behind handles: never rewritten, and `explain` says
+    so and names the solver to choose instead; Lineax's own solvers and deferax's are not
+    listed. Values and gradients are the program's own."""
+
+    def loss_with(solver):
+        def loss(v, b):
+            op = lx.MatrixLinearOperator(PATTERN.todense(v)) if not isinstance(solver, SparseSolver) else None
+            op = op if op is not None else SparseOperator(v, PATTERN)
+            return jnp.sum(lx.linear_solve(op, b, solver=solver).value ** 2)
+
+        return loss
+
+    loss = loss_with(KLU())
+    fn = dx.filter_value_and_grad(loss, recognise="always")
+    with dx.record() as timeline:
+        got = fn(VALUES, B)
+    assert timeline.counts() == {}
+    assert_tree_allclose(got, jax.value_and_grad(loss)(VALUES, B), rtol=1e-12, atol=1e-13)
+    plan = dx.explain(fn, VALUES, B)
+    (call,) = plan.recognised
+    assert call.call == "lineax.linear_solve with splineax.KLU" and call.site is None
+    assert call.reason.startswith("splineax's `KLU` factors in Lineax's `init`, before the solve, and keeps")
+    assert "`deferax.lineax.SparseSolver()` with a `deferax.lineax.SparseOperator`" in call.reason
+    for other in (lx.LU(), SparseSolver()):
+        assert dx.explain(dx.filter_value_and_grad(loss_with(other)), VALUES, B).recognised == ()

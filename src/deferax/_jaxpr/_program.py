@@ -318,13 +318,20 @@ def _values(closed, variables: list) -> dict:
     return {v: np.asarray(o) for v, o in zip(variables, out, strict=True)}
 
 
-def rewrite(closed, chosen: Callable[[Any], bool], decide: Callable[[Found], Any]):
+def rewrite(
+    closed,
+    chosen: Callable[[Any], bool],
+    decide: Callable[[Found], Any],
+    claims: Callable[[Any, dict], bool] | None = None,
+):
     """`(program, nested)`: `closed` with each equation of a primitive `p` for which
     `chosen(p)` holds replaced by `decide(found)`'s function, called on the equation's
     inputs under the new trace and returning its outputs as a list; where `decide`
     returns None the equation stays (where it does for every one, `closed` is returned as
     it was traced, its nested `jit`s kept). `nested`: the chosen equations left inside
-    other constructs, a `Nested` each. `decide` is called in program order."""
+    other constructs, a `Nested` each. `decide` is called in program order, for the
+    equations that `claims(primitive, params)` (default: all) says are its business: the
+    known operands of the others are not computed (they may be a library's handles)."""
     if not any(contains(e, chosen) for e in closed.jaxpr.eqns):
         return closed, []
     traced = closed
@@ -343,8 +350,9 @@ def rewrite(closed, chosen: Callable[[Any], bool], decide: Callable[[Found], Any
             )
     if not candidates:
         return traced, nested
+    claimed = {i for i in candidates if claims is None or claims(jaxpr.eqns[i].primitive, jaxpr.eqns[i].params)}
     known = _known(closed)
-    operands = (v for i in candidates for v in jaxpr.eqns[i].invars)
+    operands = (v for i in candidates if i in claimed for v in jaxpr.eqns[i].invars)
     # (a value NumPy cannot hold, a PRNG key, is handed over as its structure)
     wanted = list(
         dict.fromkeys(v for v in operands if not isinstance(v, _core.Literal) and v in known and _numpy(v.aval))
@@ -360,13 +368,15 @@ def rewrite(closed, chosen: Callable[[Any], bool], decide: Callable[[Found], Any
     inputs = {v: i for i, v in enumerate(jaxpr.invars)}
     handlers = {}
     for i in candidates:
-        eqn = jaxpr.eqns[i]
+        eqn, location = jaxpr.eqns[i], next(locations)
+        if i not in claimed:
+            continue
         found = Found(
             eqn.primitive,
             dict(eqn.params),
             tuple(operand(v) for v in eqn.invars),
             tuple(_struct(v.aval) for v in eqn.outvars),
-            next(locations),
+            location,
             eqn.primitive.multiple_results,
             tuple(v.aval for v in eqn.invars),
             tuple(not isinstance(v, _core.Literal) and v in reached for v in eqn.invars),

@@ -233,8 +233,6 @@ def recognise(closed, mode, builtins: Iterable[tuple[str, Callable[[], None]]]) 
 
     def decide(found):
         name, rule = table[found.primitive]
-        if isinstance(rule, Builtin) and not rule.claims(found.params):
-            return None
         where = _where(found.location)
         if isinstance(rule, Builtin):
             name, answer = rule.name_of(found.params), rule(found, mode)
@@ -283,10 +281,13 @@ def recognise(closed, mode, builtins: Iterable[tuple[str, Callable[[], None]]]) 
 
         return rewritten
 
-    closed, nested = _jaxpr.rewrite(closed, lambda p: p in table, decide)
+    def claims(primitive, params) -> bool:
+        rule = table[primitive][1]
+        return not isinstance(rule, Builtin) or rule.claims(params)
+
+    closed, nested = _jaxpr.rewrite(closed, lambda p: p in table, decide, claims)
     for n in nested:
-        rule = table[n.primitive][1]
-        if isinstance(rule, Builtin) and not rule.claims(n.params):
+        if not claims(n.primitive, n.params):
             continue
         reason = f"inside {n.kind}: left as is (calls at the top level of the loss, or in a nested `jit`, are)"
         calls.append(RegisteredCall(_name(table[n.primitive], n.params), _where(n.location), None, reason))
