@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools as ft
 import sys
+import types
 from typing import Any
 
 import jax
@@ -49,12 +50,11 @@ MODULE = "sparsax"
 
 # The function of each sparsax solve whose calls are recognised, its foreign call and that
 # call's attribute that must be 0 (the plain solve `A x = b`, not a transposed or a factor's).
-_SOLVES = {
-    "lu_solve": ("sparsax_lu_solve_f64", "trans"),
-    "solve": ("sparsax_solve_f64", "mode"),
-}
+_SOLVES = types.MappingProxyType(
+    {"lu_solve": ("sparsax_lu_solve_f64", "trans"), "solve": ("sparsax_solve_f64", "mode")}
+)
 # The foreign call each makes under `jax.vmap` (left as it is)
-_BATCHED = {"sparsax_lu_solve_batched_f64": "lu_solve", "sparsax_solve_batched_f64": "solve"}
+_BATCHED = types.MappingProxyType({"sparsax_lu_solve_batched_f64": "lu_solve", "sparsax_solve_batched_f64": "solve"})
 _BATCHED_REASON = "a call batched by `jax.vmap` (sparsax's batched foreign call), which is left as it is"
 
 
