@@ -319,3 +319,15 @@ class RecordingLU(dx.AbstractSparseSolver):
 
     def solve(self, factorisation, rhs, transpose):
         return dx.SuperLU().solve(factorisation, rhs, transpose)
+
+
+def run_recorded(fn, *args, jit=False):
+    """`(fn(*args), the record of its host jobs)`, with no factorisation kept from before
+    (`jit`: compiled, and run once untimed first, so that the record is of a compiled call)."""
+    if jit:
+        fn = eqx.filter_jit(fn)
+        jax.block_until_ready(fn(*args))  # compile
+    _factorisations.FACTORISATIONS.clear()
+    with dx.record() as timeline:
+        got = jax.block_until_ready(fn(*args))
+    return got, timeline

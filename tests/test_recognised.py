@@ -21,6 +21,7 @@ from deferax._recognise import _cost as _recognise_cost
 from deferax._sparse import _factorisations
 
 from .helpers import assert_tree_allclose
+from .helpers import run_recorded as run
 
 klujax = pytest.importorskip("klujax", reason="klujax is not installed (on this Python or JAX): its tests are skipped")
 from jax.experimental.sparse.linalg import spsolve  # noqa: E402
@@ -74,16 +75,6 @@ def losses(solve):
 def problem(kind):
     _, _, values, b = grid(M, np.complex128 if kind == "complex" else np.float64)
     return values, b
-
-
-def run(fn, *args, jit=False):
-    if jit:
-        fn = eqx.filter_jit(fn)
-        jax.block_until_ready(fn(*args))  # compile
-    _factorisations.FACTORISATIONS.clear()
-    with dx.record() as timeline:
-        got = jax.block_until_ready(fn(*args))
-    return got, timeline
 
 
 # ----------------------------------------------------------------------------- rewritten: one factorisation

@@ -8,7 +8,6 @@ dense solve's; where it does not, the call is left as it is, and `explain` says 
 import gc
 import re
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +20,7 @@ from deferax._recognise import _sparsax as recognised_sparsax
 from deferax._sparse import _factorisations, _program
 
 from .helpers import assert_tree_allclose
+from .helpers import run_recorded as run
 
 
 def coo(m, spd, lower=True, duplicate=True):
@@ -83,16 +83,6 @@ def paying(monkeypatch):
     `dx.sparse_solve` solves on the host, so a recognised call pays (the decision checked on a
     fixed time; the measured one is the next test's)."""
     monkeypatch.setattr(_program, "trial_seconds", lambda pattern, complex_=False: 0.05)
-
-
-def run(fn, *args, jit=False):
-    if jit:
-        fn = eqx.filter_jit(fn)
-        jax.block_until_ready(fn(*args))  # compile
-    _factorisations.FACTORISATIONS.clear()
-    with dx.record() as timeline:
-        got = jax.block_until_ready(fn(*args))
-    return got, timeline
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
