@@ -72,3 +72,14 @@ def test_set_devices_refuses_what_is_not_a_list_of_devices(bad, found):
         dx.set_devices(bad)
     assert re.search(f"but got .*({found})", str(info.value)), str(info.value)
     dx.set_devices(None)
+
+
+def test_lineax_and_a_recognised_sparsax_call_with_sharded_inputs():
+    """The checks live in `scripts/lineax_sharded.py` (2 CPU devices, a fresh interpreter):
+    `deferax.lineax`'s solve inside the program and on the host, and a recognised
+    `sparsax.lu_solve`, with the entries and `b` sharded, eagerly and under `jit`: the dense
+    program's values, gradients and Hessian-vector product."""
+    script = pathlib.Path(__file__).parent / "scripts" / "lineax_sharded.py"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
