@@ -6,11 +6,9 @@ tests/test_devices.py (2 devices, fixed when JAX starts)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from sharded_ring import b, pattern, t, values  # (x64 on, 2 devices checked)
 
 import deferax as dx
-
-jax.config.update("jax_enable_x64", True)
-assert len(jax.devices()) == 2, jax.devices()
 
 
 class Tally:
@@ -24,17 +22,6 @@ class Counting(dx.AbstractSparseSolver):
 
     def solve(self, factorisation, rhs, transpose):
         return dx.SuperLU().solve(factorisation, rhs, transpose)
-
-
-n = 16
-i = np.arange(n)
-pattern = dx.SparsePattern(np.r_[i, i, i], np.r_[i, (i + 1) % n, (i - 1) % n], n)
-rng = np.random.default_rng(0)
-mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
-sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
-values = jax.device_put(jnp.asarray(np.r_[np.full(n, 5.0), rng.normal(size=2 * n)]), sharded)
-b = jax.device_put(jnp.asarray(rng.normal(size=n)), sharded)
-t = jax.device_put(jnp.asarray(rng.normal(size=3 * n)), sharded)
 
 
 def loss_of(solve):

@@ -8,23 +8,11 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 import sparsax
+from sharded_ring import b, pattern, t, values  # (x64 on, 2 devices checked)
 
 import deferax as dx
 from deferax._sparse import _program
 from deferax.lineax import SparseOperator, SparseSolver
-
-jax.config.update("jax_enable_x64", True)
-assert len(jax.devices()) == 2, jax.devices()
-
-n = 16
-i = np.arange(n)
-pattern = dx.SparsePattern(np.r_[i, i, i], np.r_[i, (i + 1) % n, (i - 1) % n], n)
-rng = np.random.default_rng(0)
-mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
-sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
-values = jax.device_put(jnp.asarray(np.r_[np.full(n, 5.0), rng.normal(size=2 * n)]), sharded)
-b = jax.device_put(jnp.asarray(rng.normal(size=n)), sharded)
-t = jax.device_put(jnp.asarray(rng.normal(size=3 * n)), sharded)
 
 
 def loss_of(solve):
