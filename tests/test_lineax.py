@@ -168,6 +168,13 @@ def test_bad_operators_and_vectors_say_what_was_expected():
         SparseOperator(VALUES, "pattern")
     with pytest.raises(ValueError, match=rf"`values` must be a real or complex array of shape \({PATTERN.nnz},\)"):
         SparseOperator(VALUES[:-1], PATTERN)
+    with pytest.raises(TypeError, match=re.escape("`deferax.lineax.SparseSolver`: `solver` must be a")):
+        SparseSolver(solver="superlu")
+    expected = '`nonfinite` must be "raise", "nan" or "warn", but got \'nans\''
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        SparseSolver(nonfinite="nans")
+    with pytest.raises(ValueError, match=re.escape("`singular` must be")):
+        SparseSolver(singular="none")
     dense = lx.MatrixLinearOperator(PATTERN.todense(VALUES))
     expected = "`deferax.lineax.SparseSolver`: the operator must be a `deferax.lineax.SparseOperator`"
     with pytest.raises(TypeError, match=re.escape(expected) + r".*MatrixLinearOperator"):

@@ -1,7 +1,8 @@
 """`dx.sparse_solve` for Lineax and optimistix: a sparse matrix as a Lineax operator
 (`SparseOperator`: its entries a JAX array, its `SparsePattern` static) and a Lineax solver
-for it (`SparseSolver`), so that `lx.linear_solve(operator, b, solver=SparseSolver())`, and
-optimistix's Newton-type solvers given `linear_solver=SparseSolver()`, solve with deferax.
+for it (`SparseSolver`), so that `lx.linear_solve(operator, b, solver=SparseSolver())` solves
+with deferax (and so does Lineax and optimistix code that takes a solver for such an
+operator; an optimistix `Newton` whose Jacobian is a dense Lineax operator is refused).
 
 Lineax differentiates a solve itself (a tangent is a solve with the operator, a cotangent a
 solve with its transpose, both through the solver's `compute`); each `compute` here is one
@@ -23,7 +24,7 @@ import numpy as np
 
 from .._checks._messages import tree_text
 from . import _program, _second_order
-from ._on_host import _Solve
+from ._on_host import TREATMENTS, _Solve
 from ._pattern import SparsePattern
 from ._solve import in_program
 from ._solver import AbstractSparseSolver
@@ -39,6 +40,12 @@ _BAD_PATTERN = """`deferax.lineax.SparseOperator`: `pattern` must be a `dx.Spars
 
 _BAD_VECTOR = """`deferax.lineax.SparseSolver`: the right-hand side must be an array of shape ({n},), but got \
 {found}."""
+
+
+_BAD_SOLVER = """`deferax.lineax.SparseSolver`: `solver` must be a `dx.AbstractSparseSolver` (e.g. `dx.SuperLU()`) \
+or None (the automatic choice), but got {found}."""
+
+_BAD_TREATMENT = """`deferax.lineax.SparseSolver`: `{what}` must be "raise", "nan" or "warn", but got {found!r}."""
 
 
 class SparseOperator(lx.AbstractLinearOperator):
@@ -93,8 +100,9 @@ def _transposed(tags: frozenset) -> frozenset:
 
 class SparseSolver(lx.AbstractLinearSolver):
     """[`deferax.sparse_solve`][]'s solve as a Lineax solver, for a
-    `deferax.lineax.SparseOperator`: `lx.linear_solve(operator, b, solver=SparseSolver())`, or
-    `optimistix.Newton(..., linear_solver=SparseSolver())`.
+    `deferax.lineax.SparseOperator`: `lx.linear_solve(operator, b, solver=SparseSolver())`
+    (any other operator, a dense Jacobian of optimistix's `Newton` say, is refused with a
+    message that says what to give).
 
     Where `dx.sparse_solve` would solve inside the program (a small real system, see "Small
     systems: inside the program"), so does this, with sparsax's KLU; otherwise it solves on
@@ -109,10 +117,18 @@ class SparseSolver(lx.AbstractLinearSolver):
     - `name`: shown in errors and by [`deferax.record`][].
     """
 
-    solver: AbstractSparseSolver | None = eqx.field(static=True, default=None)
+    # (typed `Any` so that a wrong value reaches `__check_init__`, whose message says what to give)
+    solver: Any = eqx.field(static=True, default=None)
     nonfinite: str = eqx.field(static=True, default="raise")
     singular: str = eqx.field(static=True, default="raise")
     name: str = eqx.field(static=True, default="lineax")
+
+    def __check_init__(self):
+        if self.solver is not None and not isinstance(self.solver, AbstractSparseSolver):
+            raise TypeError(_BAD_SOLVER.format(found=tree_text(self.solver)))
+        for what in ("nonfinite", "singular"):
+            if getattr(self, what) not in TREATMENTS:
+                raise ValueError(_BAD_TREATMENT.format(what=what, found=getattr(self, what)))
 
     def init(self, operator, options):
         if not isinstance(operator, SparseOperator):
